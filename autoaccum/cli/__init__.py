@@ -1,0 +1,26 @@
+"""The ``autoaccum`` command line: ``devices``, ``probe``, ``tune``, ``plan``.
+
+Each command only parses its options, builds the library call and prints the result; the work is in the
+library. Exit codes (every command): 0 success, 1 the job ran but failed (e.g. nothing fits), 2 bad usage or
+bad input (unknown workload, unparsable size, ...).
+"""
+
+from __future__ import annotations
+
+import click
+
+from autoaccum import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="autoaccum")
+def main() -> None:
+    """Memory-aware auto-tuner for gradient accumulation in JAX.
+
+    \b
+    Exit codes: 0 success; 1 the job ran but failed (e.g. nothing fits);
+                2 bad usage or bad input.
+    """
+
+
+__all__ = ["main"]

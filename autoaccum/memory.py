@@ -1,0 +1,91 @@
+"""Compile-only memory analysis of an update step: what XLA says a step needs, with nothing executed."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from autoaccum.update import Update
+from strategies._base import PyTree, tree_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """XLA's compile-time accounting of one update call at one batch size.
+
+    Attributes:
+      batch_size: examples in the call's batch.
+      peak_bytes: predicted device bytes live at the worst moment: over the call's programs, the largest of
+        arguments + outputs + temporaries - aliased (donated) bytes + bytes resident outside the program.
+      argument_bytes, output_bytes, temp_bytes, alias_bytes: those figures for the program that peaks.
+      flops, bytes_accessed: XLA's cost analysis summed over the call's programs (for roofline estimates).
+    """
+
+    batch_size: int
+    peak_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    flops: float
+    bytes_accessed: float
+
+
+def abstract(tree: PyTree) -> PyTree:
+    """``jax.ShapeDtypeStruct`` of every leaf (nothing is copied or allocated)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def abstract_batch(batch: PyTree, size: int) -> PyTree:
+    """``jax.ShapeDtypeStruct`` of ``batch`` resized to ``size`` examples."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype), batch)
+
+
+def step_memory(update: Update, params: PyTree, batch: PyTree, batch_size: int) -> StepMemory:
+    """Compiles (never runs) ``update`` for a batch of ``batch_size`` examples shaped like ``batch``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, autoaccum
+      >>> from autoaccum.memory import step_memory
+      >>> u = autoaccum.build_update(lambda w, b: jnp.mean(b @ w), optax.sgd(0.1), microbatch_size=8)
+      >>> step_memory(u, jnp.ones(4), jnp.ones((8, 4)), 8).peak_bytes > 0
+      True
+    """
+    params_s = abstract(params)
+    opt_state_s = jax.eval_shape(update.init, params_s)
+    batch_s = abstract_batch(batch, batch_size)
+    best: tuple[int, Any] | None = None
+    flops = accessed = 0.0
+    for program in update.programs(params_s, opt_state_s, batch_s):
+        compiled = program.lowered.compile()
+        m = compiled.memory_analysis()
+        live = (
+            m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+        ) + program.resident_bytes
+        if best is None or live > best[0]:
+            best = (live, m)
+        cost = compiled.cost_analysis() or {}
+        if isinstance(cost, list):  # older jax returns one dict per computation
+            cost = cost[0] if cost else {}
+        flops += float(cost.get("flops", 0.0))
+        accessed += float(cost.get("bytes accessed", 0.0))
+    assert best is not None
+    live, m = best
+    return StepMemory(
+        batch_size=batch_size,
+        peak_bytes=int(live),
+        argument_bytes=int(m.argument_size_in_bytes),
+        output_bytes=int(m.output_size_in_bytes),
+        temp_bytes=int(m.temp_size_in_bytes),
+        alias_bytes=int(m.alias_size_in_bytes),
+        flops=flops,
+        bytes_accessed=accessed,
+    )
+
+
+def state_bytes(update: Update, params: PyTree) -> int:
+    """Bytes of ``params`` plus the optimizer state ``update.init`` makes for them (abstract; allocates nothing)."""
+    params_s = abstract(params)
+    return tree_bytes(params_s) + tree_bytes(jax.eval_shape(update.init, params_s))

@@ -1,0 +1,167 @@
+"""The built-in workloads: the classic examples of gradient-accumulation write-ups, small enough for a CPU.
+
+Each function returns a `Workload` with synthetic data drawn from a fixed seed. On the command line,
+``autoaccum tune --demo`` uses `transformer`, and any of them loads as ``autoaccum.workloads:NAME``.
+
+Example:
+  >>> from autoaccum import workloads
+  >>> w = workloads.mlp(batch_size=8)
+  >>> float(w.loss_fn(w.params, w.batch)) > 0
+  True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from autoaccum.workload import Workload
+
+
+def _functional(model: nnx.Module, loss: Callable[[nnx.Module, Any], jax.Array]) -> tuple[Callable[..., Any], Any]:
+    """``(loss_fn(params, batch), params)`` for an nnx model: the pure-function view autoaccum works with."""
+    graphdef, params = nnx.split(model)
+
+    def loss_fn(params: Any, batch: Any) -> jax.Array:
+        return loss(nnx.merge(graphdef, params), batch)
+
+    return loss_fn, params
+
+
+def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+class MLP(nnx.Module):
+    """The optax gradient-accumulation tutorial's net: flatten, Dense 32, ReLU, Dense 32, ReLU, Dense 10."""
+
+    def __init__(self, features: tuple[int, ...] = (32, 32, 10), *, in_features: int = 784, rngs: nnx.Rngs):
+        sizes = (in_features, *features)
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes, sizes[1:])])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.reshape(x.shape[0], -1)
+        for layer in self.layers[:-1]:
+            x = nnx.relu(layer(x))
+        return self.layers[-1](x)
+
+
+def mlp(batch_size: int = 64, seed: int = 0) -> Workload:
+    """An MLP [32, 32, 10] on 28x28x1 images with 10 classes, Adam(1e-3)."""
+    kx, ky = jax.random.split(jax.random.key(seed))
+    batch = {
+        "image": jax.random.normal(kx, (batch_size, 28, 28, 1)),
+        "label": jax.random.randint(ky, (batch_size,), 0, 10),
+    }
+    loss_fn, params = _functional(
+        MLP(rngs=nnx.Rngs(seed)), lambda model, b: _cross_entropy(model(b["image"]), b["label"])
+    )
+    return Workload(loss_fn, params, batch, optax.adam(1e-3), name="mlp")
+
+
+def linear(batch_size: int = 64, features: int = 512, seed: int = 0) -> Workload:
+    """Linear regression on 512-d inputs (mean squared error), SGD(1e-2)."""
+    kx, kw, kn = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (batch_size, features))
+    y = x @ jax.random.normal(kw, (features,)) + 0.1 * jax.random.normal(kn, (batch_size,))
+    params = {"w": jnp.zeros((features,)), "b": jnp.zeros(())}
+
+    def loss_fn(params: Any, batch: Any) -> jax.Array:
+        return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+    return Workload(loss_fn, params, {"x": x, "y": y}, optax.sgd(1e-2), name="linear")
+
+
+class CNN(nnx.Module):
+    """A small convolutional classifier: two 3x3 conv + ReLU + 2x2 average pool blocks, then a dense head."""
+
+    def __init__(self, *, channels: tuple[int, int] = (16, 32), classes: int = 10, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, channels[0], kernel_size=(3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(channels[0], channels[1], kernel_size=(3, 3), rngs=rngs)
+        self.head = nnx.Linear(7 * 7 * channels[1], classes, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nnx.avg_pool(nnx.relu(self.conv1(x)), window_shape=(2, 2), strides=(2, 2))
+        x = nnx.avg_pool(nnx.relu(self.conv2(x)), window_shape=(2, 2), strides=(2, 2))
+        return self.head(x.reshape(x.shape[0], -1))
+
+
+def cnn(batch_size: int = 64, seed: int = 0) -> Workload:
+    """A small CNN on 28x28x1 images with 10 classes, Adam(1e-3)."""
+    kx, ky = jax.random.split(jax.random.key(seed))
+    batch = {
+        "image": jax.random.normal(kx, (batch_size, 28, 28, 1)),
+        "label": jax.random.randint(ky, (batch_size,), 0, 10),
+    }
+    loss_fn, params = _functional(
+        CNN(rngs=nnx.Rngs(seed)), lambda model, b: _cross_entropy(model(b["image"]), b["label"])
+    )
+    return Workload(loss_fn, params, batch, optax.adam(1e-3), name="cnn")
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x)), causal."""
+
+    def __init__(self, dim: int, heads: int, *, rngs: nnx.Rngs):
+        self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(heads, dim, decode=False, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
+        self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
+        self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.attention(self.norm1(x), mask=mask)
+        return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+
+class TransformerLM(nnx.Module):
+    """A small decoder-only language model: token + position embeddings, pre-norm blocks, tied-free head."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, max_len: int, *, rngs: nnx.Rngs):
+        self.tokens = nnx.Embed(vocab, dim, rngs=rngs)
+        self.positions = nnx.Embed(max_len, dim, rngs=rngs)
+        self.blocks = nnx.List([Block(dim, heads, rngs=rngs) for _ in range(layers)])
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.head = nnx.Linear(dim, vocab, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        length = tokens.shape[1]
+        x = self.tokens(tokens) + self.positions(jnp.arange(length))[None]
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
+
+
+def transformer(
+    batch_size: int = 32,
+    seq_len: int = 64,
+    vocab: int = 256,
+    dim: int = 64,
+    heads: int = 4,
+    layers: int = 2,
+    seed: int = 0,
+) -> Workload:
+    """A small transformer language model with next-token cross-entropy, AdamW(1e-3)."""
+    tokens = jax.random.randint(jax.random.key(seed), (batch_size, seq_len + 1), 0, vocab)
+    model = TransformerLM(vocab, dim, heads, layers, seq_len, rngs=nnx.Rngs(seed))
+
+    def loss(model: TransformerLM, batch: Any) -> jax.Array:
+        logits = model(batch["tokens"][:, :-1])
+        return _cross_entropy(logits, batch["tokens"][:, 1:])
+
+    loss_fn, params = _functional(model, loss)
+    return Workload(loss_fn, params, {"tokens": tokens}, optax.adamw(1e-3), name="transformer")
+
+
+def demo() -> Workload:
+    """The built-in demo (``--demo``): `transformer` at its defaults."""
+    return transformer()
+
+
+BUILTIN: dict[str, Callable[..., Workload]] = {"mlp": mlp, "linear": linear, "cnn": cnn, "transformer": transformer}

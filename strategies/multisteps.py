@@ -1,0 +1,96 @@
+"""``multisteps``: ``optax.MultiSteps`` wraps the optimizer; one jitted call per microbatch from a host loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from strategies._base import (
+    Accum,
+    OutDtypes,
+    PyTree,
+    Program,
+    Spec,
+    Strategy,
+    add,
+    finish_loss,
+    leading_size,
+    take,
+    weighted_grad,
+)
+
+
+class MultiSteps(Strategy):
+    """Accumulation by `optax.MultiSteps` (``every_k_schedule`` = the number of microbatches).
+
+    ``MultiSteps`` averages the k gradients it is given with equal weights; to keep every example at weight
+    ``1 / B`` when the last microbatch is smaller, microbatch ``i`` of ``n_i`` examples hands it
+    ``k * n_i / B`` times its mean gradient. Accumulation happens in ``MultiSteps``'s ``accumulator_dtype``.
+    The optimizer state is a ``optax.MultiStepsState`` wrapping the inner optimizer's.
+    """
+
+    name = "multisteps"
+
+    def __init__(self, spec: Spec, **options: Any) -> None:
+        super().__init__(spec, **options)
+        self._grad = weighted_grad(spec)
+        self._step = jax.jit(
+            self._step_fn,
+            donate_argnums=(2, *self.donate_argnums(0, 1)),
+            static_argnames=("size", "total", "k", "dtypes"),
+        )
+
+    def _wrapped(self, k: int) -> optax.MultiSteps:
+        return optax.MultiSteps(self.spec.optimizer, every_k_schedule=k, accumulator_dtype=self.spec.accumulator_dtype)
+
+    def init(self, params: PyTree) -> PyTree:
+        return self._wrapped(1).init(params)  # the state does not depend on k
+
+    def _step_fn(
+        self,
+        params: PyTree,
+        opt_state: PyTree,
+        sums: Accum | None,
+        batch: PyTree,
+        start: Any,
+        *,
+        size: int,
+        total: int,
+        k: int,
+        dtypes: OutDtypes,
+    ) -> tuple[PyTree, PyTree, Accum]:
+        new = self._grad(params, take(batch, start, size), size / total)
+        grads = jax.tree.map(lambda g: g * jnp.asarray(k, g.dtype), new.grads)  # MultiSteps divides by k
+        updates, opt_state = self._wrapped(k).update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        sums = new._replace(grads=()) if sums is None else add(sums, new._replace(grads=()))
+        return params, opt_state, sums
+
+    def __call__(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree, Any]:
+        total = leading_size(batch)
+        calls = self.microbatches(batch)
+        dtypes = self.out_dtypes(params, batch)
+        sums = None
+        for start, size in calls:
+            params, opt_state, sums = self._step(
+                params, opt_state, sums, batch, start, size=size, total=total, k=len(calls), dtypes=dtypes
+            )
+        assert sums is not None
+        return params, opt_state, finish_loss(self.spec, sums, dtypes)
+
+    def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> list[Program]:
+        total = leading_size(batch)
+        calls = self.microbatches(batch)
+        dtypes = self.out_dtypes(params, batch)
+        kw = dict(total=total, k=len(calls), dtypes=dtypes)
+        (_, first), *rest = calls
+        programs = [Program(self._step.lower(params, opt_state, None, batch, 0, size=first, **kw), 0)]
+        if rest:
+            sums = jax.eval_shape(
+                lambda p, s, b: self._step_fn(p, s, None, b, 0, size=first, **kw)[2], params, opt_state, batch
+            )
+            programs.append(Program(self._step.lower(params, opt_state, sums, batch, 0, size=rest[-1][1], **kw), 0))
+        return programs

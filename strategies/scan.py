@@ -1,0 +1,34 @@
+"""``scan``: one compiled program accumulates every microbatch in a ``lax.scan``, then updates once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from strategies._base import PyTree, Program, Spec, Strategy, accumulate_in_scan, apply_optimizer, output_dtypes
+
+
+class Scan(Strategy):
+    """All microbatches and the optimizer step in a single jitted call (no host round-trips).
+
+    Options:
+      unroll: ``lax.scan`` unroll factor (more unrolling trades compile time and code size for speed).
+    """
+
+    name = "scan"
+    options = {"unroll": (1, 2, 4)}
+
+    def __init__(self, spec: Spec, **options: Any) -> None:
+        super().__init__(spec, **options)
+        self._step = jax.jit(self._update, donate_argnums=self.donate_argnums(0, 1))
+
+    def _update(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree, Any]:
+        acc = accumulate_in_scan(self.spec, params, batch, unroll=self.config["unroll"])
+        return apply_optimizer(self.spec, params, opt_state, acc, output_dtypes(self.spec, params, batch))
+
+    def __call__(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree, Any]:
+        return self._step(params, opt_state, batch)
+
+    def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> list[Program]:
+        return [Program(self._step.lower(params, opt_state, batch), resident_bytes=0)]
