@@ -61,6 +61,8 @@ def step_memory(update: Update, params: PyTree, batch: PyTree, batch_size: int) 
     for program in update.programs(params_s, opt_state_s, batch_s):
         compiled = program.lowered.compile()
         m = compiled.memory_analysis()
+        if m is None:
+            raise RuntimeError(f"XLA gives no memory analysis on {jax.devices()[0].platform}; cannot predict memory.")
         live = (
             m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
         ) + program.resident_bytes

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 import strategies
-from strategies._base import PyTree, Program, Spec, Strategy, leading_size
+from strategies._base import Program, PyTree, Spec, Strategy, leading_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +120,11 @@ def build_update(
     spec = Spec(loss_fn, optimizer, microbatch_size, has_aux, dtype, donate)
     accumulation = cls(spec, **options)
     return Update(microbatch_size, strategy, dict(accumulation.config), accumulation)
+
+
+def default_optimizer() -> optax.GradientTransformation:
+    """The optimizer used when none is given: ``optax.adamw(1e-3)`` (AdamW, the common default for training)."""
+    return optax.adamw(1e-3)
 
 
 def check_microbatch_size(microbatch_size: Any, name: str = "microbatch_size") -> int:

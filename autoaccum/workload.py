@@ -60,9 +60,7 @@ def load_workload(target: str) -> Workload:
       something other than a `Workload`.
     """
     if not isinstance(target, str) or ":" not in target:
-        raise ValueError(
-            f"workload {target!r} must look like `path/to/file.py:function` or `package.module:function`."
-        )
+        raise ValueError(f"workload {target!r} must look like `path/to/file.py:function` or `package.module:function`.")
     where, _, attr = target.rpartition(":")
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where)

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -42,7 +43,7 @@ class MLP(nnx.Module):
 
     def __init__(self, features: tuple[int, ...] = (32, 32, 10), *, in_features: int = 784, rngs: nnx.Rngs):
         sizes = (in_features, *features)
-        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes, sizes[1:])])
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.reshape(x.shape[0], -1)
@@ -151,7 +152,7 @@ def transformer(
     tokens = jax.random.randint(jax.random.key(seed), (batch_size, seq_len + 1), 0, vocab)
     model = TransformerLM(vocab, dim, heads, layers, seq_len, rngs=nnx.Rngs(seed))
 
-    def loss(model: TransformerLM, batch: Any) -> jax.Array:
+    def loss(model: Any, batch: Any) -> jax.Array:
         logits = model(batch["tokens"][:, :-1])
         return _cross_entropy(logits, batch["tokens"][:, 1:])
 
@@ -164,4 +165,9 @@ def demo() -> Workload:
     return transformer()
 
 
-BUILTIN: dict[str, Callable[..., Workload]] = {"mlp": mlp, "linear": linear, "cnn": cnn, "transformer": transformer}
+BUILTIN: dict[str, Callable[..., Workload]] = {
+    "mlp": mlp,
+    "linear": linear,
+    "cnn": cnn,
+    "transformer": transformer,
+}

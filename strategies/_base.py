@@ -193,7 +193,7 @@ def accumulate_in_scan(spec: Spec, params: PyTree, batch: PyTree, *, unroll: int
             return add(carry, grad_fn(params, microbatch, m / total)), None
 
         first = jax.tree.map(lambda x: x[0], stacked)
-        acc, _ = jax.lax.scan(body, zeros_like_accum(spec, params, first), stacked, unroll=unroll)
+        acc, _ = jax.lax.scan(body, zeros_like_accum(spec, params, first), stacked, unroll=unroll)  # type: ignore[arg-type]
     if rest:
         last = grad_fn(params, jax.tree.map(lambda x: x[full * m :], batch), rest / total)
         acc = last if acc is None else add(acc, last)
@@ -280,8 +280,9 @@ class Strategy(abc.ABC):
 
     def out_dtypes(self, params: PyTree, batch: PyTree) -> OutDtypes:
         """`output_dtypes`, remembered per argument shapes so a host loop traces ``loss_fn`` once."""
-        key = jax.tree.structure((params, batch)), tuple(
-            (np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves((params, batch))
+        key = (
+            jax.tree.structure((params, batch)),
+            tuple((np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves((params, batch))),
         )
         if key not in self._dtypes:
             self._dtypes[key] = output_dtypes(self.spec, params, batch)

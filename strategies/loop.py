@@ -9,8 +9,8 @@ import jax
 from strategies._base import (
     Accum,
     OutDtypes,
-    PyTree,
     Program,
+    PyTree,
     Spec,
     Strategy,
     add,
@@ -37,9 +37,7 @@ class Loop(Strategy):
         super().__init__(spec, **options)
         self._grad = weighted_grad(spec)
         self._accumulate = jax.jit(self._accumulate_fn, donate_argnums=(0,), static_argnames=("size", "total"))
-        self._apply = jax.jit(
-            self._apply_fn, donate_argnums=self.donate_argnums(0, 1), static_argnames=("dtypes",)
-        )
+        self._apply = jax.jit(self._apply_fn, donate_argnums=self.donate_argnums(0, 1), static_argnames=("dtypes",))
 
     def _accumulate_fn(
         self, acc: Accum | None, params: PyTree, batch: PyTree, start: Any, *, size: int, total: int
@@ -62,7 +60,7 @@ class Loop(Strategy):
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> list[Program]:
         total = leading_size(batch)
         (_, first), *rest = self.microbatches(batch)
-        kw = dict(total=total)
+        kw: dict[str, Any] = dict(total=total)
         acc = jax.eval_shape(lambda p, b: self._accumulate_fn(None, p, b, 0, size=first, **kw), params, batch)
         lowered = [self._accumulate.lower(None, params, batch, 0, size=first, **kw)]
         lowered += [self._accumulate.lower(acc, params, batch, 0, size=n, **kw) for n in sorted({n for _, n in rest})]

@@ -11,8 +11,8 @@ import optax
 from strategies._base import (
     Accum,
     OutDtypes,
-    PyTree,
     Program,
+    PyTree,
     Spec,
     Strategy,
     add,
@@ -85,7 +85,7 @@ class MultiSteps(Strategy):
         total = leading_size(batch)
         calls = self.microbatches(batch)
         dtypes = self.out_dtypes(params, batch)
-        kw = dict(total=total, k=len(calls), dtypes=dtypes)
+        kw: dict[str, Any] = dict(total=total, k=len(calls), dtypes=dtypes)
         (_, first), *rest = calls
         programs = [Program(self._step.lower(params, opt_state, None, batch, 0, size=first, **kw), 0)]
         if rest:

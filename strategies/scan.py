@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import jax
 
-from strategies._base import PyTree, Program, Spec, Strategy, accumulate_in_scan, apply_optimizer, output_dtypes
+from strategies._base import (
+    Program,
+    PyTree,
+    Spec,
+    Strategy,
+    accumulate_in_scan,
+    apply_optimizer,
+    output_dtypes,
+)
 
 
 class Scan(Strategy):
@@ -17,7 +26,7 @@ class Scan(Strategy):
     """
 
     name = "scan"
-    options = {"unroll": (1, 2, 4)}
+    options: ClassVar[Mapping[str, Sequence[Any]]] = {"unroll": (1, 2)}
 
     def __init__(self, spec: Spec, **options: Any) -> None:
         super().__init__(spec, **options)

@@ -1,0 +1,155 @@
+"""`Plan`: the tuner's answer (microbatch, accumulation steps, strategy), saved to and loaded from JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from autoaccum.update import Update, build_update
+from strategies._base import PyTree
+
+FORMAT = "autoaccum.plan/1"
+
+
+def params_signature(params: PyTree) -> dict[str, str]:
+    """``{path: "dtype[shape]"}`` for every leaf of ``params``: what a plan was tuned for."""
+    return {
+        jax.tree_util.keystr(path) or "<root>": f"{np.dtype(leaf.dtype).name}{list(np.shape(leaf))}"
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    }
+
+
+def describe_difference(expected: dict[str, str], actual: dict[str, str], limit: int = 5) -> str:
+    """A short human description of how two `params_signature` dicts differ ("" when equal)."""
+    lines = [f"missing {k} ({v})" for k, v in expected.items() if k not in actual]
+    lines += [f"unexpected {k} ({v})" for k, v in actual.items() if k not in expected]
+    lines += [
+        f"{k}: plan has {v}, params have {actual[k]}" for k, v in expected.items() if k in actual and actual[k] != v
+    ]
+    more = f"; and {len(lines) - limit} more" if len(lines) > limit else ""
+    return "; ".join(lines[:limit]) + more
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How to run one accumulated update: the tuner's best configuration, with what it was measured on.
+
+    Attributes:
+      effective_batch: examples per update (``B``).
+      microbatch_size: examples per microbatch.
+      accumulation_steps: microbatches per update, ``ceil(B / microbatch_size)``.
+      strategy: the accumulation strategy (``strategies.available()``).
+      options: the strategy's options, e.g. ``{"unroll": 2}``.
+      throughput: measured examples per second of the whole update (0.0 if not measured).
+      device: the device it was measured on, e.g. ``"NVIDIA H100 80GB HBM3"`` or ``"cpu"``.
+      has_aux: whether the loss returns ``(loss, aux)``.
+      accumulator_dtype: the accumulator dtype's name.
+      params: the parameters it was tuned for, as `params_signature`.
+      versions: autoaccum and jax versions at tuning time.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> plan = Plan(effective_batch=10, microbatch_size=4, accumulation_steps=3, strategy="scan")
+      >>> Plan.from_json(plan.to_json()) == plan
+      True
+    """
+
+    effective_batch: int
+    microbatch_size: int
+    accumulation_steps: int
+    strategy: str
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    throughput: float = 0.0
+    device: str = ""
+    has_aux: bool = False
+    accumulator_dtype: str = "float32"
+    params: dict[str, str] = dataclasses.field(default_factory=dict)
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("effective_batch", "microbatch_size", "accumulation_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Plan `{name}` must be an int >= 1, got {value!r}.")
+        if self.accumulation_steps != -(-self.effective_batch // self.microbatch_size):
+            raise ValueError(
+                f"Plan accumulation_steps={self.accumulation_steps} does not match "
+                f"ceil(effective_batch / microbatch_size) = ceil({self.effective_batch} / {self.microbatch_size})."
+            )
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan") -> Plan:
+        """Parses `to_json` output; ``ValueError`` (naming ``source``) when it is not a valid plan."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source} is not valid JSON ({e}); re-create it with `autoaccum tune --out`.") from e
+        if not isinstance(data, dict) or data.pop("format", None) != FORMAT:
+            raise ValueError(f'{source} is not an autoaccum plan (expected "format": {FORMAT!r}).')
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ValueError(f"{source} has unknown field(s) {unknown}; it may come from a newer autoaccum.")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ValueError(f"{source} is missing fields or has wrong types ({e}).") from e
+
+    def save(self, path: str | Path) -> Path:
+        """Writes the plan as JSON to ``path`` and returns the path."""
+        path = Path(path)
+        path.write_text(self.to_json() + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Reads a plan saved by `save`.
+
+        Raises:
+          FileNotFoundError: no file at ``path``.
+          ValueError: the file is not a valid plan (corrupt, truncated, another format).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"plan file {str(path)!r} does not exist; create one with `autoaccum tune --out`.")
+        return cls.from_json(path.read_text(), source=f"plan file {str(path)!r}")
+
+    def check_params(self, params: PyTree) -> None:
+        """Raises ``ValueError`` saying what differs if ``params`` are not the ones this plan was tuned for."""
+        if not self.params:
+            return
+        difference = describe_difference(self.params, params_signature(params))
+        if difference:
+            raise ValueError(f"this plan was tuned for different params: {difference}.")
+
+    def build(
+        self,
+        loss_fn: Callable[..., Any],
+        optimizer: optax.GradientTransformation,
+        *,
+        params: PyTree | None = None,
+        donate: bool = True,
+    ) -> Update:
+        """The `Update` this plan describes (``params``, if given, are checked against the plan first)."""
+        if params is not None:
+            self.check_params(params)
+        return build_update(
+            loss_fn,
+            optimizer,
+            microbatch_size=self.microbatch_size,
+            strategy=self.strategy,
+            has_aux=self.has_aux,
+            accumulator_dtype=np.dtype(self.accumulator_dtype),
+            donate=donate,
+            **self.options,
+        )

@@ -1,0 +1,289 @@
+"""Conformance suite: every registered strategy must equal one full-batch optimizer step.
+
+References are computed without accumulation: ``jax.grad(loss_fn)(params, batch)`` on the whole batch, then
+one optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autoaccum
+import strategies
+from autoaccum import workloads
+
+
+@pytest.fixture(params=strategies.available(), ids=lambda name: f"strategy={name}")
+def strategy(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def full_batch_step(loss_fn: Any, optimizer: Any, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def assert_trees_close(actual: Any, expected: Any, atol: float, rtol: float = 0.0) -> None:
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), atol=atol, rtol=rtol)
+
+
+def copy(tree: Any) -> Any:
+    return jax.tree.map(jnp.array, tree)
+
+
+def inner_state(opt_state: Any) -> Any:
+    """The wrapped optimizer's state (``multisteps`` wraps it in ``optax.MultiStepsState``)."""
+    return opt_state.inner_opt_state if isinstance(opt_state, optax.MultiStepsState) else opt_state
+
+
+def test_registry() -> None:
+    assert strategies.available()[0] == "scan"
+    assert {"scan", "loop", "multisteps"} <= set(strategies.available())
+    for name in strategies.available():
+        assert strategies.get(name).name == name
+
+
+def test_gradients_one_to_four_average_exactly(strategy: str) -> None:
+    # loss = mean(w * x): the gradient of example i is x_i, so four microbatches of one give 1, 2, 3, 4.
+    loss_fn = lambda w, b: jnp.mean(w * b)  # noqa: E731
+    update = autoaccum.build_update(loss_fn, optax.sgd(1.0), microbatch_size=1, strategy=strategy)
+    params, _, loss = update(jnp.zeros(()), update.init(jnp.zeros(())), jnp.arange(1.0, 5.0))
+    assert float(params) == -2.5
+    assert float(loss) == 0.0
+
+
+@pytest.mark.parametrize("microbatch_size", [1, 5, 7, 64], ids=lambda m: f"m={m}")
+@pytest.mark.parametrize(
+    ("optimizer", "params_atol"),
+    [
+        (optax.sgd(0.1), 1e-6),
+        # AdamW's first step is lr * g / (|g| + eps): where |g| is near eps it amplifies float32 rounding of
+        # g, so params get 1% of one lr step; the gradient itself is checked through mu = (1 - b1) g at 1e-6.
+        (optax.adamw(1e-3, weight_decay=1e-2), 1e-5),
+    ],
+    ids=["sgd", "adamw"],
+)
+def test_equals_full_batch_step(strategy: str, microbatch_size: int, optimizer: Any, params_atol: float) -> None:
+    w = workloads.mlp(batch_size=20)
+    expected, expected_state, expected_loss = full_batch_step(
+        w.loss_fn, optimizer, w.params, optimizer.init(w.params), w.batch
+    )
+    update = autoaccum.build_update(w.loss_fn, optimizer, microbatch_size=microbatch_size, strategy=strategy)
+    params, opt_state, loss = update(copy(w.params), update.init(w.params), w.batch)
+    assert_trees_close(params, expected, atol=params_atol)
+    assert_trees_close(inner_state(opt_state), expected_state, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, atol=1e-6)
+
+
+def test_piecewise_schedule_over_two_calls(strategy: str) -> None:
+    # As in the optax tutorial: 3 microbatches of 3 out of 9 examples equal one step on all 9 (atol 1e-7);
+    # the schedule advances once per call, so the second call uses the second learning rate.
+    # Small steps keep params well below 1, where float32 resolves 1e-7 (as in the tutorial).
+    schedule = optax.piecewise_constant_schedule(0.01, {1: 0.1})
+    optimizer = optax.sgd(schedule)
+    w = workloads.linear(batch_size=18, features=8)
+    first = jax.tree.map(lambda x: x[:9], w.batch)
+    second = jax.tree.map(lambda x: x[9:], w.batch)
+    expected, state, _ = full_batch_step(w.loss_fn, optimizer, w.params, optimizer.init(w.params), first)
+    expected, state, expected_loss = full_batch_step(w.loss_fn, optimizer, expected, state, second)
+
+    update = autoaccum.build_update(w.loss_fn, optimizer, microbatch_size=3, strategy=strategy)
+    params, opt_state = copy(w.params), update.init(w.params)
+    params, opt_state, _ = update(params, opt_state, first)
+    params, opt_state, loss = update(params, opt_state, second)
+    assert_trees_close(params, expected, atol=1e-7)
+    assert_trees_close(inner_state(opt_state), state, atol=1e-7)
+    np.testing.assert_allclose(loss, expected_loss, atol=1e-7)
+
+
+def test_has_aux_is_example_weighted_mean(strategy: str) -> None:
+    w = workloads.linear(batch_size=10, features=8)
+
+    def loss_fn(params: Any, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+        pred = batch["x"] @ params["w"] + params["b"]
+        return jnp.mean((pred - batch["y"]) ** 2), {"mean_pred": pred.mean(), "max_y": batch["y"].max()}
+
+    optimizer = optax.sgd(0.1)
+    (expected_loss, expected_aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(w.params, w.batch)
+    update = autoaccum.build_update(loss_fn, optimizer, microbatch_size=4, strategy=strategy, has_aux=True)
+    params, _, (loss, aux) = update(copy(w.params), update.init(w.params), w.batch)
+    np.testing.assert_allclose(loss, expected_loss, atol=1e-6)
+    np.testing.assert_allclose(aux["mean_pred"], expected_aux["mean_pred"], atol=1e-6)
+    # A non-additive aux leaf is still averaged with example weights (4/10, 4/10, 2/10): documented behaviour.
+    ys = np.asarray(w.batch["y"])
+    weighted_max = 0.4 * ys[:4].max() + 0.4 * ys[4:8].max() + 0.2 * ys[8:].max()
+    np.testing.assert_allclose(aux["max_y"], weighted_max, atol=1e-6)
+    assert_trees_close(params, jax.tree.map(lambda p, g: p - 0.1 * g, w.params, grads), atol=1e-6)
+
+
+def bf16_step_error(strategy: str, accumulator_dtype: Any) -> float:
+    """Max |error| of one SGD(lr=1) step from zero on a bf16 model, 64 microbatches of 1."""
+    key_x, key_y = jax.random.split(jax.random.key(1))
+    batch = {"x": jax.random.normal(key_x, (64, 16)), "y": jax.random.normal(key_y, (64,))}
+    bf16_batch = jax.tree.map(lambda x: x.astype(jnp.bfloat16), batch)
+
+    def loss_fn(params: Any, batch: Any) -> jax.Array:
+        return jnp.mean((batch["x"] @ params + 1.0 - batch["y"]) ** 2)
+
+    reference = -jax.grad(loss_fn)(
+        jnp.zeros(16, jnp.float32), jax.tree.map(lambda x: x.astype(jnp.float32), bf16_batch)
+    )
+    update = autoaccum.build_update(
+        loss_fn, optax.sgd(1.0), microbatch_size=1, strategy=strategy, accumulator_dtype=accumulator_dtype
+    )
+    params0 = jnp.zeros(16, jnp.bfloat16)
+    params, _, loss = update(params0, update.init(params0), bf16_batch)
+    assert params.dtype == jnp.bfloat16
+    assert loss.dtype == jnp.bfloat16
+    return float(jnp.max(jnp.abs(params.astype(jnp.float32) - reference)))
+
+
+def test_bf16_model_accumulates_in_float32(strategy: str) -> None:
+    error_f32 = bf16_step_error(strategy, jnp.float32)
+    # bf16 keeps 8 significant bits: each microbatch gradient and the final cast round at ~2**-8 relative.
+    assert error_f32 <= 2e-2, error_f32
+    # The same step accumulated in bf16 is measurably worse, so the float32 accumulator is doing its job.
+    assert bf16_step_error(strategy, jnp.bfloat16) > 2 * error_f32
+
+
+@pytest.mark.parametrize("batch_size", [16, 18], ids=["even", "uneven"])
+def test_second_call_does_not_retrace(strategy: str, batch_size: int) -> None:
+    traces = []
+    w = workloads.linear(batch_size=batch_size, features=8)
+
+    def loss_fn(params: Any, batch: Any) -> jax.Array:
+        traces.append(jax.tree.map(jnp.shape, batch))
+        return w.loss_fn(params, batch)
+
+    update = autoaccum.build_update(loss_fn, optax.adam(1e-2), microbatch_size=4, strategy=strategy)
+    params, opt_state = copy(w.params), update.init(w.params)
+    params, opt_state, _ = update(params, opt_state, w.batch)
+    after_first = len(traces)
+    assert after_first > 0
+    for _ in range(2):
+        params, opt_state, _ = update(params, opt_state, w.batch)
+    assert len(traces) == after_first
+
+
+def test_donate_false_leaves_inputs_usable(strategy: str) -> None:
+    w = workloads.linear(batch_size=8, features=4)
+    update = autoaccum.build_update(w.loss_fn, optax.sgd(0.1), microbatch_size=3, strategy=strategy, donate=False)
+    params = copy(w.params)
+    before = jax.tree.map(np.asarray, params)
+    update(params, update.init(params), w.batch)
+    assert_trees_close(params, before, atol=0)  # still readable and unchanged
+
+
+def test_batch_is_never_donated(strategy: str) -> None:
+    w = workloads.linear(batch_size=8, features=4)
+    batch = copy(w.batch)
+    update = autoaccum.build_update(w.loss_fn, optax.sgd(0.1), microbatch_size=3, strategy=strategy)
+    update(copy(w.params), update.init(w.params), batch)
+    assert_trees_close(batch, w.batch, atol=0)
+
+
+def test_programs_compile_without_running(strategy: str) -> None:
+    w = workloads.linear(batch_size=10, features=4)
+    update = autoaccum.build_update(w.loss_fn, optax.sgd(0.1), microbatch_size=4, strategy=strategy)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), w.params)
+    opt_state = jax.eval_shape(update.init, params)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), w.batch)
+    programs = update.programs(params, opt_state, batch)
+    assert programs
+    for program in programs:
+        assert program.lowered.compile().memory_analysis() is not None
+
+
+# ---- bad input: clear errors, before anything is compiled ----
+
+
+def linear_update(**kwargs: Any) -> Any:
+    w = workloads.linear(batch_size=8, features=4)
+    return w, autoaccum.build_update(w.loss_fn, optax.sgd(0.1), **{"microbatch_size": 4, **kwargs})
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_microbatch_size_below_one(bad: int) -> None:
+    with pytest.raises(ValueError, match=rf"`microbatch_size` must be >= 1, got microbatch_size={bad}"):
+        linear_update(microbatch_size=bad)
+
+
+@pytest.mark.parametrize("bad", [2.5, "4", True, None])
+def test_microbatch_size_not_an_int(bad: Any) -> None:
+    with pytest.raises(TypeError, match=r"`microbatch_size` must be an int >= 1"):
+        linear_update(microbatch_size=bad)
+
+
+def test_unknown_strategy_lists_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown `strategy` 'scna'; choose one of 'scan', 'loop', 'multisteps'"):
+        linear_update(strategy="scna")
+
+
+def test_unknown_strategy_option() -> None:
+    with pytest.raises(ValueError, match=r"strategy 'loop' has no option\(s\) \['unroll'\]"):
+        linear_update(strategy="loop", unroll=2)
+
+
+def test_bad_optimizer_and_dtype() -> None:
+    with pytest.raises(TypeError, match=r"`optimizer` must be an optax\.GradientTransformation"):
+        autoaccum.build_update(lambda p, b: 0.0, "adam", microbatch_size=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`accumulator_dtype` must be a floating dtype"):
+        linear_update(accumulator_dtype=jnp.int32)
+
+
+def test_leaves_with_different_leading_sizes(strategy: str) -> None:
+    w, update = linear_update(strategy=strategy)
+    batch = {"x": w.batch["x"], "y": w.batch["y"][:5]}
+    with pytest.raises(ValueError, match=r"size 5: \['y'\]; size 8: \['x'\]"):
+        update(w.params, update.init(w.params), batch)
+
+
+@pytest.mark.parametrize("batch", [{}, (), None], ids=["dict", "tuple", "none"])
+def test_batch_with_no_leaves(strategy: str, batch: Any) -> None:
+    w, update = linear_update(strategy=strategy)
+    with pytest.raises(ValueError, match="`batch` has no array leaves"):
+        update(w.params, update.init(w.params), batch)
+
+
+def test_scalar_leaf_in_batch(strategy: str) -> None:
+    w, update = linear_update(strategy=strategy)
+    with pytest.raises(ValueError, match=r"`batch` leaf \['t'\] is a scalar"):
+        update(w.params, update.init(w.params), {**w.batch, "t": jnp.ones(())})
+
+
+def test_loss_that_is_not_a_scalar(strategy: str) -> None:
+    update = autoaccum.build_update(lambda w, b: b @ w, optax.sgd(0.1), microbatch_size=2, strategy=strategy)
+    with pytest.raises(ValueError, match=r"must return a scalar .* returned shape \(2,\)"):
+        update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
+
+
+def test_has_aux_mismatch(strategy: str) -> None:
+    with_aux = lambda w, b: (jnp.mean(b @ w), {"n": 1.0})  # noqa: E731
+    update = autoaccum.build_update(with_aux, optax.sgd(0.1), microbatch_size=2, strategy=strategy)
+    with pytest.raises(TypeError, match="returned a tuple of 2 but has_aux=False"):
+        update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
+    without = lambda w, b: jnp.mean(b @ w)  # noqa: E731
+    update = autoaccum.build_update(without, optax.sgd(0.1), microbatch_size=2, strategy=strategy, has_aux=True)
+    with pytest.raises(TypeError, match=r"has_aux=True but `loss_fn` returned .*not a \(loss, aux\) pair"):
+        update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
+
+
+def test_bad_loss_is_reported_before_compiling(strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled = []
+    original = jax.stages.Lowered.compile
+    monkeypatch.setattr(
+        jax.stages.Lowered, "compile", lambda self, *a, **k: compiled.append(1) or original(self, *a, **k)
+    )
+    update = autoaccum.build_update(lambda w, b: b @ w, optax.sgd(0.1), microbatch_size=2, strategy=strategy)
+    with pytest.raises(ValueError, match="must return a scalar"):
+        update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
+    assert not compiled

@@ -1,0 +1,292 @@
+"""`autoaccum.tune`: the emitted step is exact, studies resume, seeds reproduce, failures don't stop a study."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autoaccum
+from autoaccum import workloads
+from autoaccum.plan import Plan
+from autoaccum.tune import Timing, TrialFailed, microbatch_candidates, tune, variants
+from autoaccum.update import Update
+
+
+def fake_measure(calls: list[tuple[int, str, tuple[Any, ...]]] | None = None, fail_from: int | None = None) -> Any:
+    """A deterministic stand-in for timing: cost = per-microbatch overhead + per-example work by strategy."""
+    per_example = {"scan": 1.0, "loop": 1.1, "multisteps": 1.3}
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        m, name = update.microbatch_size, update.strategy
+        if calls is not None:
+            calls.append((m, name, tuple(sorted(update.options.items()))))
+        if fail_from is not None and m >= fail_from:
+            raise TrialFailed(f"out of memory: RESOURCE_EXHAUSTED (fake) at microbatch {m}")
+        steps = update.accumulation_steps(jax.tree.leaves(batch)[0].shape[0])
+        unroll = update.options.get("unroll", 1)
+        seconds = steps * (0.004 / unroll + 0.001 * (m - 6) ** 2) + 0.01 * per_example[name]
+        return Timing(seconds_per_step=seconds, compile_seconds=0.5, steps=5)
+
+    return measure
+
+
+@pytest.fixture(scope="module")
+def linear() -> autoaccum.Workload:
+    return workloads.linear(batch_size=24, features=16)
+
+
+def test_candidates_and_variants() -> None:
+    assert microbatch_candidates(24, 16) == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert microbatch_candidates(10, 100) == [1, 2, 5, 10, 4, 8]
+    assert list(variants(["scan", "loop", "multisteps"])) == ["scan", "scan:unroll=2", "loop", "multisteps"]
+
+
+def test_emitted_update_equals_full_batch_step(linear: autoaccum.Workload) -> None:
+    optimizer = optax.adamw(1e-2)
+    result = tune(
+        linear.loss_fn,
+        linear.params,
+        linear.batch,
+        optimizer=optimizer,
+        max_microbatch=8,
+        n_trials=4,
+        storage=":memory:",
+        strategies=["scan", "loop"],
+    )
+    assert result.probe is None
+    assert [r.state for r in result.trials].count("COMPLETE") == 4
+    assert result.trials[0].throughput == result.plan.throughput > 0
+    assert result.plan.microbatch_size <= 8
+
+    loss, grads = jax.value_and_grad(linear.loss_fn)(linear.params, linear.batch)
+    updates, _ = optimizer.update(grads, optimizer.init(linear.params), linear.params)
+    expected = optax.apply_updates(linear.params, updates)
+    params = jax.tree.map(jnp.array, linear.params)
+    params, _, got_loss = result.update_fn(params, result.init(params), linear.batch)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_allclose(got_loss, loss, atol=1e-6)
+    # The user's params were not donated: still readable.
+    assert np.isfinite(np.asarray(linear.params["w"])).all()
+
+
+def test_small_space_is_covered_completely(linear: autoaccum.Workload) -> None:
+    calls: list[Any] = []
+    result = tune(
+        linear.loss_fn,
+        linear.params,
+        linear.batch,
+        max_microbatch=4,
+        storage=":memory:",
+        measure=fake_measure(calls),
+    )
+    # sizes 1, 2, 3, 4 x 4 variants = 16 > DEFAULT_TRIALS, so pass n_trials to cover it all:
+    assert len(calls) == len(result.trials) <= 12
+    full = tune(
+        linear.loss_fn,
+        linear.params,
+        linear.batch,
+        max_microbatch=4,
+        storage=":memory:",
+        n_trials=16,
+        measure=fake_measure(calls := []),
+    )
+    assert sorted(calls) == sorted(
+        (m, name, tuple(sorted(opts.items())))
+        for m in (1, 2, 3, 4)
+        for name, opts in variants(["scan", "loop", "multisteps"]).values()
+    )
+    assert full.plan.microbatch_size == 4 and full.plan.strategy == "scan" and full.plan.options == {"unroll": 2}
+
+
+def test_never_times_a_size_above_the_bound(linear: autoaccum.Workload) -> None:
+    calls: list[Any] = []
+    tune(
+        linear.loss_fn,
+        linear.params,
+        linear.batch,
+        max_microbatch=6,
+        n_trials=10,
+        storage=":memory:",
+        measure=fake_measure(calls),
+    )
+    assert calls and max(m for m, _, _ in calls) <= 6
+
+
+def test_same_seed_same_plan(linear: autoaccum.Workload) -> None:
+    def run(seed: int) -> tuple[Plan, list[Any]]:
+        calls: list[Any] = []
+        result = tune(
+            linear.loss_fn,
+            linear.params,
+            linear.batch,
+            max_microbatch=24,
+            n_trials=10,
+            storage=":memory:",
+            seed=seed,
+            measure=fake_measure(calls),
+        )
+        return result.plan, calls
+
+    plan_a, calls_a = run(3)
+    plan_b, calls_b = run(3)
+    assert plan_a == plan_b
+    assert calls_a == calls_b
+    assert plan_a.microbatch_size == 6  # the fake cost's optimum among the sizes tried
+
+
+def test_failed_trials_do_not_stop_the_study(linear: autoaccum.Workload) -> None:
+    result = tune(
+        linear.loss_fn,
+        linear.params,
+        linear.batch,
+        max_microbatch=12,
+        n_trials=12,
+        storage=":memory:",
+        measure=fake_measure(fail_from=8),
+    )
+    failed = [r for r in result.trials if r.state == "FAIL"]
+    assert failed and all("out of memory" in (r.reason or "") for r in failed)
+    assert all(r.microbatch_size >= 8 for r in failed)
+    assert result.plan.microbatch_size < 8
+    assert result.trials[0].state == "COMPLETE"
+
+
+def test_every_trial_failing_is_an_error(linear: autoaccum.Workload) -> None:
+    with pytest.raises(RuntimeError, match="every trial failed"):
+        tune(
+            linear.loss_fn,
+            linear.params,
+            linear.batch,
+            max_microbatch=2,
+            storage=":memory:",
+            measure=fake_measure(fail_from=1),
+        )
+
+
+def test_interrupted_tune_resumes_without_rerunning(linear: autoaccum.Workload, tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    first: list[Any] = []
+    inner = fake_measure(first)
+
+    def interrupting(update: Update, params: Any, batch: Any) -> Timing:
+        if len(first) == 5:
+            raise KeyboardInterrupt  # Ctrl-C during the sixth trial
+        return inner(update, params, batch)
+
+    kwargs: dict[str, Any] = dict(max_microbatch=4, n_trials=16, storage=storage, study_name="resume")
+    with pytest.raises(KeyboardInterrupt):
+        tune(linear.loss_fn, linear.params, linear.batch, measure=interrupting, **kwargs)
+    assert len(first) == 5
+
+    second: list[Any] = []
+    result = tune(linear.loss_fn, linear.params, linear.batch, measure=fake_measure(second), **kwargs)
+    assert not set(first) & set(second)  # nothing measured in the first run is measured again
+    assert len(first) + len(second) == 16  # and the whole grid got measured, the interrupted point included
+    assert sum(r.state == "COMPLETE" for r in result.trials) == 16
+
+    third: list[Any] = []  # a finished study: nothing left to run
+    again = tune(linear.loss_fn, linear.params, linear.batch, measure=fake_measure(third), **kwargs)
+    assert third == []
+    assert again.plan == result.plan
+
+
+def test_effective_batch_larger_than_the_example_batch(linear: autoaccum.Workload) -> None:
+    sizes: list[int] = []
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        sizes.append(jax.tree.leaves(batch)[0].shape[0])
+        return fake_measure()(update, params, batch)
+
+    result = tune(
+        linear.loss_fn,
+        linear.params,
+        linear.batch,
+        effective_batch=50,
+        max_microbatch=16,
+        n_trials=3,
+        storage=":memory:",
+        measure=measure,
+    )
+    assert set(sizes) == {50}
+    assert result.plan.effective_batch == 50
+    assert result.plan.accumulation_steps == -(-50 // result.plan.microbatch_size)
+
+
+def test_plan_round_trip_and_build(linear: autoaccum.Workload, tmp_path: Path) -> None:
+    result = tune(
+        linear.loss_fn,
+        linear.params,
+        linear.batch,
+        max_microbatch=8,
+        n_trials=3,
+        storage=":memory:",
+        measure=fake_measure(),
+    )
+    path = result.plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(path)
+    assert loaded == result.plan
+    update = loaded.build(linear.loss_fn, optax.sgd(0.1), params=linear.params)
+    assert (update.microbatch_size, update.strategy, update.options) == (
+        result.plan.microbatch_size,
+        result.plan.strategy,
+        result.plan.options,
+    )
+
+
+def test_plan_file_errors(linear: autoaccum.Workload, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Plan.load(tmp_path / "missing.json")
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text('{"format": "autoaccum.plan/1", "microbatch')
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        Plan.load(corrupt)
+    other = tmp_path / "other.json"
+    other.write_text('{"hello": 1}')
+    with pytest.raises(ValueError, match="is not an autoaccum plan"):
+        Plan.load(other)
+
+    plan = Plan(10, 4, 3, "scan", params={"['w']": "float32[16]", "['b']": "float32[]"})
+    with pytest.raises(ValueError, match=r"\['w'\]: plan has float32\[16\], params have float32\[8\]"):
+        plan.build(linear.loss_fn, optax.sgd(0.1), params={"w": jnp.zeros(8), "b": jnp.zeros(())})
+    with pytest.raises(ValueError, match=r"missing \['b'\]"):
+        plan.check_params({"w": jnp.zeros(16)})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"effective_batch": 0}, ValueError, r"`effective_batch` must be >= 1, got effective_batch=0"),
+        ({"n_trials": 0}, ValueError, r"`n_trials` must be >= 1, got n_trials=0"),
+        ({"strategies": ["scan", "fast"]}, ValueError, r"unknown `strategy` 'fast'; choose one of"),
+        ({"strategies": []}, ValueError, r"`strategies` is empty"),
+        ({"storage": "nosuchdb://x"}, ValueError, r"`storage`='nosuchdb://x' cannot be opened"),
+        ({"memory_limit": "lots"}, ValueError, r"`memory_limit`='lots' does not parse"),
+    ],
+)
+def test_bad_input_fails_before_any_trial(
+    linear: autoaccum.Workload, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    calls: list[Any] = []
+    with pytest.raises(error, match=match):
+        tune(
+            linear.loss_fn,
+            linear.params,
+            linear.batch,
+            max_microbatch=4,
+            measure=fake_measure(calls),
+            **{"storage": ":memory:", **kwargs},
+        )
+    assert calls == []
+
+
+def test_unopenable_sqlite_path(linear: autoaccum.Workload, tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'x.db'}"
+    with pytest.raises(ValueError, match="cannot be opened"):
+        tune(linear.loss_fn, linear.params, linear.batch, max_microbatch=4, storage=url, measure=fake_measure())
