@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+from autoaccum.device import DeviceInfo, detect_device
+from autoaccum.plan import Plan
+from autoaccum.probe import ProbeError, ProbeResult, Trial, probe
+from autoaccum.tune import TrialRecord, TuneResult, tune
 from autoaccum.units import format_bytes, parse_bytes
 from autoaccum.update import Update, build_update
 from autoaccum.workload import Workload, load_workload
 
 __version__ = "0.1.0"
 
-__all__ = ["Update", "Workload", "__version__", "build_update", "format_bytes", "load_workload", "parse_bytes"]
+__all__ = [
+    "DeviceInfo",
+    "Plan",
+    "ProbeError",
+    "ProbeResult",
+    "Trial",
+    "TrialRecord",
+    "TuneResult",
+    "Update",
+    "Workload",
+    "__version__",
+    "build_update",
+    "detect_device",
+    "format_bytes",
+    "load_workload",
+    "parse_bytes",
+    "probe",
+    "tune",
+]

@@ -20,7 +20,8 @@ import optuna
 
 import strategies as strategies_lib
 from autoaccum.plan import Plan, params_signature
-from autoaccum.update import Update, build_update, check_microbatch_size, default_optimizer
+from autoaccum.defaults import default_optimizer
+from autoaccum.update import Update, build_update, check_microbatch_size
 from autoaccum.workload import resize_batch
 from strategies._base import PyTree, leading_size
 
@@ -268,7 +269,7 @@ def tune(
     max_microbatch: int | None = None,
     trial_timeout: float | None = 120.0,
     measure: Callable[[Update, PyTree, PyTree], Timing] | None = None,
-    callbacks: Sequence[Callable[[TrialRecord], None]] = (),
+    callbacks: Sequence[Callable[[TrialRecord, int, int], None]] = (),
 ) -> TuneResult:
     """Finds the microbatch size and accumulation strategy with the highest measured throughput.
 
@@ -299,7 +300,8 @@ def tune(
       trial_timeout: seconds a trial may take (its compile included) before it is recorded as failed.
       measure: how a configuration is timed, ``measure(update, params, batch) -> Timing``; default
         `time_update` (tests inject a deterministic one).
-      callbacks: called with each finished trial's `TrialRecord` (the CLI's progress bar).
+      callbacks: called as ``callback(record, done, total)`` after each trial: its `TrialRecord`, the distinct
+        configurations settled so far and the number the study aims for (the CLI's progress bar).
 
     Returns:
       A `TuneResult` whose ``update_fn`` is already compiled.
@@ -381,7 +383,7 @@ def tune(
     wanted = grid_points if exhaustive else (n_trials or DEFAULT_TRIALS)
     remaining = max(0, wanted - len(settled))
     if not exhaustive and not trials:
-        for label in labels:  # warm start: on most devices the largest fitting microbatch is fastest
+        for label in list(labels)[:wanted]:  # warm start: on most devices the largest fitting microbatch is fastest
             study.enqueue_trial({"microbatch_size": sizes[-1], "strategy": label})
 
     full_batch = batch if effective_batch == batch_size else jax.device_put(resize_batch(batch, effective_batch))
@@ -416,7 +418,7 @@ def tune(
             return
         settled.add(_key(trial.params))
         for callback in callbacks:
-            callback(_record(trial, effective_batch, labels))
+            callback(_record(trial, effective_batch, labels), len(settled), min(wanted, grid_points))
         if len(settled) >= min(wanted, grid_points):
             study.stop()
 
@@ -430,7 +432,7 @@ def tune(
         (
             _record(t, effective_batch, labels)
             for t in study.get_trials(deepcopy=False)
-            if "duplicate_of" not in t.user_attrs
+            if "duplicate_of" not in t.user_attrs and t.state != optuna.trial.TrialState.WAITING
         ),
         key=lambda r: (r.throughput is None, -(r.throughput or 0.0), r.number),
     )

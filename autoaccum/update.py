@@ -122,11 +122,6 @@ def build_update(
     return Update(microbatch_size, strategy, dict(accumulation.config), accumulation)
 
 
-def default_optimizer() -> optax.GradientTransformation:
-    """The optimizer used when none is given: ``optax.adamw(1e-3)`` (AdamW, the common default for training)."""
-    return optax.adamw(1e-3)
-
-
 def check_microbatch_size(microbatch_size: Any, name: str = "microbatch_size") -> int:
     """Returns ``microbatch_size`` if it is an int >= 1, else raises naming ``name``."""
     if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, (int, np.integer)):

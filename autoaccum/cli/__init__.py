@@ -24,3 +24,7 @@ def main() -> None:
 
 
 __all__ = ["main"]
+
+from autoaccum.cli.tune import tune as _tune  # noqa: E402
+
+main.add_command(_tune)

@@ -15,7 +15,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 def workload_arguments(fn: F) -> F:
     """``WORKLOAD`` (``path/file.py:function`` or ``package.module:function``) or ``--demo``."""
     fn = click.option("--demo", is_flag=True, help="Use the built-in demo workload (a small transformer LM).")(fn)
-    fn = click.argument("workload", required=False, metavar="WORKLOAD")(fn)
+    fn = click.argument("workload", required=False, metavar="[WORKLOAD]")(fn)
     return fn
 
 

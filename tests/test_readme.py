@@ -1,0 +1,48 @@
+"""The README stays true: its Python snippets run, its commands are the ones CI and users run."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+README = (ROOT / "README.md").read_text()
+BASH = re.findall(r"```bash\n(.*?)```", README, re.S)
+PYTHON = re.findall(r"```python\n(.*?)```", README, re.S)
+
+
+def test_opens_with_two_commands() -> None:
+    assert README.index("```bash") < README.index("```python")
+    demo, tests = (block.strip() for block in BASH[:2])
+    assert demo == "pip install -e . && autoaccum tune --demo"
+    assert tests == 'pip install -e ".[test]" && pytest -q'
+
+
+def test_ci_runs_the_readme_test_command_exactly() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert BASH[1].strip() in ci
+
+
+@pytest.mark.parametrize("snippet", PYTHON, ids=[f"snippet{i}" for i in range(len(PYTHON))])
+def test_python_snippet_runs(snippet: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "README.md", "exec"), {"__name__": "__readme__"})
+
+
+def test_demo_command_runs(tmp_path: Path) -> None:
+    """The README's first command, after its install step: the main job on the demo workload."""
+    command = BASH[0].strip().split("&&", 1)[1].strip()
+    argv = shlex.split(command)
+    assert argv[0] == "autoaccum"
+    env = {**os.environ, "AUTOACCUM_CACHE": str(tmp_path)}  # a fresh study, not the user's cache
+    result = subprocess.run(
+        [sys.executable, "-m", "autoaccum", *argv[1:]], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert "best plan" in result.stdout
