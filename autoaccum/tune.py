@@ -19,8 +19,8 @@ import optax
 import optuna
 
 import strategies as strategies_lib
-from autoaccum.plan import Plan, params_signature
 from autoaccum.defaults import default_optimizer
+from autoaccum.plan import Plan, params_signature
 from autoaccum.update import Update, build_update, check_microbatch_size
 from autoaccum.workload import resize_batch
 from strategies._base import PyTree, leading_size

@@ -139,7 +139,8 @@ def tune(
 
 
 def _describe(record: Any) -> str:
-    what = f"#{record.number:<3d} microbatch {record.microbatch_size:>5d} x {record.accumulation_steps:<4d} {record.strategy}"
+    what = f"#{record.number:<3d} microbatch {record.microbatch_size:>5d} x {record.accumulation_steps:<4d}"
+    what += f" {record.strategy}"
     what += "".join(f" {k}={v}" for k, v in record.options.items())
     if record.throughput is not None:
         return f"{what}: {record.throughput:,.1f} examples/s"
