@@ -1,0 +1,324 @@
+"""One probe trial: build the real update step for a microbatch size, run it, report whether it fit.
+
+`compile_trial` and `run_trial` run in a fresh child process (the default; its entry point is
+``python -m autoaccum._child PAYLOAD SIZE LIMIT RESULT``) or in the caller's process (``isolate=False``).
+
+What "does not fit" means, exactly (`is_oom`, `classify_exit`):
+
+* XLA raises ``JaxRuntimeError`` with status ``RESOURCE_EXHAUSTED`` (at compile or at run);
+* on the CPU, XLA's runtime reports a failed allocation under the capped address space as
+  ``INTERNAL: Error dispatching computation: Out of memory allocating N bytes`` (the buffer allocator's own
+  message, seen under ``RLIMIT_AS``), or Python raises ``MemoryError``, or an ``OSError`` with ``ENOMEM``;
+* the child dies from a signal after an allocation failure it could not report: ``SIGABRT``/``SIGSEGV``
+  with ``std::bad_alloc``, ``RESOURCE_EXHAUSTED``, ``Out of memory`` or ``Cannot allocate memory`` in its
+  output (C++ ``terminate`` on ``bad_alloc``), or ``SIGKILL`` from the kernel's OOM killer (the cgroup's
+  ``memory.events`` ``oom_kill`` count rose, or cannot be read).
+
+Anything else (an exception from the user's loss, a plain ``os.abort()``, a segfault with no allocation
+failure in the output, a non-zero exit) is a trial error, reported with its message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import pickle
+import resource
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from strategies._base import PyTree, leading_size
+
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "std::bad_alloc", "Out of memory", "out of memory", "Cannot allocate memory")
+"""Text in a dead child's output that says it died of a failed allocation."""
+
+_CPU_OOM_MESSAGE = "Out of memory allocating"
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """Everything a trial needs, host-side only (numpy leaves) so that it pickles and nothing device-side
+    crosses a process boundary."""
+
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    params: PyTree
+    batch: PyTree
+    has_aux: bool
+    strategy: str
+    options: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What one trial found.
+
+    Attributes:
+      status: ``"fits"``, ``"oom"`` or ``"error"``.
+      seconds: the second (steady-state) update step's wall time, when it fit.
+      first_seconds: the first step's wall time (its programs were compiled before), when it fit.
+      peak_bytes: memory the trial used at its peak, counted like the limit (CPU: growth of the address
+        space since the cap was set; GPU: XLA's ``peak_bytes_in_use``); None where not measurable.
+      message: the OOM or error message.
+      compile_seconds: time spent compiling the trial's programs.
+    """
+
+    status: str
+    seconds: float | None = None
+    first_seconds: float | None = None
+    peak_bytes: int | None = None
+    message: str | None = None
+    compile_seconds: float | None = None
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` says an allocation failed (see the module docstring for the exact rules).
+
+    Example:
+      >>> is_oom(MemoryError())
+      True
+      >>> is_oom(ValueError("RESOURCE_EXHAUSTED"))
+      False
+    """
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
+        return True
+    if isinstance(exc, jax.errors.JaxRuntimeError):
+        message = str(exc)
+        return (
+            message.startswith("RESOURCE_EXHAUSTED")
+            or "RESOURCE_EXHAUSTED:" in message
+            or (message.startswith("INTERNAL") and _CPU_OOM_MESSAGE in message)
+        )
+    return False
+
+
+def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outcome:
+    """The outcome of a child that died without writing its result.
+
+    Args:
+      returncode: the child's exit status (``-N`` for signal ``N``).
+      output: the end of its stdout and stderr.
+      oom_killed: whether the cgroup's OOM-kill count rose during the trial (None: unknown).
+    """
+    tail = output.strip()[-1500:]
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        if -returncode == signal.SIGKILL:
+            if oom_killed is False:
+                return Outcome("error", message=f"the trial's child was killed by {name}, not by the OOM killer.")
+            return Outcome("oom", message=f"the trial's child was killed by {name} (the kernel's OOM killer).")
+        marker = next((m for m in OOM_MARKERS if m in output), None)
+        if marker is not None:
+            return Outcome("oom", message=f"the trial's child died of {name} after an allocation failure: {tail}")
+        return Outcome("error", message=f"the trial's child crashed with {name}; its output ends: {tail or '(none)'}")
+    if any(m in output for m in ("MemoryError", "std::bad_alloc", "RESOURCE_EXHAUSTED")):
+        return Outcome("oom", message=f"the trial's child ran out of memory: {tail}")
+    return Outcome(
+        "error", message=f"the trial's child exited with status {returncode}; its output ends: {tail or '(none)'}"
+    )
+
+
+def host_copy(tree: PyTree) -> PyTree:
+    """Numpy copies of ``tree``'s leaves (the caller's arrays are never donated or changed)."""
+    import numpy as np
+
+    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+
+
+def _resizer(example: PyTree, size: int) -> Any:
+    """A jitted ``batch -> batch repeated cyclically to size rows`` for batches shaped like ``example``."""
+    total = leading_size(example)
+
+    def grow(b: PyTree) -> PyTree:
+        index = jnp.arange(size) % total
+        return jax.tree.map(lambda x: jnp.take(x, index, axis=0), b)
+
+    return jax.jit(grow)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A trial's programs, compiled before anything of its size is allocated."""
+
+    job: Job
+    size: int
+    device: Any
+    update: Any
+    copy: Callable[[PyTree], PyTree]
+    init: Callable[[PyTree], PyTree]
+    resize: Callable[[PyTree], PyTree]
+    seconds: float
+
+
+def compile_trial(job: Job, size: int, device: Any) -> Compiled:
+    """Builds the update `build_update` makes for ``size`` and compiles every program a trial runs.
+
+    Compiling works from abstract shapes and allocates no device buffer, so the memory measured (and, on
+    the CPU, capped) afterwards is the step's: parameters, optimizer state, batch and temporaries.
+    """
+    from autoaccum.memory import abstract, abstract_batch
+    from autoaccum.update import build_update
+
+    start = time.perf_counter()
+    update = build_update(
+        job.loss_fn,
+        job.optimizer,
+        microbatch_size=size,
+        strategy=job.strategy,
+        has_aux=job.has_aux,
+        donate=True,
+        **dict(job.options),
+    )
+    with jax.default_device(device):
+        params_s = abstract(job.params)
+        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t)).lower(params_s).compile()
+        init = jax.jit(update.init)
+        init.lower(params_s).compile()  # the jit keeps it: the call in run_trial does not compile again
+        opt_state_s = jax.eval_shape(update.init, params_s)
+        resize = _resizer(job.batch, size).lower(abstract(job.batch)).compile()
+        for program in update.programs(params_s, opt_state_s, abstract_batch(job.batch, size)):
+            program.lowered.compile()  # likewise kept by the strategy's jitted functions
+    return Compiled(job, size, device, update, copy, init, resize, time.perf_counter() - start)
+
+
+def run_trial(compiled: Compiled, peak: Callable[[], int | None]) -> Outcome:
+    """Runs the compiled update step twice on a batch of ``compiled.size`` rows made on the device.
+
+    Raises whatever the step raises; the callers decide which errors mean "does not fit".
+    """
+    job, update, device = compiled.job, compiled.update, compiled.device
+    with jax.default_device(device):
+        params = compiled.copy(jax.device_put(job.params, device))
+        opt_state = compiled.init(params)
+        batch = compiled.resize(jax.device_put(job.batch, device))
+        start = time.perf_counter()
+        params, opt_state, loss = update(params, opt_state, batch)
+        jax.block_until_ready((params, opt_state, loss))
+        middle = time.perf_counter()
+        params, opt_state, loss = update(params, opt_state, batch)
+        jax.block_until_ready((params, opt_state, loss))
+        end = time.perf_counter()
+    used = peak()
+    del params, opt_state, loss, batch
+    return Outcome(
+        "fits", seconds=end - middle, first_seconds=middle - start, peak_bytes=used, compile_seconds=compiled.seconds
+    )
+
+
+def oom_outcome(e: BaseException) -> Outcome:
+    """The "does not fit" outcome for an error `is_oom` accepts."""
+    text = str(e).strip() or type(e).__name__
+    return Outcome("oom", message=text.splitlines()[0][:500])
+
+
+def proc_status(field: str) -> int | None:
+    """``field`` (e.g. ``"VmSize"``) of ``/proc/self/status`` in bytes, or None off Linux."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+@contextmanager
+def address_space_cap(limit: int) -> Iterator[Callable[[], int | None]]:
+    """Caps this process's address space (soft ``RLIMIT_AS``) at its current size plus ``limit``.
+
+    Yields a function giving the bytes used above that size at the peak (None while the peak is still the
+    one from before the cap). The soft limit is restored on exit.
+    """
+    baseline = proc_status("VmSize")
+    before_peak = proc_status("VmPeak")
+    if baseline is None:
+        raise OSError(errno.ENOSYS, "the CPU memory cap needs /proc/self/status (Linux)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = baseline + limit
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+
+    def used() -> int | None:
+        peak = proc_status("VmPeak")
+        if peak is None or before_peak is None or peak <= before_peak:
+            return None
+        return peak - baseline
+
+    try:
+        yield used
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def gpu_peak(device: Any) -> Callable[[], int | None]:
+    """A function giving XLA's ``peak_bytes_in_use`` on ``device`` if it rose since now, else None."""
+    from autoaccum.device import memory_stats
+
+    before = memory_stats(device).get("peak_bytes_in_use")
+
+    def peak() -> int | None:
+        after = memory_stats(device).get("peak_bytes_in_use")
+        if after is None or (before is not None and before > 0 and after <= before):
+            return None
+        return int(after)
+
+    return peak
+
+
+def warm_up(device: Any) -> None:
+    """Starts the backend, its thread pools and the compiler, so that they are not charged to a trial."""
+    jax.block_until_ready(jax.jit(lambda x: x * 2 + 1)(jax.device_put(jnp.ones(8), device)))
+
+
+def measured(compiled: Compiled, platform: str, limit: int) -> Outcome:
+    """`run_trial` under the limit: the CPU's address-space cap (a GPU's allocator is capped at start-up)."""
+    if platform == "cpu":
+        with address_space_cap(limit) as used:
+            return run_trial(compiled, used)
+    return run_trial(compiled, gpu_peak(compiled.device))
+
+
+def child_main(payload_path: str, size: int, limit: int, result_path: str) -> None:
+    """The child's work: load the job, compile, run under the cap, write the `Outcome` as JSON."""
+    with open(payload_path, "rb") as f:
+        sys_path, platform, body = pickle.load(f)
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    import cloudpickle
+
+    job: Job = cloudpickle.loads(body)
+    device = jax.devices()[0]
+    warm_up(device)
+    outcome: Outcome
+    try:
+        try:
+            outcome = measured(compile_trial(job, size, device), platform, limit)
+        except (jax.errors.JaxRuntimeError, MemoryError, OSError) as e:
+            if not is_oom(e):
+                raise
+            outcome = oom_outcome(e)
+    # A process boundary: every other failure is reported to the parent, which makes it a trial error.
+    except Exception as e:
+        outcome = Outcome("error", message="".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:])
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(dataclasses.asdict(outcome), f)
+    os.replace(tmp, result_path)

@@ -1,0 +1,302 @@
+"""Which device a step runs on and how much memory it has: NVML and XLA on NVIDIA GPUs, the OS on the CPU.
+
+Every figure in a `DeviceInfo` says where it came from (``sources``), so a report can be trusted or checked:
+
+* ``"nvml"``: the NVIDIA driver (``nvidia-ml-py``), for the card's name, total and free bytes. NVML numbers
+  devices in PCI order and ignores ``CUDA_VISIBLE_DEVICES``; `nvml_index` maps a JAX device through it
+  (indices or ``GPU-<uuid>`` entries, unique UUID prefixes included). With ``CUDA_DEVICE_ORDER`` left at
+  CUDA's default (fastest first), identical cards are still in PCI order; mixed cards need
+  ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` for the mapping to be exact.
+* ``"jax.memory_stats"``: XLA's allocator; ``bytes_limit`` is what it will really hand out (by default 75% of
+  the card, see ``XLA_CLIENT_MEM_FRACTION``).
+* ``"/proc/meminfo"``, ``"cgroup"``, ``"sysconf"``: host RAM for the CPU (a container's cgroup limit wins
+  over the machine's RAM).
+
+No NVIDIA driver (``NVMLError_LibraryNotFound``, ``NVMLError_DriverNotLoaded``, ...) is not an error: the
+figures then come from XLA, or from the OS on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+
+_GPU_PLATFORMS = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu", "tpu": "tpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """One device and its memory, each figure with its source.
+
+    Attributes:
+      platform: ``"gpu"``, ``"cpu"`` or ``"tpu"``.
+      name: e.g. ``"NVIDIA H100 80GB HBM3"``, or the CPU's model name.
+      total_bytes: the device's memory (host RAM, or the cgroup limit, on the CPU); None if unknown.
+      free_bytes: memory free now on the whole device (other processes count); None if unknown.
+      limit_bytes: what XLA's allocator will give this process (``memory_stats()["bytes_limit"]``); on the
+        CPU there is no allocator limit and this is None.
+      device: the ``jax.Device``.
+      sources: where each figure came from, e.g. ``{"total_bytes": "nvml", "limit_bytes": "jax.memory_stats"}``.
+      nvml_index: the NVML (PCI-order) index of a GPU, when the driver answered.
+      visible_id: the entry that selects this GPU in ``CUDA_VISIBLE_DEVICES`` (for child processes).
+
+    Example:
+      >>> import autoaccum
+      >>> info = autoaccum.detect_device()
+      >>> info.platform in ("cpu", "gpu", "tpu")
+      True
+    """
+
+    platform: str
+    name: str
+    total_bytes: int | None
+    free_bytes: int | None
+    limit_bytes: int | None
+    device: Any = dataclasses.field(repr=False, compare=False, hash=False)
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
+    nvml_index: int | None = None
+    visible_id: str | None = None
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        """The memory a step may use here by default: XLA's allocator limit on a GPU/TPU; on the CPU,
+        ``CPU_MEMORY_FRACTION`` (50%) of the RAM available now (`autoaccum.probe`'s default cap)."""
+        if self.platform == "cpu":
+            from autoaccum.defaults import CPU_MEMORY_FRACTION
+
+            return None if self.free_bytes is None else int(self.free_bytes * CPU_MEMORY_FRACTION)
+        return self.limit_bytes
+
+    @property
+    def id(self) -> int:
+        """The JAX device id."""
+        return int(self.device.id)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (the JAX device as its id and string)."""
+        return {
+            "id": self.id,
+            "device": str(self.device),
+            "platform": self.platform,
+            "name": self.name,
+            "total_bytes": self.total_bytes,
+            "free_bytes": self.free_bytes,
+            "limit_bytes": self.limit_bytes,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "sources": dict(self.sources),
+            "nvml_index": self.nvml_index,
+            "visible_id": self.visible_id,
+        }
+
+
+def detect_device(device: Any = None) -> DeviceInfo:
+    """Describes ``device`` (default: the first JAX device) and its memory; never fails for lack of a GPU.
+
+    Args:
+      device: a ``jax.Device``, or None for ``jax.devices()[0]``.
+
+    Returns:
+      A `DeviceInfo`. On NVIDIA GPUs the name, total and free bytes come from NVML when the driver answers,
+      ``limit_bytes`` from XLA's allocator; without NVML they come from ``memory_stats()``. On the CPU, total
+      and free bytes come from ``/proc/meminfo`` (``MemAvailable``), capped by a cgroup memory limit.
+
+    Raises:
+      TypeError: ``device`` is not a ``jax.Device``.
+
+    Example:
+      >>> import autoaccum
+      >>> autoaccum.detect_device().total_bytes > 0
+      True
+    """
+    if device is None:
+        device = jax.devices()[0]
+    if not isinstance(device, jax.Device):
+        raise TypeError(f"`device` must be a jax.Device or None, got {type(device).__name__}: {device!r}.")
+    platform = _GPU_PLATFORMS.get(str(device.platform).lower(), str(device.platform).lower())
+    stats = memory_stats(device)
+    sources: dict[str, str] = {}
+    limit = stats.get("bytes_limit")
+    if limit is not None:
+        sources["limit_bytes"] = "jax.memory_stats"
+    if platform == "cpu":
+        total, free, where = host_memory()
+        sources.update(total_bytes=where, free_bytes=where, name="/proc/cpuinfo")
+        return DeviceInfo("cpu", cpu_name(), total, free, None, device, sources)
+    name = str(getattr(device, "device_kind", platform))
+    sources["name"] = "jax"
+    total = free = None
+    nvml_index = visible_id = None
+    if platform == "gpu":
+        visible_id = visible_entry(int(device.local_hardware_id))
+        nvml = nvml_memory(visible_id)
+        if nvml is not None:
+            nvml_index, name, total, free = nvml
+            sources.update(name="nvml", total_bytes="nvml", free_bytes="nvml")
+    if total is None and limit is not None:
+        total = int(limit)
+        sources["total_bytes"] = "jax.memory_stats (bytes_limit)"
+    if free is None and limit is not None:
+        free = int(limit) - int(stats.get("bytes_in_use", 0))
+        sources["free_bytes"] = "jax.memory_stats (bytes_limit - bytes_in_use)"
+    return DeviceInfo(
+        platform, name, total, free, None if limit is None else int(limit), device, sources, nvml_index, visible_id
+    )
+
+
+def memory_stats(device: Any) -> dict[str, int]:
+    """``device.memory_stats()``, or ``{}`` where the backend keeps none (the CPU returns None)."""
+    try:
+        stats = device.memory_stats()
+    except (NotImplementedError, RuntimeError, AttributeError):  # backends without allocator statistics
+        return {}
+    return dict(stats or {})
+
+
+def visible_entry(ordinal: int, env: Mapping[str, str] | None = None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entry that selects CUDA device ``ordinal`` of this process.
+
+    Example:
+      >>> visible_entry(1, {"CUDA_VISIBLE_DEVICES": "3,GPU-8a2c"})
+      'GPU-8a2c'
+      >>> visible_entry(1, {})
+      '1'
+    """
+    env = os.environ if env is None else env
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if raw is None or not raw.strip():
+        return str(ordinal)
+    entries = [e.strip() for e in raw.split(",") if e.strip()]
+    if ordinal >= len(entries):
+        return str(ordinal)
+    return entries[ordinal]
+
+
+def nvml_memory(entry: str) -> tuple[int, str, int, int] | None:
+    """``(nvml_index, name, total, free)`` of the GPU that ``CUDA_VISIBLE_DEVICES`` entry ``entry`` selects.
+
+    ``entry`` is an NVML/PCI-order index or a (prefix of a) ``GPU-<uuid>``. None when NVML is missing or
+    cannot answer (no driver, a MIG instance, an entry it does not know): callers fall back to XLA's figures.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...: no usable NVIDIA driver
+        return None
+    try:
+        index = _nvml_index(pynvml, entry)
+        if index is None:
+            return None
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        name = pynvml.nvmlDeviceGetName(handle)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        return index, name, int(mem.total), int(mem.free)
+    except pynvml.NVMLError:  # e.g. NVMLError_NotSupported, GpuIsLost: report XLA's figures instead
+        return None
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+def _nvml_index(pynvml: Any, entry: str) -> int | None:
+    if entry.isdigit():
+        index = int(entry)
+        return index if index < pynvml.nvmlDeviceGetCount() else None
+    if entry.upper().startswith("GPU-"):
+        prefix = entry.lower()
+        matches = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+            uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+            if uuid.lower().startswith(prefix):
+                matches.append(index)
+        return matches[0] if len(matches) == 1 else None
+    return None  # MIG-<uuid> instances: NVML's per-card figures would be wrong, use XLA's
+
+
+def host_memory() -> tuple[int | None, int | None, str]:
+    """``(total, available, source)`` of host RAM, capped by this process's cgroup memory limit if lower."""
+    total = available = None
+    source = "/proc/meminfo"
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        text = ""
+    fields = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            fields[key] = int(parts[0]) * 1024
+    total, available = fields.get("MemTotal"), fields.get("MemAvailable", fields.get("MemFree"))
+    if total is None:
+        try:
+            page = os.sysconf("SC_PAGE_SIZE")
+            total = os.sysconf("SC_PHYS_PAGES") * page
+            available = os.sysconf("SC_AVPHYS_PAGES") * page
+            source = "sysconf"
+        except (ValueError, OSError, AttributeError):  # not POSIX, or the names are unknown here
+            return None, None, "unknown"
+    cap = cgroup_limit()
+    if cap is not None and total is not None and cap[0] < total:
+        limit, used = cap
+        total = limit
+        available = max(0, limit - used) if available is None else min(available, max(0, limit - used))
+        source = "cgroup"
+    return total, available, source
+
+
+def cgroup_limit(root: Path = Path("/sys/fs/cgroup")) -> tuple[int, int] | None:
+    """``(limit, usage)`` of this process's cgroup (v2 ``memory.max``/``memory.current``, or v1), if limited."""
+    for limit_name, usage_name in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
+        try:
+            limit_text = (root / limit_name).read_text().strip()
+            usage_text = (root / usage_name).read_text().strip()
+        except OSError:
+            continue
+        if limit_text.isdigit() and usage_text.isdigit() and int(limit_text) < 1 << 60:
+            return int(limit_text), int(usage_text)
+    return None
+
+
+def oom_kills(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The cgroup's count of OOM-killer kills (``memory.events``), or None where it cannot be read."""
+    try:
+        text = (root / "memory.events").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``, else ``"cpu"``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"
+
+
+def all_devices() -> list[DeviceInfo]:
+    """`detect_device` for every JAX device."""
+    return [detect_device(d) for d in jax.devices()]
