@@ -1,0 +1,344 @@
+"""Times every autoaccum strategy against the three hand-written ways of accumulating gradients.
+
+The baselines are the three options of optax's "Gradient accumulation and microbatching" notebook
+(``examples/gradient_accumulation_and_microbatching.ipynb``), written as a competent user would write them:
+
+* ``manual``: one jitted ``add_gradient(params, microbatch, acc)`` per microbatch (value_and_grad, then
+  ``jax.tree.map(jnp.add)`` into the donated accumulator, in the same program), then a jitted
+  ``update_params`` that averages, runs the optimizer and hands back a zeroed accumulator; the microbatches
+  are sliced once, before timing.
+* ``optax.MultiSteps``: the optimizer wrapped in ``optax.MultiSteps(opt, every_k_schedule=k)``, one jitted
+  step per (pre-sliced) microbatch.
+* ``optax.microbatching``: ``optax.microbatching.microbatch(value_and_grad(loss), MEAN)`` and the optimizer
+  update in one jitted step over the whole batch.
+
+Every method does the same work: ``B`` examples per step in ``k = B // m`` microbatches of ``m``, the
+workload's optimizer (AdamW) stepping once per ``B`` examples, ``params`` and ``opt_state`` donated. A cheap
+check first asserts that one step of every method from the same start matches the full-batch step.
+
+Timing excludes compilation: each method runs ``--warmup`` steps first. Then ``--rounds`` rounds run every
+method for ``--steps`` steps each (the order rotating from round to round, so that drifting load on a shared
+machine hits every method alike); a method's time is its median per-step time over the rounds.
+
+Run it as ``python benchmarks/strategies.py`` (about two minutes on two CPU cores); ``--help`` lists the
+options. Exit status: 0 when it ran (whether or not the goal is met; the last line says), 1 when a method's
+step disagrees with the full-batch step, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# Run as a script, this file's folder comes first on sys.path and its name would shadow the `strategies`
+# package; drop that entry (running it with `python -m benchmarks.strategies` needs no such fix).
+if os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax import microbatching
+
+import autoaccum
+import strategies
+from autoaccum import workloads
+
+PyTree = Any
+State = tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One way to run a full-batch-equivalent training step.
+
+    Attributes:
+      name: the row label.
+      by: ``"autoaccum"`` (one of our strategies), ``"hand-written"`` (a baseline) or ``"reference"``.
+      init: ``init(params) -> state``; the state's first item is always ``params``.
+      step: ``step(state) -> state``, one step on the benchmark's batch (captured), donating ``state``.
+    """
+
+    name: str
+    by: str
+    init: Callable[[PyTree], State]
+    step: Callable[[State], State]
+
+
+def full_batch(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, batch: PyTree) -> Method:
+    """The reference: one value_and_grad over the whole batch (no accumulation)."""
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def update(params: PyTree, opt_state: PyTree, batch: PyTree) -> State:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return Method(
+        "full batch (no accumulation)",
+        "reference",
+        lambda params: (params, optimizer.init(params)),
+        lambda state: update(state[0], state[1], batch)[:2],
+    )
+
+
+def ours(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    batch: PyTree,
+    m: int,
+    name: str,
+    **options: Any,
+) -> Method:
+    """``autoaccum.build_update(..., strategy=name, **options)``."""
+    update = autoaccum.build_update(loss_fn, optimizer, microbatch_size=m, strategy=name, **options)
+    label = name + "".join(f" {k}={v}" for k, v in options.items())
+    return Method(
+        label,
+        "autoaccum",
+        lambda params: (params, update.init(params)),
+        lambda state: update(state[0], state[1], batch)[:2],
+    )
+
+
+def manual(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, microbatches: list[PyTree]) -> Method:
+    """The notebook's option 1: ``add_gradient`` per microbatch, then ``update_params``."""
+    k = len(microbatches)
+
+    @functools.partial(jax.jit, donate_argnums=(2,))
+    def add_gradient(params: PyTree, microbatch: PyTree, acc: PyTree) -> PyTree:
+        loss, grads = jax.value_and_grad(loss_fn)(params, microbatch)
+        return jax.tree.map(jnp.add, acc, (loss, grads))
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def update_params(params: PyTree, opt_state: PyTree, acc: PyTree) -> State:
+        loss, grads = jax.tree.map(lambda x: x / k, acc)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, optax.tree.zeros_like(acc), loss
+
+    def init(params: PyTree) -> State:
+        return params, optimizer.init(params), (jnp.zeros((), jnp.float32), optax.tree.zeros_like(params))
+
+    def step(state: State) -> State:
+        params, opt_state, acc = state
+        for microbatch in microbatches:
+            acc = add_gradient(params, microbatch, acc)
+        return update_params(params, opt_state, acc)[:3]
+
+    return Method("manual accumulate + apply", "hand-written", init, step)
+
+
+def multisteps(
+    loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, microbatches: list[PyTree]
+) -> Method:
+    """The notebook's option 2: ``optax.MultiSteps``, one jitted step per microbatch."""
+    multi = optax.MultiSteps(optimizer, every_k_schedule=len(microbatches))
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def update(params: PyTree, opt_state: PyTree, microbatch: PyTree) -> State:
+        loss, grads = jax.value_and_grad(loss_fn)(params, microbatch)
+        updates, opt_state = multi.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def step(state: State) -> State:
+        params, opt_state = state
+        for microbatch in microbatches:  # per-microbatch losses left unreduced, as when a user logs them
+            params, opt_state, _ = update(params, opt_state, microbatch)
+        return params, opt_state
+
+    return Method("optax.MultiSteps", "hand-written", lambda params: (params, multi.init(params)), step)
+
+
+def microbatch(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, batch: PyTree, m: int) -> Method:
+    """The notebook's option 3: ``optax.microbatching.microbatch`` in one jitted step (MEAN accumulator)."""
+    mean = microbatching.AccumulationType.MEAN
+    value_and_grad = microbatching.microbatch(
+        jax.value_and_grad(loss_fn), argnums=1, microbatch_size=m, accumulator=mean
+    )
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def update(params: PyTree, opt_state: PyTree, batch: PyTree) -> State:
+        loss, grads = value_and_grad(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return Method(
+        "optax.microbatching.microbatch",
+        "hand-written",
+        lambda params: (params, optimizer.init(params)),
+        lambda state: update(state[0], state[1], batch)[:2],
+    )
+
+
+def copy(tree: PyTree) -> PyTree:
+    """A fresh copy (the methods donate what they are given)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
+def max_abs_diff(a: PyTree, b: PyTree) -> float:
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in pairs)
+
+
+def first_moment(opt_state: PyTree) -> PyTree:
+    """The ``mu`` of the Adam state inside ``opt_state`` (``MultiStepsState`` included)."""
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x)]
+    if len(found) != 1:
+        raise ValueError(f"expected one optax.ScaleByAdamState in the optimizer state, found {len(found)}")
+    return found[0].mu
+
+
+def machine() -> str:
+    device = jax.devices()[0]
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (
+        f"{platform.platform()} | {platform.processor() or platform.machine()} | {cpus} CPUs usable "
+        f"({os.cpu_count()} total) | jax {jax.__version__} on {device.platform} ({device.device_kind}) | "
+        f"optax {optax.__version__} | flax {flax.__version__} | python {platform.python_version()}"
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="exit status: 0 when the benchmark ran (the last line says whether the goal is met), "
+        "1 when a method's step disagrees with the full-batch step, 2 for bad arguments.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--batch", type=int, default=64, help="effective batch B (examples per optimizer step)")
+    p.add_argument("--microbatch", type=int, default=16, help="microbatch size m (must divide B)")
+    p.add_argument("--seq-len", type=int, default=64, help="transformer sequence length")
+    p.add_argument("--dim", type=int, default=64, help="transformer width")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per method (compilation included)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per method per round")
+    p.add_argument("--rounds", type=int, default=15, help="rounds; each method's time is its median over them")
+    scan_unroll = list(strategies.get("scan").options["unroll"])
+    p.add_argument("--unroll", type=int, nargs="+", default=scan_unroll, help="scan unroll values to time")
+    p.add_argument("--goal", type=float, default=0.97, help="required ratio of our best to their best")
+    p.add_argument("--atol", type=float, default=1e-4, help="one-step check: params tolerance (~0.1 lr)")
+    p.add_argument("--grad-atol", type=float, default=1e-6, help="one-step check: Adam first-moment tolerance")
+    args = p.parse_args(argv)
+    if min(args.batch, args.microbatch, args.steps, args.rounds) < 1 or args.warmup < 1:
+        p.error("--batch, --microbatch, --steps, --rounds and --warmup must be >= 1")
+    if args.batch % args.microbatch:
+        p.error(f"--microbatch={args.microbatch} must divide --batch={args.batch} (as optax.microbatching needs)")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    b, m = args.batch, args.microbatch
+    k = b // m
+    w = workloads.transformer(batch_size=b, seq_len=args.seq_len, dim=args.dim, layers=args.layers)
+    loss_fn, opt, batch = w.loss_fn, w.optimizer, w.batch
+    microbatches = [jax.tree.map(lambda x, i=i: x[i * m : (i + 1) * m], batch) for i in range(k)]
+    jax.block_until_ready(microbatches)
+
+    methods = [full_batch(loss_fn, opt, batch)]
+    for name in strategies.available():
+        if name == "scan":
+            methods += [ours(loss_fn, opt, batch, m, name, unroll=u) for u in args.unroll]
+        else:
+            methods.append(ours(loss_fn, opt, batch, m, name))
+    methods += [
+        manual(loss_fn, opt, microbatches),
+        multisteps(loss_fn, opt, microbatches),
+        microbatch(loss_fn, opt, batch, m),
+    ]
+
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(w.params))
+    print(f"machine: {machine()}")
+    print(
+        f"workload: transformer LM, {n_params:,} params, seq_len={args.seq_len}, dim={args.dim}, "
+        f"layers={args.layers}, the workload's optimizer (AdamW 1e-3)"
+    )
+    print(f"batch B={b}, microbatch m={m} (k={k} microbatches), {args.rounds} rounds x {args.steps} steps\n")
+
+    # One step from the same start: every method must match the full-batch step (equal work). Adam's first
+    # step is -lr * g / (|g| + eps) elementwise, so params can differ by up to ~lr where a gradient entry is
+    # ~0 and rounding flips its sign; its first moment after one step is exactly (1 - b1) * g, so the gradient
+    # itself (scale included) is checked there. The step also compiles; the warm-up continues from it.
+    states, first_call = {}, {}
+    reference: State = ()
+    failed, worst = [], [0.0, 0.0]
+    for method in methods:
+        params = jax.block_until_ready(copy(w.params))
+        start = time.perf_counter()  # first call: init, trace, compile and one step
+        state = jax.block_until_ready(method.step(method.init(params)))
+        first_call[method.name] = time.perf_counter() - start
+        if not reference:  # the first method is the full-batch reference
+            reference = jax.tree.map(np.asarray, state[:2])
+        diffs = (
+            max_abs_diff(state[0], reference[0]),
+            max_abs_diff(first_moment(state[1]), first_moment(reference[1])),
+        )
+        worst = [max(a, b) for a, b in zip(worst, diffs, strict=True)]
+        if diffs[0] > args.atol or diffs[1] > args.grad_atol:
+            failed.append(
+                f"{method.name}: max |params - full batch| = {diffs[0]:.2e} (atol={args.atol:g}), "
+                f"max |Adam mu - full batch| = {diffs[1]:.2e} (atol={args.grad_atol:g})"
+            )
+        for _ in range(args.warmup - 1):
+            state = method.step(state)
+        states[method.name] = jax.block_until_ready(state)
+    if failed:
+        print("one-step check FAILED:\n  " + "\n  ".join(failed), file=sys.stderr)
+        return 1
+    print(
+        f"one-step check vs full batch passed: max |params diff| = {worst[0]:.1e} (atol {args.atol:g}), "
+        f"max |Adam first-moment diff| = {worst[1]:.1e} (atol {args.grad_atol:g})\n"
+    )
+
+    times: dict[str, list[float]] = {method.name: [] for method in methods}
+    for r in range(args.rounds):
+        shift = r % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            state = states[method.name]
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                state = method.step(state)
+            state = jax.block_until_ready(state)
+            times[method.name].append((time.perf_counter() - start) / args.steps)
+            states[method.name] = state
+
+    print("| method | by | examples/s | ms/step (median) | ms/step (min) | first call (s) |")
+    print("|---|---|---:|---:|---:|---:|")
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    for method in methods:
+        t = medians[method.name]
+        print(
+            f"| {method.name} | {method.by} | {b / t:,.0f} | {1e3 * t:.2f} | {1e3 * min(times[method.name]):.2f} "
+            f"| {first_call[method.name]:.2f} |"
+        )
+    our_best = min((x for x in methods if x.by == "autoaccum"), key=lambda x: medians[x.name])
+    their_best = min((x for x in methods if x.by == "hand-written"), key=lambda x: medians[x.name])
+    ours_t, theirs_t = medians[our_best.name], medians[their_best.name]
+    ratio = theirs_t / ours_t
+    print(
+        f"\nour best: {our_best.name} ({b / ours_t:,.0f} ex/s); "
+        f"their best: {their_best.name} ({b / theirs_t:,.0f} ex/s)"
+    )
+    verdict = "met" if ratio >= args.goal else "NOT met"
+    best = {name: min(ts) for name, ts in times.items()}
+    floor = min(best[x.name] for x in methods if x.by == "hand-written") / min(
+        best[x.name] for x in methods if x.by == "autoaccum"
+    )
+    print(f"ratio at the least-disturbed round (min ms/step, a noise floor) = {floor:.3f}")
+    print(f"ratio our best / their best (median throughput) = {ratio:.3f} (goal >= {args.goal:g}: {verdict})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
