@@ -297,14 +297,36 @@ def measured(compiled: Compiled, platform: str, limit: int) -> Outcome:
     return run_trial(compiled, gpu_peak(compiled.device))
 
 
-def child_main(payload_path: str, size: int, limit: int, result_path: str) -> None:
-    """The child's work: load the job, compile, run under the cap, write the `Outcome` as JSON."""
+def load_payload(payload_path: str) -> tuple[Job, str]:
+    """The `Job` and platform a parent pickled (``autoaccum.probe.payload``), its ``sys.path`` restored."""
     with open(payload_path, "rb") as f:
         sys_path, platform, body = pickle.load(f)
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     import cloudpickle
 
     job: Job = cloudpickle.loads(body)
+    return job, platform
+
+
+def write_result(result_path: str, data: dict[str, Any]) -> None:
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, result_path)
+
+
+def child_estimate(payload_path: str, limit: int, max_size: int, granularity: int, result_path: str) -> None:
+    """The estimate child's work: `autoaccum.probe.estimate_job`, written as JSON."""
+    from autoaccum.probe import estimate_job
+
+    job, _ = load_payload(payload_path)
+    model = estimate_job(job, limit=limit, max_size=max_size, granularity=granularity)
+    write_result(result_path, {"estimate": None if model is None else dataclasses.asdict(model)})
+
+
+def child_main(payload_path: str, size: int, limit: int, result_path: str) -> None:
+    """The trial child's work: load the job, compile, run under the cap, write the `Outcome` as JSON."""
+    job, platform = load_payload(payload_path)
     device = jax.devices()[0]
     warm_up(device)
     outcome: Outcome
@@ -318,7 +340,4 @@ def child_main(payload_path: str, size: int, limit: int, result_path: str) -> No
     # A process boundary: every other failure is reported to the parent, which makes it a trial error.
     except Exception as e:
         outcome = Outcome("error", message="".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:])
-    tmp = result_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(dataclasses.asdict(outcome), f)
-    os.replace(tmp, result_path)
+    write_result(result_path, dataclasses.asdict(outcome))

@@ -116,7 +116,7 @@ def detect_device(device: Any = None) -> DeviceInfo:
     """
     if device is None:
         device = jax.devices()[0]
-    if not isinstance(device, jax.Device):
+    if not (hasattr(device, "platform") and hasattr(device, "memory_stats")):
         raise TypeError(f"`device` must be a jax.Device or None, got {type(device).__name__}: {device!r}.")
     platform = _GPU_PLATFORMS.get(str(device.platform).lower(), str(device.platform).lower())
     stats = memory_stats(device)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.machinery
+import json
 import math
 import os
 import pickle
@@ -303,11 +304,21 @@ def _resolve_limit(info: DeviceInfo, limit: int | None, isolate: bool) -> tuple[
     return limit, source
 
 
-def estimate(setup: Setup, *, compile_sizes: int = 64) -> Estimate | None:
+def estimate(setup: Setup) -> Estimate | None:
+    """`estimate_job` for ``setup``, in this process."""
+    return estimate_job(
+        setup.job, limit=setup.memory_limit_bytes, max_size=setup.max_size, granularity=setup.granularity
+    )
+
+
+def estimate_job(job: Job, *, limit: int, max_size: int, granularity: int, compile_sizes: int = 64) -> Estimate | None:
     """The compile-only model: XLA's peak at ``granularity``, at up to ``compile_sizes`` granules and at the
-    model's prediction; a linear fit through the two largest. None if XLA cannot compile it."""
-    job, g = setup.job, setup.granularity
-    top = setup.max_size // g
+    model's prediction; a linear fit through the two largest. None if XLA cannot compile it.
+
+    It traces ``loss_fn`` at those sizes, so `probe` runs it in a child process when trials are isolated.
+    """
+    g = granularity
+    top = max_size // g
     start = time.perf_counter()
     sizes: list[int] = []
     peaks: list[int] = []
@@ -339,7 +350,7 @@ def estimate(setup: Setup, *, compile_sizes: int = 64) -> Estimate | None:
         fixed = peaks[-1] - per * sizes[-1]
         if per <= 0:
             return fixed, per, top * g
-        units = math.floor((setup.memory_limit_bytes - fixed) / per / g)
+        units = math.floor((limit - fixed) / per / g)
         return fixed, per, max(0, min(top, units)) * g
 
     fixed, per, predicted = fit()
@@ -376,7 +387,8 @@ def search(
     while hi - lo > 1:
         prediction = _predict(points, limit, per_granule)
         if prediction is None and not points and estimate is not None:
-            prediction = estimate.predicted / g * FIRST_MARGIN
+            # Below the compile-only prediction by a margin, unless it says that even max_size fits.
+            prediction = top + 1.0 if estimate.predicted >= top * g else estimate.predicted / g * FIRST_MARGIN
         if prediction is None:
             cand = (lo + hi) // 2 if hi <= top else max(1, 2 * lo)
         else:
@@ -406,7 +418,9 @@ def search(
 
 
 def _predict(points: list[tuple[int, int]], limit: int, per_granule: float | None) -> float | None:
-    """Granules at which the model meets ``limit``, anchored at the largest fitting trial."""
+    """Granules at which the model meets ``limit``: the slope measured between the largest fitting trial and
+    one well below it (else the estimate's), anchored at whichever fitting trial in the upper half gives the
+    most cautious answer (a trial that under-reports its peak must not push the next one over the edge)."""
     if not points:
         return None
     k_max, u_max = max(points)
@@ -419,7 +433,7 @@ def _predict(points: list[tuple[int, int]], limit: int, per_granule: float | Non
             slope = measured
     if slope is None or slope <= 0:
         return None
-    return k_max + (limit - u_max) / slope
+    return min(k + (limit - u) / slope for k, u in points if 2 * k >= k_max)
 
 
 class TrialRunner:
@@ -434,6 +448,7 @@ class TrialRunner:
         self.trials: list[Trial] = []
         self._dir: Path | None = None
         self._payload: Path | None = None
+        self._count = 0
 
     def __enter__(self) -> TrialRunner:
         if self.setup.isolate:
@@ -446,6 +461,22 @@ class TrialRunner:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+    def estimate(self) -> tuple[Estimate | None, str | None]:
+        """The compile-only `Estimate` (in a child when isolated), and why it is None when it is."""
+        if not self.setup.isolate:
+            return estimate(self.setup), None
+        s = self.setup
+        status, data, output = self._spawn(
+            ["estimate", str(s.memory_limit_bytes), str(s.max_size), str(s.granularity)], "estimate"
+        )
+        if status is None:
+            return None, f"the compile-only estimate's child died ({output.strip()[-300:] or 'no output'})"
+        if data.get("estimate") is None:
+            return None, data.get("message") or "XLA could not compile the step for an estimate"
+        fields = dict(data["estimate"])
+        fields["sizes"], fields["peak_bytes"] = tuple(fields["sizes"]), tuple(fields["peak_bytes"])
+        return Estimate(**fields), None
 
     def __call__(self, size: int) -> Trial:
         start = time.perf_counter()
@@ -479,27 +510,47 @@ class TrialRunner:
             return oom_outcome(e)
 
     def _in_child(self, size: int) -> Outcome:
-        assert self._dir is not None and self._payload is not None, "use TrialRunner as a context manager"
-        n = len(self.trials)
-        result, log = self._dir / f"result-{n}.json", self._dir / f"log-{n}.txt"
         kills = oom_kills()
-        command = [
-            sys.executable, "-m", "autoaccum._child",
-            str(self._payload), str(size), str(self.setup.memory_limit_bytes), str(result),
-        ]  # fmt: skip
+        status, data, output = self._spawn(["trial", str(size), str(self.setup.memory_limit_bytes)], "trial")
+        if status is not None:
+            return Outcome(**data)
+        after = oom_kills()
+        killed = None if kills is None or after is None else after > kills
+        return classify_exit(status_code(output), output, killed)
+
+    def _spawn(self, args: list[str], kind: str) -> tuple[int | None, dict[str, Any], str]:
+        """Runs ``python -m autoaccum._child KIND PAYLOAD ... RESULT``: ``(0, result, output)`` if it wrote its
+        result, else ``(None, {}, output)`` with the exit status prepended to the output."""
+        assert self._dir is not None and self._payload is not None, "use TrialRunner as a context manager"
+        self._count += 1
+        result, log = self._dir / f"{kind}-{self._count}.json", self._dir / f"{kind}-{self._count}.log"
+        command = [sys.executable, "-m", "autoaccum._child", args[0], str(self._payload), *args[1:], str(result)]
         with open(log, "wb") as out:
             proc = subprocess.run(
                 command, env=child_env(self.setup.device, self.setup.memory_limit_bytes),
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, check=False,
             )  # fmt: skip
-        if result.is_file():
-            import json
-
-            return Outcome(**json.loads(result.read_text()))
         output = log.read_bytes()[-20000:].decode(errors="replace")
-        after = oom_kills()
-        killed = None if kills is None or after is None else after > kills
-        return classify_exit(proc.returncode, output, killed)
+        if result.is_file():
+            return 0, json.loads(result.read_text()), output
+        return None, {}, f"{_STATUS}{proc.returncode}\n{output}"
+
+
+_STATUS = "autoaccum-child-exit-status: "
+
+
+def status_code(output: str) -> int:
+    """The exit status `TrialRunner._spawn` put at the start of a dead child's output."""
+    first = output.split("\n", 1)[0]
+    return int(first[len(_STATUS) :]) if first.startswith(_STATUS) else 1
+
+
+_CPU_MALLOC = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_THRESHOLD_": "65536",
+    "MALLOC_TOP_PAD_": "0",
+    "MALLOC_TRIM_THRESHOLD_": "0",
+}
 
 
 def child_env(info: DeviceInfo, limit: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -508,7 +559,10 @@ def child_env(info: DeviceInfo, limit: int, env: Mapping[str, str] | None = None
     On a GPU: ``CUDA_VISIBLE_DEVICES`` selects the probed card, ``XLA_CLIENT_MEM_FRACTION`` = ``limit`` /
     the card's total (XLA's BFC allocator then hands out at most that), ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
     and the default allocator (the fraction is ignored by ``platform``). On the CPU: ``JAX_PLATFORMS=cpu``
-    and ``MALLOC_ARENA_MAX=2`` (fewer per-thread malloc arenas reserving address space under the cap).
+    and glibc malloc made predictable under the cap: ``MALLOC_ARENA_MAX=1`` (no per-thread arenas, which reserve
+    address space in 64 MiB heaps), ``MALLOC_MMAP_THRESHOLD_=65536`` (every large buffer is its own mapping,
+    released when freed; no dynamic threshold), ``MALLOC_TOP_PAD_=0`` and ``MALLOC_TRIM_THRESHOLD_=0``. Without
+    them the same size fits in one child and not in the next (measured: +-50 examples at 100 MiB).
 
     Example:
       >>> import autoaccum
@@ -526,7 +580,8 @@ def child_env(info: DeviceInfo, limit: int, env: Mapping[str, str] | None = None
         out["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         out.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None)
     elif info.platform == "cpu":
-        out.setdefault("MALLOC_ARENA_MAX", "2")
+        for name, value in _CPU_MALLOC.items():
+            out.setdefault(name, value)
     return out
 
 
@@ -634,14 +689,15 @@ def probe(
         max_size=max_size, granularity=granularity, has_aux=has_aux, isolate=isolate, device=device,
         options=options,
     )  # fmt: skip
-    model = estimate(setup)
     with TrialRunner(setup, progress) as runner:
+        model, why = runner.estimate()
         best = search(
             runner, limit=setup.memory_limit_bytes, max_size=setup.max_size, granularity=setup.granularity,
             estimate=model,
         )  # fmt: skip
         trials = tuple(runner.trials)
     limit = format_bytes(setup.memory_limit_bytes)
+    note = "" if why is None else f" (no compile-only estimate: {why})"
     if best == 0:
         message = (
             f"nothing fits: even a microbatch of {setup.granularity} does not run under {limit} on {setup.device.name}."
@@ -650,6 +706,7 @@ def probe(
         message = f"microbatch {best} (max_size) fits under {limit} on {setup.device.name}."
     else:
         message = f"microbatch {best} fits under {limit} on {setup.device.name}; {best + setup.granularity} does not."
+    message += note
     return ProbeResult(
         max_microbatch=best,
         trials=trials,

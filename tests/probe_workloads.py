@@ -1,0 +1,53 @@
+"""Small pure-JAX problems for the probe tests (no flax: a trial's child imports this module, so keep it light)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from autoaccum.workload import Workload
+
+FEATURES = 4096  # 16 KiB of float32 input per example: a 100 MiB cap bounds the microbatch near 6400
+
+
+def linear_loss(params: Any, batch: Any) -> jax.Array:
+    return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+
+def linear(features: int = FEATURES, rows: int = 4) -> tuple[Any, Any, Any]:
+    """``(loss_fn, params, batch)`` of a linear regression with ``features`` inputs."""
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(rows, features)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(rows,)), jnp.float32),
+    }
+    params = {"w": jnp.zeros((features,)), "b": jnp.zeros(())}
+    return linear_loss, params, batch
+
+
+def abort_past_64(params: Any, batch: Any) -> jax.Array:
+    """Kills its process (SIGABRT, no allocation failure) when traced for more than 64 examples."""
+    if batch["x"].shape[0] > 64:
+        os.abort()
+    return linear_loss(params, batch)
+
+
+def raise_past_64(params: Any, batch: Any) -> jax.Array:
+    if batch["x"].shape[0] > 64:
+        raise ValueError("this loss refuses batches above 64 examples")
+    return linear_loss(params, batch)
+
+
+def workload() -> Workload:
+    """The CLI's test workload (``probe_workloads:workload``)."""
+    loss_fn, params, batch = linear()
+    return Workload(loss_fn, params, batch, optax.sgd(1e-2), name="linear-4096")
+
+
+def not_a_workload() -> int:
+    return 3

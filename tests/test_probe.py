@@ -1,0 +1,196 @@
+"""The probe: an exact boundary under a real memory cap, few runs, a caller that survives crashing trials.
+
+The search is tested against simulated devices (fast, many boundaries); the real thing runs trials in child
+processes under a CPU address-space cap and checks its answer with separate capped runs.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import probe_workloads
+import pytest
+
+import autoaccum
+from autoaccum._trial import classify_exit, is_oom
+from autoaccum.probe import Estimate, ProbeError, Trial, TrialRunner, prepare, search
+
+
+def fake_device(fixed: float, per: float, boundary: int, noise: float = 0.0, seed: int = 0):  # type: ignore[no-untyped-def]
+    """``run(m)`` of a device where ``boundary`` fits and ``boundary + 1`` does not, and its limit."""
+    rng = np.random.default_rng(seed)
+    limit = int(fixed + per * (boundary + 0.5))
+    runs: list[int] = []
+
+    def run(m: int) -> Trial:
+        runs.append(m)
+        fits = fixed + per * m <= limit
+        used = fixed + per * m + per * noise * rng.uniform(-1, 1)
+        return Trial(m, fits, 0.0, peak_bytes=int(used) if fits else None)
+
+    return run, limit, runs
+
+
+def model(fixed: float, per: float, limit: int, max_size: int, g: int = 1) -> Estimate:
+    predicted = max(0, min(max_size // g, math.floor((limit - fixed) / per / g))) * g
+    return Estimate((g,), (int(fixed + per * g),), fixed, per, predicted, 0.0)
+
+
+BOUNDARIES = [1, 2, 3, 7, 64, 100, 999, 4096, 5000, 12345, 16383, 16384]
+
+
+@pytest.mark.parametrize(
+    "slope_error, fixed_error, noise, most",
+    [(0.0, 0.0, 0.0, 4), (0.05, 0.0, 0.0, 5), (-0.05, 0.0, 0.0, 8), (0.3, 2.0, 0.0, 6), (0.0, 0.0, 3.0, 8)],
+    ids=["exact-model", "slope+5%", "slope-5%", "slope+30%-fixed*3", "noisy-peaks"],
+)
+def test_search_is_exact_and_spends_few_runs(slope_error: float, fixed_error: float, noise: float, most: int) -> None:
+    for boundary in BOUNDARIES:
+        run, limit, runs = fake_device(5e6, 16384.0, boundary, noise, seed=boundary)
+        estimate = model(5e6 * (1 + fixed_error), 16384.0 * (1 + slope_error), limit, 16384)
+        found = search(run, limit=limit, max_size=16384, estimate=estimate)
+        assert found == boundary, (boundary, runs)
+        assert len(runs) <= most, (boundary, runs)
+        assert boundary in runs and (boundary == 16384 or boundary + 1 in runs), runs
+
+
+def test_search_without_an_estimate_still_finds_the_boundary() -> None:
+    for boundary in BOUNDARIES:
+        run, limit, runs = fake_device(5e6, 16384.0, boundary)
+        assert search(run, limit=limit, max_size=16384) == boundary, runs
+        assert len(runs) <= 20
+
+
+def test_search_granularity_max_size_and_nothing_fits() -> None:
+    run, limit, runs = fake_device(1e6, 1000.0, 1234)
+    assert search(run, limit=limit, max_size=4096, granularity=8, estimate=model(1e6, 1000.0, limit, 4096, 8)) == 1232
+    assert all(m % 8 == 0 for m in runs) and {1232, 1240} <= set(runs)
+    run, limit, runs = fake_device(1e6, 1000.0, 50_000)
+    assert search(run, limit=limit, max_size=300, estimate=model(1e6, 1000.0, limit, 300)) == 300
+    assert max(runs) == 300
+    run, limit, runs = fake_device(1e6, 1000.0, 5)
+    assert search(run, limit=limit, max_size=4096, granularity=8) == 0
+    assert runs == [8]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_size=0), "`max_size` must be >= 1"),
+        (dict(granularity=0), "`granularity` must be >= 1"),
+        (dict(granularity=64, max_size=8), "below `granularity`"),
+        (dict(memory_limit="lots"), "`memory_limit`='lots' does not parse"),
+        (dict(memory_limit=-5), "`memory_limit` must be positive"),
+        (dict(memory_limit=1000), r"alone need: .*\(16388 bytes\)"),
+        (dict(strategy="nope"), "unknown `strategy`"),
+    ],
+    ids=["max_size", "granularity", "granularity-above-max", "unparsable-limit", "negative-limit", "limit-below-state",
+         "strategy"],
+)  # fmt: skip
+def test_bad_input_is_refused_before_anything_runs(kwargs: dict, match: str) -> None:
+    loss_fn, params, batch = probe_workloads.linear()
+    with pytest.raises(ValueError, match=match):
+        autoaccum.probe(loss_fn, params, batch, optimizer=optax.sgd(0.1), **kwargs)
+
+
+def test_oom_classification() -> None:
+    assert is_oom(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 5 bytes."))
+    assert is_oom(jax.errors.JaxRuntimeError("INTERNAL: Error dispatching computation: Out of memory allocating 8"))
+    assert not is_oom(jax.errors.JaxRuntimeError("INTERNAL: something else"))
+    assert is_oom(MemoryError()) and not is_oom(ValueError("RESOURCE_EXHAUSTED"))
+    abort = -signal.SIGABRT
+    bad_alloc = "terminate called after throwing an instance of 'std::bad_alloc'\n  what():  std::bad_alloc"
+    assert classify_exit(abort, bad_alloc, None).status == "oom"
+    crashed = classify_exit(abort, "", None)
+    assert crashed.status == "error" and "SIGABRT" in (crashed.message or "")
+    assert classify_exit(-signal.SIGKILL, "", None).status == "oom"
+    assert classify_exit(-signal.SIGKILL, "", False).status == "error"
+    assert classify_exit(-signal.SIGSEGV, "", None).status == "error"
+    assert classify_exit(1, "Traceback ...\nMemoryError", None).status == "oom"
+    assert classify_exit(1, "Traceback ...\nKeyError: 'x'", None).status == "error"
+
+
+def test_in_process_probe_leaves_the_callers_arrays_alone() -> None:
+    loss_fn, params, batch = probe_workloads.linear(features=8)
+    before = jax.tree.map(np.array, (params, batch))
+    result = autoaccum.probe(loss_fn, params, batch, memory_limit="512MiB", max_size=48, isolate=False)
+    assert result.max_microbatch == 48 and result.reached_max_size
+    assert result.runs <= 3 and all(t.fits for t in result.trials)
+    jax.tree.map(np.testing.assert_array_equal, before, (params, batch))
+    assert float(jnp.sum(params["w"])) == 0.0  # still alive: nothing was donated
+
+
+def verify(setup_kwargs: dict, sizes: list[int]) -> list[bool]:
+    """Separate capped runs (each in its own child) of ``sizes``."""
+    loss_fn, params, batch = probe_workloads.linear()
+    setup = prepare(loss_fn, params, batch, **setup_kwargs)
+    with TrialRunner(setup) as run:
+        return [run(m).fits for m in sizes]
+
+
+def test_probe_finds_the_exact_boundary_under_a_real_cap() -> None:
+    loss_fn, params, batch = probe_workloads.linear()
+    before = jax.tree.map(np.array, params)
+    seen: list[Trial] = []
+    kwargs = dict(optimizer=optax.sgd(0.1), memory_limit="100MiB", max_size=16384)
+    result = autoaccum.probe(loss_fn, params, batch, progress=seen.append, **kwargs)
+    m = result.max_microbatch
+    assert 5000 < m < 6500, result  # 16 KiB of input per example under 100 MiB (plus slack already mapped)
+    assert list(result.trials) == seen and result.runs <= 8, [(t.microbatch_size, t.fits) for t in result.trials]
+    assert result.memory_limit_bytes == 100 * 2**20 and result.estimate is not None
+    assert any(t.microbatch_size == m and t.fits for t in result.trials)
+    assert any(t.microbatch_size == m + 1 and not t.fits for t in result.trials)
+    assert verify(kwargs, [m, m + 1]) == [True, False]
+    jax.tree.map(np.testing.assert_array_equal, before, params)
+    assert result.to_dict()["max_microbatch"] == m
+
+
+def test_probe_with_granularity_and_the_loop_strategy() -> None:
+    loss_fn, params, batch = probe_workloads.linear()
+    kwargs = dict(optimizer=optax.adam(1e-3), memory_limit="48MiB", max_size=8192, granularity=8, strategy="loop")
+    result = autoaccum.probe(loss_fn, params, batch, **kwargs)
+    m = result.max_microbatch
+    assert m > 0 and m % 8 == 0 and result.runs <= 8, result.trials
+    assert all(t.microbatch_size % 8 == 0 for t in result.trials)
+    assert verify(kwargs, [m, m + 8]) == [True, False]
+
+
+def test_the_caller_survives_a_child_that_aborts() -> None:
+    _, params, batch = probe_workloads.linear(features=64)
+    with pytest.raises(ProbeError, match="SIGABRT") as info:
+        autoaccum.probe(
+            probe_workloads.abort_past_64, params, batch, memory_limit="256MiB", max_size=128, granularity=32
+        )
+    crash = info.value.trial
+    assert crash.microbatch_size > 64 and not crash.fits and crash.error is not None
+    assert all(t.fits for t in info.value.trials[:-1])
+
+
+def test_a_trial_error_is_reported_not_taken_for_too_big() -> None:
+    _, params, batch = probe_workloads.linear(features=64)
+    with pytest.raises(ProbeError, match="refuses batches above 64"):
+        autoaccum.probe(
+            probe_workloads.raise_past_64, params, batch, memory_limit="256MiB", max_size=128, granularity=32
+        )
+
+
+def test_nothing_fits_returns_zero() -> None:
+    loss_fn, params, batch = probe_workloads.linear()
+    result = autoaccum.probe(loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="4MiB", granularity=1024)
+    assert result.max_microbatch == 0 and "nothing fits" in result.message
+    assert [t.fits for t in result.trials] == [False]
+
+
+@pytest.mark.gpu
+def test_probe_on_a_gpu_under_a_cap() -> None:
+    loss_fn, params, batch = probe_workloads.linear()
+    kwargs = dict(optimizer=optax.sgd(0.1), memory_limit="1GiB", max_size=1 << 17)
+    result = autoaccum.probe(loss_fn, params, batch, **kwargs)
+    m = result.max_microbatch
+    assert result.device.platform == "gpu" and 0 < m < 1 << 17 and result.runs <= 8
+    assert verify(kwargs, [m, m + 1]) == [True, False]
