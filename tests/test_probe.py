@@ -160,6 +160,9 @@ def test_probe_with_granularity_and_the_loop_strategy() -> None:
     assert verify(kwargs, [m, m + 8]) == [True, False]
 
 
+GRANULES_32 = dict(granularity=32)
+
+
 def test_the_caller_survives_a_child_that_aborts() -> None:
     _, params, batch = probe_workloads.linear(features=64)
     with pytest.raises(ProbeError, match="SIGABRT") as info:

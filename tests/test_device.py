@@ -1,0 +1,137 @@
+"""Device detection: the CPU here, a simulated NVIDIA GPU through a fake NVML, and a machine without a driver."""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import pytest
+
+import autoaccum
+from autoaccum.device import detect_device, nvml_memory, visible_entry
+from autoaccum.probe import _resolve_limit, child_env
+
+GiB = 2**30
+UUIDS = ["GPU-aaaa1111-0000", "GPU-bbbb2222-0000", "GPU-bbbc3333-0000"]
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+class FakeLibraryNotFound(FakeNVMLError):
+    pass
+
+
+def fake_pynvml(*, missing: bool = False) -> types.ModuleType:
+    """A stand-in for ``pynvml`` with three 80 GiB cards (PCI order), card i having i GiB in use."""
+    m = types.ModuleType("pynvml")
+    m.NVMLError = FakeNVMLError  # type: ignore[attr-defined]
+    m.NVMLError_LibraryNotFound = FakeLibraryNotFound  # type: ignore[attr-defined]
+
+    def init() -> None:
+        if missing:
+            raise FakeLibraryNotFound("NVML Shared Library Not Found")
+
+    m.nvmlInit = init  # type: ignore[attr-defined]
+    m.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    m.nvmlDeviceGetCount = lambda: len(UUIDS)  # type: ignore[attr-defined]
+    m.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)  # type: ignore[attr-defined]
+    m.nvmlDeviceGetUUID = lambda h: UUIDS[h[1]]  # type: ignore[attr-defined]
+    m.nvmlDeviceGetName = lambda h: b"NVIDIA H100 80GB HBM3" if h[1] == 1 else "NVIDIA A100-SXM4-80GB"  # type: ignore[attr-defined]
+    m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(  # type: ignore[attr-defined]
+        total=80 * GiB, free=(80 - h[1]) * GiB, used=h[1] * GiB
+    )
+    return m
+
+
+class FakeGpu:
+    """Looks like a ``jax.Device`` on CUDA to `detect_device`."""
+
+    platform = "gpu"
+    device_kind = "NVIDIA H100 80GB HBM3"
+
+    def __init__(self, ordinal: int, stats: dict[str, int] | None = None) -> None:
+        self.id = self.local_hardware_id = ordinal
+        self._stats = (
+            {"bytes_limit": 60 * GiB, "bytes_in_use": GiB, "peak_bytes_in_use": GiB} if stats is None else stats
+        )
+
+    def memory_stats(self) -> dict[str, int]:
+        return self._stats
+
+    def __str__(self) -> str:
+        return f"cuda:{self.id}"
+
+
+def test_cpu_figures_come_from_the_os() -> None:
+    info = autoaccum.detect_device()
+    assert info.platform == "cpu" and info.limit_bytes is None
+    assert info.total_bytes and info.free_bytes and 0 < info.free_bytes <= info.total_bytes
+    assert info.sources["total_bytes"] in ("/proc/meminfo", "cgroup", "sysconf")
+    assert info.memory_limit_bytes == int(info.free_bytes * 0.5)
+    assert info.to_dict()["platform"] == "cpu"
+    with pytest.raises(TypeError, match=r"`device` must be a jax\.Device"):
+        detect_device("cuda:0")
+
+
+def test_visible_devices_map_to_nvml_indices() -> None:
+    assert visible_entry(0, {}) == "0"
+    assert visible_entry(1, {"CUDA_VISIBLE_DEVICES": "2, GPU-bbbb"}) == "GPU-bbbb"
+    assert visible_entry(0, {"CUDA_VISIBLE_DEVICES": ""}) == "0"
+
+
+def test_nvml_lookup_by_index_and_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml())
+    assert nvml_memory("2") == (2, "NVIDIA A100-SXM4-80GB", 80 * GiB, 78 * GiB)
+    assert nvml_memory("GPU-bbbb2222-0000") == (1, "NVIDIA H100 80GB HBM3", 80 * GiB, 79 * GiB)
+    assert nvml_memory("GPU-aaaa")[0] == 0  # type: ignore[index]  # a unique prefix, as CUDA accepts
+    assert nvml_memory("GPU-bbb") is None  # ambiguous prefix: no guess
+    assert nvml_memory("7") is None and nvml_memory("MIG-1234") is None
+
+
+def test_simulated_gpu_through_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,GPU-bbbb2222")
+    info = detect_device(FakeGpu(1))  # CUDA ordinal 1 = the second visible entry = NVML index 1
+    assert (info.platform, info.name, info.nvml_index, info.visible_id) == (
+        "gpu", "NVIDIA H100 80GB HBM3", 1, "GPU-bbbb2222",
+    )  # fmt: skip
+    assert (info.total_bytes, info.free_bytes, info.limit_bytes) == (80 * GiB, 79 * GiB, 60 * GiB)
+    assert info.sources == {
+        "limit_bytes": "jax.memory_stats", "name": "nvml", "total_bytes": "nvml", "free_bytes": "nvml",
+    }  # fmt: skip
+    first = detect_device(FakeGpu(0))
+    assert first.nvml_index == 2 and first.free_bytes == 78 * GiB
+
+
+def test_no_driver_falls_back_to_xla(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(missing=True))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    info = detect_device(FakeGpu(0))
+    assert info.name == "NVIDIA H100 80GB HBM3" and info.nvml_index is None
+    assert (info.total_bytes, info.free_bytes, info.limit_bytes) == (60 * GiB, 59 * GiB, 60 * GiB)
+    assert info.sources["total_bytes"].startswith("jax.memory_stats")
+    bare = detect_device(FakeGpu(0, stats={}))
+    assert bare.total_bytes is None and bare.limit_bytes is None
+
+
+def test_gpu_child_is_capped_through_xla_and_sees_one_card(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,GPU-bbbb2222")
+    info = detect_device(FakeGpu(1))
+    env = child_env(info, 20 * GiB, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".9", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-bbbb2222" and env["JAX_PLATFORMS"] == "gpu"
+    assert env["XLA_CLIENT_MEM_FRACTION"] == "0.250000" and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env and "XLA_PYTHON_CLIENT_ALLOCATOR" not in env
+    assert _resolve_limit(info, None, True) == (60 * GiB, "XLA allocator limit (memory_stats bytes_limit)")
+    with pytest.raises(ValueError, match=r"above the 79\.00 GiB free"):
+        _resolve_limit(info, 79 * GiB + 1, True)
+    with pytest.raises(ValueError, match="needs isolate=True"):
+        _resolve_limit(info, GiB, False)
+
+
+def test_cpu_child_gets_predictable_malloc() -> None:
+    env: dict[str, Any] = child_env(autoaccum.detect_device(), GiB, {"PATH": "/bin"})
+    assert env["JAX_PLATFORMS"] == "cpu" and env["MALLOC_ARENA_MAX"] == "1" and env["PATH"] == "/bin"
