@@ -28,3 +28,9 @@ __all__ = ["main"]
 from autoaccum.cli.tune import tune as _tune  # noqa: E402
 
 main.add_command(_tune)
+
+from autoaccum.cli.devices import devices as _devices  # noqa: E402
+from autoaccum.cli.probe import probe as _probe  # noqa: E402
+
+main.add_command(_devices)
+main.add_command(_probe)

@@ -1,0 +1,133 @@
+"""``autoaccum probe``: the largest microbatch whose full update step really runs on this device."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import click
+
+import strategies as strategies_lib
+from autoaccum.cli._common import resolve_workload, workload_arguments
+
+
+@click.command()
+@workload_arguments
+@click.option(
+    "--strategy", type=click.Choice(strategies_lib.available()), default="scan", show_default=True,
+    help="Accumulation strategy whose update step each trial runs.",
+)  # fmt: skip
+@click.option(
+    "--memory-limit",
+    help="Memory a trial may use, e.g. 1.5GiB or 800MB [default: XLA's allocator limit on a GPU, "
+    "50% of available RAM on the CPU].",
+)
+@click.option("--max-size", type=int, default=16384, show_default=True, help="Largest microbatch to try.")
+@click.option("--granularity", type=int, default=1, show_default=True, help="Try only multiples of this (e.g. 8).")
+@click.option(
+    "--no-isolate", is_flag=True,
+    help="Run trials in this process (faster; a crashing trial kills it, and memory can carry over).",
+)  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print only JSON (the ProbeResult).")
+def probe(
+    workload: str | None,
+    demo: bool,
+    strategy: str,
+    memory_limit: str | None,
+    max_size: int,
+    granularity: int,
+    no_isolate: bool,
+    as_json: bool,
+) -> None:
+    """Find the largest microbatch whose update step (forward, backward, optimizer) fits in memory.
+
+    WORKLOAD is path/to/file.py:function or package.module:function returning an autoaccum.Workload;
+    --demo uses the built-in transformer language model. Each trial runs the real step in a fresh child
+    process under the memory limit; a compile-only estimate picks where to start.
+
+    \b
+    Exit codes: 0 found a microbatch that fits;
+                1 nothing fits, or a trial failed for another reason than memory;
+                2 bad usage or bad input (workload, limit, sizes).
+    """
+    # The children need the GPU memory: keep this process from preallocating 75% of it when JAX starts.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    from rich.console import Console
+
+    from autoaccum.probe import ProbeError, Trial, prepare
+    from autoaccum.probe import probe as run_probe
+    from autoaccum.units import format_bytes, parse_bytes
+
+    if max_size < 1:
+        raise click.BadParameter(f"must be >= 1, got {max_size}.", param_hint="--max-size")
+    if granularity < 1:
+        raise click.BadParameter(f"must be >= 1, got {granularity}.", param_hint="--granularity")
+    if memory_limit is not None:
+        try:
+            parse_bytes(memory_limit, "--memory-limit")
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--memory-limit") from e
+    w = resolve_workload(workload, demo)
+    console = Console(stderr=as_json, quiet=as_json)
+
+    def show(t: Trial) -> None:
+        if t.fits:
+            used = "" if t.peak_bytes is None else f", peak {format_bytes(t.peak_bytes)}"
+            console.print(f"  microbatch {t.microbatch_size:>7}: [green]fits[/] (step {t.seconds:.4f} s{used})")
+        elif t.error is None:
+            console.print(f"  microbatch {t.microbatch_size:>7}: [red]out of memory[/]")
+        else:
+            console.print(f"  microbatch {t.microbatch_size:>7}: [bold red]error[/]")
+
+    console.print(f"probing [bold]{w.name}[/] ({strategy}) ...")
+    kwargs = dict(
+        optimizer=w.optimizer, strategy=strategy, memory_limit=memory_limit, max_size=max_size,
+        granularity=granularity, has_aux=w.has_aux, isolate=not no_isolate,
+    )  # fmt: skip
+    try:
+        prepare(w.loss_fn, w.params, w.batch, **kwargs)  # bad input is exit 2; errors in trials are exit 1
+    except (ValueError, TypeError) as e:
+        raise click.UsageError(str(e)) from e
+    try:
+        result = run_probe(w.loss_fn, w.params, w.batch, progress=show, **kwargs)
+    except ProbeError as e:
+        if as_json:
+            trials = [t.to_dict() for t in e.trials]
+            click.echo(json.dumps({"error": str(e), "trials": trials}, indent=2))
+        else:
+            console.print(f"[bold red]error:[/] {e}")
+        raise SystemExit(1) from e
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        _report(console, result)
+    if result.max_microbatch == 0:
+        raise SystemExit(1)
+
+
+def _report(console: object, result: object) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from autoaccum.probe import ProbeResult
+    from autoaccum.units import format_bytes
+
+    assert isinstance(console, Console) and isinstance(result, ProbeResult)
+    d = result.device
+    console.print(
+        f"device: {d.name} ({d.platform}); limit {format_bytes(result.memory_limit_bytes)} ({result.limit_source})"
+    )
+    table = Table(title=f"{result.runs} trials in {result.seconds:.1f} s")
+    for column in ("#", "microbatch", "result", "step s", "peak", "trial s"):
+        table.add_column(column, justify="right" if column != "result" else "left")
+    for i, t in enumerate(result.trials, 1):
+        outcome = "fits" if t.fits else ("out of memory" if t.error is None else "error")
+        table.add_row(
+            str(i), str(t.microbatch_size), outcome,
+            "" if t.seconds is None else f"{t.seconds:.4f}",
+            "" if t.peak_bytes is None else format_bytes(t.peak_bytes),
+            "" if t.wall_seconds is None else f"{t.wall_seconds:.1f}",
+        )  # fmt: skip
+    console.print(table)
+    style = "bold green" if result.max_microbatch else "bold red"
+    console.print(f"[{style}]{result.message}[/]")

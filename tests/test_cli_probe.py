@@ -1,0 +1,84 @@
+"""``autoaccum probe`` and ``autoaccum devices``: exit codes, JSON, and messages that say what is wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from autoaccum.cli import main
+
+WORKLOAD = "probe_workloads:workload"
+
+
+def invoke(*args: str) -> Result:
+    result = CliRunner().invoke(main, list(args))
+    print(result.output)  # shown when an assertion fails
+    return result
+
+
+def test_help_documents_exit_codes() -> None:
+    result = invoke("probe", "--help")
+    assert result.exit_code == 0
+    assert "Exit codes: 0" in result.output and "--memory-limit" in result.output and "--no-isolate" in result.output
+
+
+def test_devices_json_and_table() -> None:
+    result = invoke("devices", "--json")
+    assert result.exit_code == 0
+    (cpu, *_) = json.loads(result.output)
+    assert cpu["platform"] == "cpu" and cpu["total_bytes"] > 0 and "total_bytes" in cpu["sources"]
+    table = invoke("devices")
+    assert table.exit_code == 0 and "cpu" in table.output
+
+
+def test_probe_json_in_process() -> None:
+    result = invoke("probe", WORKLOAD, "--memory-limit", "256MiB", "--max-size", "48", "--no-isolate", "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.output)
+    assert data["max_microbatch"] == 48 and data["runs"] == len(data["trials"]) <= 3
+    assert data["device"]["platform"] == "cpu" and data["memory_limit_bytes"] == 256 * 2**20
+
+
+def test_probe_human_output_and_nothing_fits_exits_1() -> None:
+    result = invoke("probe", WORKLOAD, "--memory-limit", "4MiB", "--granularity", "1024", "--max-size", "4096")
+    assert result.exit_code == 1
+    assert "device:" in result.output and "out of memory" in result.output and "nothing fits" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["no_such_module_xyz:f"], "cannot be imported"),
+        (["probe_workloads:nope"], "has no function 'nope'"),
+        (["probe_workloads:not_a_workload"], "returned int, not an autoaccum.Workload"),
+        (["missing/file.py:f"], "does not exist"),
+        ([WORKLOAD, "--memory-limit", "lots"], "does not parse"),
+        ([WORKLOAD, "--memory-limit", "1KB"], "alone need"),
+        ([WORKLOAD, "--max-size", "0"], "--max-size"),
+        ([WORKLOAD, "--granularity", "0"], "--granularity"),
+        ([WORKLOAD, "--demo"], "not both"),
+        ([], "give a WORKLOAD"),
+    ],
+    ids=["module", "function", "wrong-return", "file", "limit-unparsable", "limit-below-state", "max-size",
+         "granularity", "both", "none"],
+)  # fmt: skip
+def test_bad_input_exits_2_saying_what_is_wrong(args: list[str], message: str) -> None:
+    result = invoke("probe", *args)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_workload_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "my_workload.py"
+    path.write_text(
+        "import jax.numpy as jnp, optax, autoaccum\n"
+        "def loss(w, b):\n    return jnp.mean((b['x'] @ w) ** 2)\n"
+        "def make():\n"
+        "    return autoaccum.Workload(loss, jnp.ones(4), {'x': jnp.ones((2, 4))}, optax.sgd(0.1))\n"
+    )
+    result = invoke("probe", f"{path}:make", "--memory-limit", "64MiB", "--max-size", "16", "--json")
+    assert result.exit_code == 0  # the child unpickles `loss` by value: its module is not importable there
+    assert json.loads(result.output)["max_microbatch"] == 16
