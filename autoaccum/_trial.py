@@ -9,6 +9,8 @@ What "does not fit" means, exactly (`is_oom`, `classify_exit`):
 * on the CPU, XLA's runtime reports a failed allocation under the capped address space as
   ``INTERNAL: Error dispatching computation: Out of memory allocating N bytes`` (the buffer allocator's own
   message, seen under ``RLIMIT_AS``), or Python raises ``MemoryError``, or an ``OSError`` with ``ENOMEM``;
+  any other XLA error under the cap counts only if the same step then runs without the cap (`measured`:
+  XLA's CPU kernels report some failed allocations as e.g. ``INTERNAL: YNNPACK operation failed``);
 * the child dies from a signal after an allocation failure it could not report: ``SIGABRT``/``SIGSEGV``
   with ``std::bad_alloc``, ``RESOURCE_EXHAUSTED``, ``Out of memory`` or ``Cannot allocate memory`` in its
   output (C++ ``terminate`` on ``bad_alloc``), or ``SIGKILL`` from the kernel's OOM killer (the cgroup's
@@ -290,11 +292,24 @@ def warm_up(device: Any) -> None:
 
 
 def measured(compiled: Compiled, platform: str, limit: int) -> Outcome:
-    """`run_trial` under the limit: the CPU's address-space cap (a GPU's allocator is capped at start-up)."""
-    if platform == "cpu":
+    """`run_trial` under the limit: the CPU's address-space cap (a GPU's allocator is capped at start-up).
+
+    On the CPU, an XLA error that is not an OOM by its code (XLA's CPU kernels, e.g. YNNPACK's dot, report a
+    failed allocation as ``INTERNAL: YNNPACK operation failed``) is checked by running the same step again
+    without the cap: if it then runs, the cap made it fail, and the trial does not fit; if it fails again, the
+    error stands.
+    """
+    if platform != "cpu":
+        return run_trial(compiled, gpu_peak(compiled.device))
+    try:
         with address_space_cap(limit) as used:
             return run_trial(compiled, used)
-    return run_trial(compiled, gpu_peak(compiled.device))
+    except jax.errors.JaxRuntimeError as e:
+        if is_oom(e):
+            raise
+        run_trial(compiled, lambda: None)  # raises if the failure is not the cap's doing
+        first = oom_outcome(e).message
+        return Outcome("oom", message=f"{first} (under the cap; the same step runs without it)")
 
 
 def load_payload(payload_path: str) -> tuple[Job, str]:

@@ -115,6 +115,28 @@ def test_oom_classification() -> None:
     assert classify_exit(1, "Traceback ...\nKeyError: 'x'", None).status == "error"
 
 
+def test_an_unlabelled_xla_error_under_the_cpu_cap_counts_only_if_it_runs_without_the_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from autoaccum import _trial
+
+    calls: list[int] = []
+
+    def flaky(compiled: object, peak: object, fail_times: int) -> _trial.Outcome:
+        calls.append(1)
+        if len(calls) <= fail_times:
+            raise jax.errors.JaxRuntimeError("INTERNAL: YNNPACK operation failed: error")
+        return _trial.Outcome("fits")
+
+    monkeypatch.setattr(_trial, "run_trial", lambda c, p: flaky(c, p, 1))
+    outcome = _trial.measured(None, "cpu", 2**30)  # type: ignore[arg-type]
+    assert outcome.status == "oom" and "runs without it" in (outcome.message or "") and len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(_trial, "run_trial", lambda c, p: flaky(c, p, 2))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="YNNPACK"):
+        _trial.measured(None, "cpu", 2**30)  # type: ignore[arg-type]
+
+
 def test_in_process_probe_leaves_the_callers_arrays_alone() -> None:
     loss_fn, params, batch = probe_workloads.linear(features=8)
     before = jax.tree.map(np.array, (params, batch))
