@@ -202,10 +202,21 @@ def accumulate_in_scan(spec: Spec, params: PyTree, batch: PyTree, *, unroll: int
 
 
 class OutDtypes(NamedTuple):
-    """The dtypes ``loss_fn`` returns its loss and aux leaves in (hashable, so it can be a static argument)."""
+    """What ``loss_fn`` returns: the loss's dtype, the aux leaves' dtypes and shapes, the aux structure.
+
+    Hashable, so it can be a static argument of a jitted function.
+    """
 
     loss: Any
     aux: tuple[Any, ...]
+    aux_shapes: tuple[tuple[int, ...], ...] = ()
+    aux_treedef: Any = None
+
+    def zero_sums(self, accumulator_dtype: Any) -> Accum:
+        """Zero loss and aux sums (no gradients) in ``accumulator_dtype``, to start accumulating from."""
+        aux = [jnp.zeros(shape, accumulator_dtype) for shape in self.aux_shapes]
+        treedef = self.aux_treedef if self.aux_treedef is not None else jax.tree.structure(())
+        return Accum((), jnp.zeros((), accumulator_dtype), jax.tree.unflatten(treedef, aux))
 
 
 def output_dtypes(spec: Spec, params: PyTree, batch: PyTree) -> OutDtypes:
@@ -217,7 +228,13 @@ def output_dtypes(spec: Spec, params: PyTree, batch: PyTree) -> OutDtypes:
         lambda x: jax.ShapeDtypeStruct((min(spec.microbatch_size, x.shape[0]), *x.shape[1:]), x.dtype), batch
     )
     loss, aux = jax.eval_shape(checked_loss(spec.loss_fn, spec.has_aux), params, microbatch)
-    return OutDtypes(np.dtype(loss.dtype), tuple(np.dtype(x.dtype) for x in jax.tree.leaves(aux)))
+    leaves, treedef = jax.tree.flatten(aux)
+    return OutDtypes(
+        np.dtype(loss.dtype),
+        tuple(np.dtype(x.dtype) for x in leaves),
+        tuple(tuple(x.shape) for x in leaves),
+        treedef,
+    )
 
 
 def apply_optimizer(

@@ -53,7 +53,7 @@ class MultiSteps(Strategy):
         self,
         params: PyTree,
         opt_state: PyTree,
-        sums: Accum | None,
+        sums: Accum,
         batch: PyTree,
         start: Any,
         *,
@@ -66,31 +66,24 @@ class MultiSteps(Strategy):
         grads = jax.tree.map(lambda g: g * jnp.asarray(k, g.dtype), new.grads)  # MultiSteps divides by k
         updates, opt_state = self._wrapped(k).update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        sums = new._replace(grads=()) if sums is None else add(sums, new._replace(grads=()))
-        return params, opt_state, sums
+        return params, opt_state, add(sums, new._replace(grads=()))
 
     def __call__(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree, Any]:
         total = leading_size(batch)
         calls = self.microbatches(batch)
         dtypes = self.out_dtypes(params, batch)
-        sums = None
+        sums = dtypes.zero_sums(self.spec.accumulator_dtype)  # the same step program for every microbatch
         for start, size in calls:
             params, opt_state, sums = self._step(
                 params, opt_state, sums, batch, start, size=size, total=total, k=len(calls), dtypes=dtypes
             )
-        assert sums is not None
         return params, opt_state, finish_loss(self.spec, sums, dtypes)
 
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> list[Program]:
         total = leading_size(batch)
         calls = self.microbatches(batch)
         dtypes = self.out_dtypes(params, batch)
+        sums = jax.eval_shape(lambda: dtypes.zero_sums(self.spec.accumulator_dtype))
         kw: dict[str, Any] = dict(total=total, k=len(calls), dtypes=dtypes)
-        (_, first), *rest = calls
-        programs = [Program(self._step.lower(params, opt_state, None, batch, 0, size=first, **kw), 0)]
-        if rest:
-            sums = jax.eval_shape(
-                lambda p, s, b: self._step_fn(p, s, None, b, 0, size=first, **kw)[2], params, opt_state, batch
-            )
-            programs.append(Program(self._step.lower(params, opt_state, sums, batch, 0, size=rest[-1][1], **kw), 0))
-        return programs
+        sizes = sorted({n for _, n in calls})
+        return [Program(self._step.lower(params, opt_state, sums, batch, 0, size=n, **kw), 0) for n in sizes]
