@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from autoaccum.device import DeviceInfo, detect_device
+from autoaccum.estimate import Estimate, TargetPlan, estimate
 from autoaccum.plan import Plan
 from autoaccum.probe import ProbeError, ProbeResult, Trial, probe
 from autoaccum.tune import TrialRecord, TuneResult, tune
@@ -14,9 +15,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DeviceInfo",
+    "Estimate",
     "Plan",
     "ProbeError",
     "ProbeResult",
+    "TargetPlan",
     "Trial",
     "TrialRecord",
     "TuneResult",
@@ -25,6 +28,7 @@ __all__ = [
     "__version__",
     "build_update",
     "detect_device",
+    "estimate",
     "format_bytes",
     "load_workload",
     "parse_bytes",

@@ -34,3 +34,7 @@ from autoaccum.cli.probe import probe as _probe  # noqa: E402
 
 main.add_command(_devices)
 main.add_command(_probe)
+
+from autoaccum.cli.plan import plan as _plan  # noqa: E402
+
+main.add_command(_plan)

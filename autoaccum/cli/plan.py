@@ -1,0 +1,270 @@
+"""``autoaccum plan``: predict, from compilation alone, what fits on which accelerator (nothing is run)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+import strategies as strategies_lib
+from autoaccum.cli._common import resolve_workload, workload_arguments
+
+NOTE = (
+    "Predicted from XLA's compile-only analysis on {platform} (nothing was run). Usable memory = the card's "
+    "memory x mem-fraction ({fraction}) - a {margin:.0%} safety margin: JAX preallocates 75% of a GPU; set "
+    "XLA_PYTHON_CLIENT_MEM_FRACTION=.9 (and pass --mem-fraction .9) or XLA_PYTHON_CLIENT_PREALLOCATE=false to "
+    "use more. Step time is a roofline ESTIMATE (XLA's FLOPs and bytes accessed against the datasheet peaks), "
+    "a lower bound rather than a measurement."
+)
+
+
+@click.command()
+@workload_arguments
+@click.option(
+    "--effective-batch",
+    type=int,
+    help="Examples per optimizer update (>= 1) [default: the workload's batch size].",
+)
+@click.option(
+    "--gpu",
+    "gpus",
+    multiple=True,
+    metavar="NAME",
+    help="A catalogued accelerator to plan for, e.g. A100-40GB, L4, H100, TPU-v5e (repeat the option); "
+    "'--gpu list' lists them.",
+)
+@click.option(
+    "--memory",
+    "memories",
+    multiple=True,
+    metavar="SIZE",
+    help="A memory budget to plan for, e.g. 24GiB, used as given (repeat the option).",
+)
+@click.option("--list-gpus", is_flag=True, help="List the catalogued accelerators and exit.")
+@click.option(
+    "--strategy",
+    type=click.Choice(strategies_lib.available()),
+    default="scan",
+    show_default=True,
+    help="Accumulation strategy.",
+)
+@click.option(
+    "--mem-fraction",
+    type=click.FloatRange(0, 1, min_open=True),
+    help="Fraction of a GPU JAX may use (XLA_PYTHON_CLIENT_MEM_FRACTION) [default: 0.75 on GPUs, 1.0 on TPUs].",
+)
+@click.option(
+    "--safety-margin",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=0.05,
+    show_default=True,
+    help="Fraction of an accelerator's memory kept free on top.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print only JSON.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Save memory vs microbatch (PNG).")
+def plan(
+    workload: str | None,
+    demo: bool,
+    effective_batch: int | None,
+    gpus: tuple[str, ...],
+    memories: tuple[str, ...],
+    list_gpus: bool,
+    strategy: str,
+    mem_fraction: float | None,
+    safety_margin: float,
+    as_json: bool,
+    plot: Path | None,
+) -> None:
+    """Predict microbatch, accumulation steps, peak memory and step time on each target, before any run.
+
+    WORKLOAD is path/to/file.py:function or package.module:function returning an autoaccum.Workload;
+    --demo uses the built-in transformer language model. Targets are catalogued accelerators (--gpu) and
+    bare memory budgets (--memory); with neither, this machine's default device.
+
+    \b
+    Exit codes: 0 a plan for every target; 1 nothing fits on some target; 2 bad usage or bad input.
+    """
+    from rich.console import Console
+
+    from autoaccum.estimate import Target, default_memory_limit, estimate
+
+    console = Console(stderr=as_json, quiet=as_json, width=None if sys.stdout.isatty() else 130)
+    if list_gpus or any(g.strip().lower() == "list" for g in gpus):
+        _print_catalog(as_json)
+        return
+    if effective_batch is not None and effective_batch < 1:
+        raise click.BadParameter(
+            f"must be >= 1, got --effective-batch {effective_batch}.", param_hint="'--effective-batch'"
+        )
+    targets: list[Target] = []
+    for name in gpus:
+        try:
+            targets.append(Target.gpu(name, mem_fraction, safety_margin))
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="'--gpu'") from e
+    for size in memories:
+        try:
+            targets.append(Target.memory(size))
+        except (ValueError, TypeError) as e:
+            raise click.BadParameter(str(e), param_hint="'--memory'") from e
+    if plot is not None:
+        _require_matplotlib()
+    w = resolve_workload(workload, demo)
+    total = w.batch_size if effective_batch is None else effective_batch
+    if not targets:
+        targets.append(Target("this machine", default_memory_limit()))
+    console.print(
+        f"[bold]workload[/] {w.name}: effective batch {total}, strategy {strategy}; compiling (not running)..."
+    )
+    try:
+        est = estimate(
+            w.loss_fn,
+            w.params,
+            w.batch,
+            optimizer=w.optimizer,
+            strategy=strategy,
+            memory_limit=targets[0].usable_bytes,
+            has_aux=w.has_aux,
+            refine_for=[t.usable_bytes for t in targets],
+            effective_batch=total,
+        )
+    except (ValueError, TypeError) as e:
+        raise click.UsageError(str(e)) from e
+    plans = [est.plan_for(total, t) for t in targets]
+    if plot is not None:
+        _plot(est, plans, total, plot)
+    if as_json:
+        click.echo(json.dumps(_as_dict(w.name, total, est, plans, targets), indent=2))
+    else:
+        _print_table(console, plans, total)
+        fraction = "default" if mem_fraction is None else f"{mem_fraction:g}"
+        console.print(NOTE.format(platform=est.platform, fraction=fraction, margin=safety_margin), highlight=False)
+        console.print(f"{len(est.points)} compilations in {est.seconds:.1f} s.", highlight=False)
+        if plot is not None:
+            console.print(f"plot saved to {plot}")
+    if not all(p.fits for p in plans):
+        raise SystemExit(1)
+
+
+def _print_catalog(as_json: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from autoaccum.catalog import ACCELERATORS
+    from autoaccum.units import format_bytes
+
+    if as_json:
+        rows = [
+            {
+                "name": a.name,
+                "platform": a.platform.value,
+                "memory_bytes": a.memory_bytes,
+                "usable_bytes": a.usable_bytes(),
+                "bf16_flops": a.bf16_flops,
+                "fp32_flops": a.fp32_flops,
+                "bandwidth": a.bandwidth,
+                "aliases": list(a.aliases),
+                "source": a.source,
+            }
+            for a in ACCELERATORS
+        ]
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="catalogued accelerators (datasheet figures)")
+    for column in ("name", "memory", "usable (default)", "bf16 TFLOP/s", "fp32 TFLOP/s", "bandwidth", "aliases"):
+        table.add_column(column, justify="left" if column in ("name", "aliases") else "right")
+    for a in ACCELERATORS:
+        table.add_row(
+            a.name,
+            format_bytes(a.memory_bytes),
+            format_bytes(a.usable_bytes()),
+            f"{a.bf16_flops / 1e12:,.1f}",
+            "-" if a.fp32_flops is None else f"{a.fp32_flops / 1e12:,.1f}",
+            f"{a.bandwidth / 1e9:,.0f} GB/s",
+            ", ".join(a.aliases),
+        )
+    Console(width=None if sys.stdout.isatty() else 130).print(table)
+
+
+def _print_table(console: Any, plans: list[Any], total: int) -> None:
+    from rich.table import Table
+
+    from autoaccum.units import format_bytes
+
+    table = Table(title=f"predicted plan for an effective batch of {total} (estimates, nothing was run)")
+    columns = ("target", "usable", "one step?", "max microbatch", "microbatch x steps", "peak", "step time (est.)")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "target" else "right")
+    for p in plans:
+        split = f"{p.microbatch_size} x {p.accumulation_steps}" if p.fits else "[red]nothing fits[/]"
+        seconds = "-" if p.step_seconds is None else f"{_seconds(p.step_seconds)} ({p.bound.value}-bound)"
+        table.add_row(
+            p.target,
+            format_bytes(p.usable_bytes),
+            "yes" if p.fits_in_one_step else "no",
+            str(p.max_microbatch),
+            split,
+            format_bytes(p.peak_bytes),
+            seconds,
+        )
+    console.print(table)
+
+
+def _seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _as_dict(name: str, total: int, est: Any, plans: list[Any], targets: list[Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"workload": name, "effective_batch": total, "strategy": est.strategy, "targets": []}
+    for p, t in zip(plans, targets, strict=True):
+        row = p.to_dict()
+        row["accelerator"] = None if t.accelerator is None else t.accelerator.name
+        out["targets"].append(row)
+    out["estimate"] = est.to_dict()
+    out["note"] = "predictions from XLA compile-only analysis; step_seconds is a roofline estimate"
+    return out
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise click.UsageError("--plot needs matplotlib: pip install 'autoaccum[plot]'.") from e
+
+
+def _plot(est: Any, plans: list[Any], total: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    top = max([total, *(p.max_microbatch for p in plans), *(pt.microbatch for pt in est.points)])
+    sizes = np.unique(np.geomspace(1, max(top, 2) * 1.5, 200).astype(int))
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    ax.plot(sizes, [est.bytes_at(int(m)) / 2**30 for m in sizes], label="one microbatch per step")
+    under = sizes[sizes < total]
+    if len(under):
+        ax.plot(under, [est.bytes_at(int(m), total) / 2**30 for m in under], "--", label=f"accumulating to {total}")
+    singles = est.single_points
+    ax.plot([p.microbatch for p in singles], [p.peak_bytes / 2**30 for p in singles], "o", label="compiled (measured)")
+    for i, p in enumerate(plans):
+        color = f"C{(i + 2) % 10}"
+        ax.axhline(p.usable_bytes / 2**30, color=color, linestyle=":", linewidth=1)
+        ax.annotate(p.target, (sizes[0], p.usable_bytes / 2**30), color=color, va="bottom", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("microbatch size")
+    ax.set_ylabel("predicted peak memory (GiB)")
+    ax.set_title("autoaccum plan: predicted memory (compile-only); dotted: usable memory per target")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

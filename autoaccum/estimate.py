@@ -1,0 +1,799 @@
+"""Capacity planning from compilation alone: what fits on which accelerator, predicted before any run.
+
+`estimate` lowers the update step with ``jax.ShapeDtypeStruct`` arguments and asks XLA what the compiled
+program needs (``Compiled.memory_analysis()``: arguments + outputs + temporaries - aliased bytes) at a few
+microbatch sizes. Nothing is executed and nothing the size of the model or the batch is allocated, so it
+runs on any machine, a laptop CPU included, for models that would not fit on it.
+
+The measurements are fitted to a model of fixed + per-example bytes:
+
+* a step on one microbatch of ``m`` examples needs ``fixed_bytes + per_example_bytes * m`` (XLA's buffer
+  assignment is not exactly affine, so the fit is local: the measured points are joined piecewise-linearly
+  and the fit is refined by one compilation at the predicted answer);
+* an accumulating step (a batch of ``B > m`` examples cut into microbatches of ``m``) needs that plus
+  ``accumulation_bytes + per_batch_example_bytes * B``: the gradient accumulator, and the whole batch
+  resident on the device (with any copy of it the strategy makes).
+
+Step times come from ``Compiled.cost_analysis()`` (FLOPs and bytes accessed per microbatch, and for the
+optimizer step) against an accelerator's peak FLOP/s and bandwidth: a roofline *estimate* (a lower bound
+that real steps rarely reach), not a measurement.
+
+Example:
+  >>> import autoaccum
+  >>> from autoaccum import workloads
+  >>> w = workloads.mlp()
+  >>> est = autoaccum.estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="4MiB")
+  >>> est.bytes_at(est.max_microbatch) <= est.memory_limit_bytes < est.bytes_at(est.max_microbatch + 1)
+  True
+  >>> plan = est.plan_for(1024, "A100-40GB")
+  >>> plan.fits_in_one_step, plan.accumulation_steps
+  (True, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+from autoaccum.catalog import DEFAULT_SAFETY_MARGIN, Accelerator, lookup
+from autoaccum.memory import abstract, abstract_batch
+from autoaccum.units import format_bytes, parse_bytes
+from autoaccum.update import Update, build_update, check_microbatch_size
+from strategies._base import PyTree, leading_size, tree_bytes
+
+COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
+"""Options for the analysis compilations: no LLVM optimisation (about 2x faster to compile). Buffer
+assignment and cost analysis happen before code generation, so memory and cost figures are unchanged
+(``tests/test_estimate.py`` checks this against `autoaccum.memory.step_memory`)."""
+
+FIRST_SIZES = (8, 32)
+"""The microbatch sizes measured first (fewer when ``max_size`` is smaller)."""
+
+
+class Point(NamedTuple):
+    """One compile-only measurement of an update step.
+
+    Attributes:
+      microbatch: examples per microbatch.
+      batch_size: examples in the step's batch (``== microbatch`` for a step on one microbatch).
+      peak_bytes: XLA's predicted peak: arguments + outputs + temporaries - aliased bytes (the largest
+        over the step's programs, plus what stays resident outside them).
+      flops, bytes_accessed: XLA's cost analysis of the step's programs.
+      runtime_bytes: what the platform's runtime needs beyond XLA's accounting (`runtime_bytes`; 0 on
+        GPUs and TPUs, whose buffer assignment covers everything).
+    """
+
+    microbatch: int
+    batch_size: int
+    peak_bytes: int
+    flops: float
+    bytes_accessed: float
+    runtime_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """``peak_bytes + runtime_bytes``: what the model predicts for this size."""
+        return self.peak_bytes + self.runtime_bytes
+
+
+class Bound(enum.Enum):
+    """What limits a roofline step time: arithmetic (``compute``) or memory traffic (``memory``)."""
+
+    COMPUTE = "compute"
+    MEMORY = "memory"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A memory budget to plan for: a catalogued accelerator, or a bare size.
+
+    Attributes:
+      name: what to call it in reports (``"A100-40GB"``, ``"24.00 GiB"``).
+      usable_bytes: the bytes one update step may use (reservation and safety margin already taken off).
+      accelerator: the catalogue entry, for step-time estimates; ``None`` for a bare memory size.
+    """
+
+    name: str
+    usable_bytes: int
+    accelerator: Accelerator | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.usable_bytes, bool) or not isinstance(self.usable_bytes, int) or self.usable_bytes < 1:
+            raise ValueError(f"`Target.usable_bytes` must be an int >= 1, got usable_bytes={self.usable_bytes!r}.")
+
+    @classmethod
+    def gpu(
+        cls, name: str | Accelerator, mem_fraction: float | None = None, safety_margin: float = DEFAULT_SAFETY_MARGIN
+    ) -> Target:
+        """A catalogued accelerator (by name), its usable memory per `Accelerator.usable_bytes`.
+
+        Example:
+          >>> round(Target.gpu("L4").usable_bytes / 2**30, 2)  # 24 GiB x (0.75 - 0.05)
+          16.8
+        """
+        acc = name if isinstance(name, Accelerator) else lookup(name)
+        return cls(acc.name, acc.usable_bytes(mem_fraction, safety_margin), acc)
+
+    @classmethod
+    def memory(cls, size: int | str) -> Target:
+        """A bare budget of ``size`` bytes (``"24GiB"`` or an int), used as given: no reservation, no margin.
+
+        Example:
+          >>> Target.memory("1GiB")
+          Target(name='1.00 GiB', usable_bytes=1073741824, accelerator=None)
+        """
+        usable = parse_bytes(size, "memory")
+        return cls(format_bytes(usable), usable)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetPlan:
+    """What an effective batch needs on one target: microbatch, accumulation steps, peak and step time.
+
+    Every figure is a prediction from compilation (see `estimate`); ``step_seconds`` is a roofline estimate.
+
+    Attributes:
+      target: the target's name.
+      usable_bytes: the memory the step may use there.
+      effective_batch: examples per update.
+      fits: whether any microbatch fits (``False``: not even one example does).
+      fits_in_one_step: whether the whole effective batch fits in one step, without accumulation.
+      max_microbatch: the largest microbatch predicted to fit for this effective batch (0 if none).
+      microbatch_size: the microbatch to use: the smallest one with as few accumulation steps as
+        ``max_microbatch`` (``ceil(B / steps)``; it divides ``B`` evenly whenever some size does).
+      accumulation_steps: microbatches per update, ``ceil(B / microbatch_size)`` (0 when nothing fits).
+      peak_bytes: the predicted peak at ``microbatch_size`` (at one example when nothing fits).
+      step_seconds: roofline estimate of one update's time; ``None`` without accelerator figures.
+      bound: whether that estimate is compute- or memory-bound (``None`` with ``step_seconds``).
+      flops, bytes_accessed: the update's predicted FLOPs and bytes moved (cost analysis).
+    """
+
+    target: str
+    usable_bytes: int
+    effective_batch: int
+    fits: bool
+    fits_in_one_step: bool
+    max_microbatch: int
+    microbatch_size: int
+    accumulation_steps: int
+    peak_bytes: int
+    step_seconds: float | None
+    bound: Bound | None
+    flops: float
+    bytes_accessed: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``bound`` as its string value)."""
+        out = dataclasses.asdict(self)
+        out["bound"] = None if self.bound is None else self.bound.value
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The predicted memory and cost of an update step as a function of the microbatch size.
+
+    Made by `estimate`; every figure comes from compiling, nothing was run.
+
+    Attributes:
+      strategy: the accumulation strategy measured, and ``options`` its options.
+      memory_limit_bytes: the budget ``max_microbatch`` answers for.
+      points: every measurement, one-microbatch steps (``batch_size == microbatch``) and accumulating ones.
+      accumulation_bytes: extra fixed bytes of an accumulating step (the accumulator, the loop's carry).
+      per_batch_example_bytes: extra bytes per example of the whole batch in an accumulating step.
+      flops_per_example, bytes_accessed_per_example, flops_fixed, bytes_accessed_fixed: the cost analysis
+        of one microbatch (optimizer excluded) as ``fixed + per_example * m``.
+      optimizer_flops, optimizer_bytes_accessed: the cost analysis of one optimizer step.
+      compute_dtype: the dtype of most parameter bytes, which picks the peak FLOP/s of a roofline.
+      max_size: an upper bound on microbatch sizes, or ``None``.
+      platform: the backend the step was compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
+      seconds: how long the estimate took.
+    """
+
+    strategy: str
+    options: dict[str, Any]
+    memory_limit_bytes: int
+    points: tuple[Point, ...]
+    accumulation_bytes: float | None
+    per_batch_example_bytes: float | None
+    remainder_bytes_per_example: float | None
+    flops_fixed: float
+    flops_per_example: float
+    bytes_accessed_fixed: float
+    bytes_accessed_per_example: float
+    optimizer_flops: float
+    optimizer_bytes_accessed: float
+    compute_dtype: str
+    max_size: int
+    platform: str
+    seconds: float
+
+    # -- memory -------------------------------------------------------------------------------------------
+
+    @property
+    def single_points(self) -> tuple[Point, ...]:
+        """The one-microbatch measurements, one per size, by size."""
+        seen: dict[int, Point] = {}
+        for p in self.points:
+            if p.batch_size == p.microbatch:
+                seen.setdefault(p.microbatch, p)
+        return tuple(seen[k] for k in sorted(seen))
+
+    def _segment(self, m: float, runtime: bool = True) -> tuple[float, float]:
+        """``(fixed, per_example)`` of the affine piece that models one-microbatch steps of ``m`` examples."""
+        pts = self.single_points
+        i = int(np.searchsorted([p.microbatch for p in pts], m))
+        a, b = pts[min(max(i - 1, 0), len(pts) - 2)], pts[min(max(i, 1), len(pts) - 1)]
+        ya, yb = (a.total_bytes, b.total_bytes) if runtime else (a.peak_bytes, b.peak_bytes)
+        slope = max((yb - ya) / (b.microbatch - a.microbatch), 1.0)
+        return ya - slope * a.microbatch, slope
+
+    @property
+    def fixed_bytes(self) -> float:
+        """Bytes of a one-microbatch step that do not grow with its size (the local fit at `max_microbatch`)."""
+        return self._segment(max(self.max_microbatch, 1))[0]
+
+    @property
+    def per_example_bytes(self) -> float:
+        """Bytes per example of a one-microbatch step (the local fit at `max_microbatch`)."""
+        return self._segment(max(self.max_microbatch, 1))[1]
+
+    def bytes_at(self, microbatch: int, batch_size: int | None = None, *, runtime: bool = True) -> int:
+        """Predicted peak bytes of the full update step at ``microbatch`` examples per microbatch.
+
+        Args:
+          microbatch: examples per microbatch.
+          batch_size: examples per update; ``None`` (the default) means one microbatch (``= microbatch``).
+            A larger batch is accumulated over ``ceil(batch_size / microbatch)`` microbatches (the last one
+            smaller when ``microbatch`` does not divide it).
+          runtime: include what this platform's runtime needs beyond XLA's accounting (`Point.runtime_bytes`,
+            the CPU's); ``False`` gives XLA's figure alone, as for planning a GPU or TPU from a CPU.
+
+        Raises:
+          ValueError: an accumulating step was asked of an estimate made with ``accumulation=False``.
+
+        Example:
+          >>> from autoaccum import workloads
+          >>> w = workloads.linear()
+          >>> est = estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="64MiB")
+          >>> est.bytes_at(64, 256) > est.bytes_at(64)
+          True
+        """
+        m = check_microbatch_size(microbatch, "microbatch")
+        total = m if batch_size is None else check_microbatch_size(batch_size, "batch_size")
+        m = min(m, total)
+        fixed, slope = self._segment(m, runtime)
+        peak = fixed + slope * m
+        if total > m:
+            if self.accumulation_bytes is None or self.per_batch_example_bytes is None:
+                raise ValueError(
+                    f"`batch_size`={total} > `microbatch`={m} needs the accumulating step's measurements; make "
+                    "the estimate with accumulation=True (the default)."
+                )
+            peak += self.accumulation_bytes + self.per_batch_example_bytes * total
+            peak += (self.remainder_bytes_per_example or 0.0) * (total % m)
+        return math.ceil(peak)
+
+    def largest_microbatch(
+        self, memory_limit: int | str, batch_size: int | None = None, *, runtime: bool = True
+    ) -> int:
+        """The largest microbatch predicted to fit in ``memory_limit`` (0 if none).
+
+        Args:
+          memory_limit: the budget, bytes or a string like ``"16GiB"``.
+          batch_size: examples per update, accumulated over microbatches (the answer is at most
+            ``batch_size``); ``None``: one microbatch per step (the answer is at most ``max_size``).
+          runtime: as for `bytes_at`.
+        """
+        limit = parse_bytes(memory_limit)
+        if batch_size is not None and self.bytes_at(batch_size, batch_size, runtime=runtime) <= limit:
+            return batch_size  # the whole batch in one step
+        hi = self.max_size if batch_size is None else batch_size - 1
+
+        def fits(m: int, remainder: bool = True) -> bool:
+            peak: float = self.bytes_at(m, batch_size, runtime=runtime)
+            if batch_size is not None and not remainder:
+                peak -= (self.remainder_bytes_per_example or 0.0) * (batch_size % m)
+            return peak <= limit
+
+        if hi < 1 or not fits(1):
+            return 0
+        lo = 1  # fits(lo); bisect for the largest fit (the model is increasing in m, leaving out the remainder)
+        if fits(hi, remainder=False):
+            lo = hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid, remainder=False):
+                lo = mid
+            else:
+                hi = mid
+        while not fits(lo):  # an uneven split costs its last microbatch's extra: step down to one that fits
+            lo -= 1  # stops at a divisor of batch_size at the latest (no remainder)
+        return lo
+
+    @property
+    def max_microbatch(self) -> int:
+        """The largest microbatch whose one-microbatch step is predicted to fit in `memory_limit_bytes`."""
+        return self.largest_microbatch(self.memory_limit_bytes)
+
+    def accumulation_steps(self, effective_batch: int) -> int:
+        """Microbatches per update for ``effective_batch`` examples under `memory_limit_bytes` (0: none fits).
+
+        Example:
+          >>> from autoaccum import workloads
+          >>> w = workloads.cnn()
+          >>> est = estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="64MiB")
+          >>> est.accumulation_steps(1024) > 1
+          True
+        """
+        return self.plan_for(effective_batch, Target("memory_limit", self.memory_limit_bytes)).accumulation_steps
+
+    # -- time ---------------------------------------------------------------------------------------------
+
+    def _cost(self, microbatch: int, accelerator: Accelerator) -> tuple[float, float, float, bool]:
+        """``(seconds, flops, bytes, memory_bound)`` of one microbatch's forward and backward pass."""
+        flops = max(self.flops_fixed + self.flops_per_example * microbatch, 0.0)
+        moved = max(self.bytes_accessed_fixed + self.bytes_accessed_per_example * microbatch, 0.0)
+        compute, memory = flops / accelerator.peak_flops(self.compute_dtype), moved / accelerator.bandwidth
+        return max(compute, memory), flops, moved, memory > compute
+
+    def step_time(
+        self, effective_batch: int, microbatch: int, accelerator: Accelerator | str
+    ) -> tuple[float, Bound, float, float]:
+        """Roofline estimate of one update: ``(seconds, bound, flops, bytes_accessed)``.
+
+        Each microbatch costs ``max(flops / peak FLOP/s, bytes accessed / bandwidth)`` and the optimizer step
+        the same on its own figures; ``bound`` says which term dominates over the whole update. This is an
+        estimate from XLA's cost analysis on the machine that compiled, not a measurement.
+        """
+        acc = lookup(accelerator) if isinstance(accelerator, str) else accelerator
+        total = check_microbatch_size(effective_batch, "effective_batch")
+        m = min(check_microbatch_size(microbatch, "microbatch"), total)
+        full, rest = divmod(total, m)
+        parts = [(full, *self._cost(m, acc))] + ([(1, *self._cost(rest, acc))] if rest else [])
+        opt_compute = self.optimizer_flops / acc.peak_flops(self.compute_dtype)
+        opt_memory = self.optimizer_bytes_accessed / acc.bandwidth
+        seconds = sum(n * t for n, t, *_ in parts) + max(opt_compute, opt_memory)
+        flops = sum(n * f for n, _, f, *_ in parts) + self.optimizer_flops
+        moved = sum(n * b for n, _, _, b, _ in parts) + self.optimizer_bytes_accessed
+        memory_time = moved / acc.bandwidth
+        compute_time = flops / acc.peak_flops(self.compute_dtype)
+        return seconds, Bound.MEMORY if memory_time > compute_time else Bound.COMPUTE, flops, moved
+
+    # -- plans --------------------------------------------------------------------------------------------
+
+    def plan_for(
+        self,
+        effective_batch: int,
+        target: Target | Accelerator | str | int | None = None,
+        *,
+        mem_fraction: float | None = None,
+        safety_margin: float = DEFAULT_SAFETY_MARGIN,
+    ) -> TargetPlan:
+        """The microbatch, accumulation steps, peak and step time for ``effective_batch`` on ``target``.
+
+        Args:
+          effective_batch: examples per update (an int >= 1).
+          target: a `Target`, a catalogued accelerator or its name (``"A100-40GB"``), a memory size
+            (int bytes or a string with a unit, ``"24GiB"``, used as given), or ``None`` for
+            `memory_limit_bytes`. A bare size is a budget on this machine's platform (on a CPU, the runtime's
+            needs beyond XLA's accounting count); an accelerator's peak is XLA's figure alone.
+          mem_fraction, safety_margin: for an accelerator, see `Accelerator.usable_bytes`.
+
+        Raises:
+          ValueError: ``effective_batch`` < 1, an unknown accelerator (with the closest name), a size that
+            does not parse.
+        """
+        total = check_microbatch_size(effective_batch, "effective_batch")
+        resolved = resolve_target(target, self.memory_limit_bytes, mem_fraction, safety_margin)
+        runtime = resolved.accelerator is None  # a catalogued accelerator's runtime is XLA's accounting
+        largest = self.largest_microbatch(resolved.usable_bytes, total, runtime=runtime)
+        if largest >= 1:
+            steps = -(-total // largest)
+            microbatch = -(-total // steps)  # as many steps, microbatches as even as can be
+            if self.bytes_at(microbatch, total, runtime=runtime) > resolved.usable_bytes:  # its last one is costlier
+                microbatch = largest
+        else:
+            steps, microbatch = 0, 1
+        peak = self.bytes_at(microbatch, total, runtime=runtime)
+        seconds: float | None = None
+        bound: Bound | None = None
+        flops = moved = 0.0
+        if resolved.accelerator is not None:
+            seconds, bound, flops, moved = self.step_time(total, microbatch, resolved.accelerator)
+            if largest < 1:
+                seconds, bound = None, None
+        return TargetPlan(
+            target=resolved.name,
+            usable_bytes=resolved.usable_bytes,
+            effective_batch=total,
+            fits=largest >= 1,
+            fits_in_one_step=largest >= total,
+            max_microbatch=largest,
+            microbatch_size=microbatch,
+            accumulation_steps=steps,
+            peak_bytes=peak,
+            step_seconds=seconds,
+            bound=bound,
+            flops=flops,
+            bytes_accessed=moved,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the estimate (the measured points included)."""
+        out = dataclasses.asdict(self)
+        out["points"] = [p._asdict() for p in self.points]
+        out["fixed_bytes"] = self.fixed_bytes
+        out["per_example_bytes"] = self.per_example_bytes
+        out["max_microbatch"] = self.max_microbatch
+        return out
+
+
+def resolve_target(
+    target: Target | Accelerator | str | int | None,
+    default_bytes: int,
+    mem_fraction: float | None = None,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
+) -> Target:
+    """``target`` as a `Target`: an accelerator name or entry, a size (``"24GiB"``, bytes), or ``None``.
+
+    A string is an accelerator name unless it starts with a digit (then it is a size).
+
+    Example:
+      >>> resolve_target("2GiB", 0).usable_bytes
+      2147483648
+    """
+    if target is None:
+        return Target("memory_limit", default_bytes)
+    if isinstance(target, Target):
+        return target
+    if isinstance(target, Accelerator):
+        return Target.gpu(target, mem_fraction, safety_margin)
+    if isinstance(target, str) and not target.strip()[:1].isdigit():
+        return Target.gpu(target, mem_fraction, safety_margin)
+    if isinstance(target, (int, str)) and not isinstance(target, bool):
+        return Target.memory(target)
+    raise TypeError(
+        f"`target` must be an accelerator name such as 'A100-40GB', a size such as '24GiB' or bytes, "
+        f"got {type(target).__name__} {target!r}."
+    )
+
+
+def default_memory_limit() -> int:
+    """The memory an update step may use on this machine's default device (`autoaccum.device.detect_device`).
+
+    Raises:
+      ValueError: the device reports no limit (pass ``memory_limit``).
+    """
+    from autoaccum.device import detect_device
+
+    info = detect_device()
+    limit = info.memory_limit_bytes
+    if limit is None:
+        raise ValueError(f"`memory_limit` is None and {info.name} reports no memory limit; pass memory_limit='8GiB'.")
+    return int(limit)
+
+
+def _default_optimizer() -> optax.GradientTransformation:
+    from autoaccum.defaults import default_optimizer
+
+    return default_optimizer()
+
+
+def _default_max_size() -> int:
+    from autoaccum.defaults import DEFAULT_MAX_SIZE
+
+    return DEFAULT_MAX_SIZE
+
+
+def _compute_dtype(params: PyTree) -> str:
+    """The floating dtype holding most of ``params``'s bytes (``"float32"`` when there is none)."""
+    by_dtype: dict[str, int] = {}
+    for leaf in jax.tree.leaves(params):
+        dtype = np.dtype(leaf.dtype)
+        if np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16":
+            by_dtype[dtype.name] = by_dtype.get(dtype.name, 0) + tree_bytes(leaf)
+    return max(by_dtype, key=lambda k: by_dtype[k]) if by_dtype else "float32"
+
+
+# -- what the CPU runtime needs beyond XLA's accounting ------------------------------------------------------
+
+CPU_RUNTIME_BYTES = 8 * 2**20
+"""Bytes a CPU step's process grows by beyond XLA's buffer accounting, whatever the step: the runtime's
+thread-local malloc arenas and bookkeeping. Measured once (jax 0.10.2, x86-64 Linux, glibc with
+``MALLOC_ARENA_MAX=2``, as the probe runs trials): a trial's address space grew by 6.5-8 MB more than
+XLA's figure at the smallest sizes of the MLP, CNN and transformer workloads."""
+
+_SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(\w+)\[([0-9,]*)\]")
+_CONV = re.compile(r"convolution\(%([^\s,)]+),.*?window=\{size=([0-9x]+)[^}]*\}.*?dim_labels=(\w+)_(\w+)->(\w+)")
+
+
+def conv_patch_bytes(hlo_text: str) -> int:
+    """The largest image-patch buffer among the convolutions of a compiled CPU program (0 without any).
+
+    XLA's CPU runtime computes a convolution as a matrix product over its input patches and materialises
+    them (``output positions x window x input features``) outside XLA's buffer assignment; a probe sees it
+    (e.g. 225,792 bytes per example for the CNN's 3x3x32 input-gradient convolution, within 1.5% of the
+    address-space growth measured). With YNNPACK fusions (XLA's CPU default) the real figure varies with
+    the size and is at most about this, so the prediction errs on the safe side.
+
+    Example:
+      >>> text = '''
+      ... %x = f32[8,14,14,32]{3,2,1,0} parameter(0)
+      ... %k = f32[3,3,32,16]{3,2,1,0} parameter(1)
+      ... %c = f32[8,14,14,16]{3,2,1,0} convolution(%x, %k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+      ... '''
+      >>> conv_patch_bytes(text) == 8 * 14 * 14 * (3 * 3 * 32) * 4
+      True
+    """
+    shapes: dict[str, tuple[str, list[int]]] = {}
+    for line in hlo_text.splitlines():
+        m = _SHAPE.match(line)
+        if m:
+            shapes[m.group(1)] = (m.group(2), [int(d) for d in m.group(3).split(",") if d])
+    largest = 0
+    for line in hlo_text.splitlines():
+        shape, conv = _SHAPE.match(line), _CONV.search(line)
+        if shape is None or conv is None or conv.group(1) not in shapes:
+            continue
+        dtype, out_dims = shapes[shape.group(1)]
+        _, lhs_dims = shapes[conv.group(1)]
+        lhs_labels, out_labels = conv.group(3), conv.group(5)
+        if len(lhs_labels) != len(lhs_dims) or len(out_labels) != len(out_dims) or "f" not in lhs_labels:
+            continue
+        positions = math.prod(d for d, label in zip(out_dims, out_labels, strict=True) if label != "f")
+        window = math.prod(int(w) for w in conv.group(2).split("x"))
+        features = lhs_dims[lhs_labels.index("f")]
+        largest = max(largest, positions * window * features * _itemsize(dtype))
+    return largest
+
+
+def _itemsize(hlo_dtype: str) -> int:
+    bits = re.search(r"(\d+)$", hlo_dtype)
+    return 1 if hlo_dtype == "pred" or bits is None else max(1, int(bits.group(1)) // 8)
+
+
+def runtime_bytes(platform: str, compiled: Sequence[jax.stages.Compiled]) -> int:
+    """What the ``platform``'s runtime needs beyond XLA's accounting for these programs (0 off the CPU).
+
+    On the CPU: `CPU_RUNTIME_BYTES` plus the largest `conv_patch_bytes` of the programs. On GPUs and TPUs
+    XLA's buffer assignment includes the convolution workspaces, so nothing is added.
+    """
+    if platform != "cpu":
+        return 0
+    return CPU_RUNTIME_BYTES + max((conv_patch_bytes(c.as_text() or "") for c in compiled), default=0)
+
+
+# -- measuring -------------------------------------------------------------------------------------------------
+
+
+class _Analysis(NamedTuple):
+    peak_bytes: int
+    flops: float
+    bytes_accessed: float
+    runtime_bytes: int
+
+
+def _analyse(programs: Sequence[tuple[jax.stages.Lowered, int]], options: dict[str, Any]) -> _Analysis:
+    """Compiles each ``(lowered, resident_bytes)`` and combines them as `autoaccum.memory.step_memory` does."""
+    peak, flops, moved = 0, 0.0, 0.0
+    compiled = [lowered.compile(compiler_options=options) for lowered, _ in programs]
+    for c, (_, resident) in zip(compiled, programs, strict=True):
+        m = c.memory_analysis()
+        assert m is not None, "this backend gives no memory analysis"
+        live = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+        peak = max(peak, int(live) + resident)
+        cost = c.cost_analysis() or {}
+        if isinstance(cost, list):  # older jax: one dict per computation
+            cost = cost[0] if cost else {}
+        flops += float(cost.get("flops", 0.0))
+        moved += float(cost.get("bytes accessed", 0.0))
+    return _Analysis(peak, flops, moved, runtime_bytes(jax.default_backend(), compiled))
+
+
+class _Measurer:
+    """Lowers update steps at given sizes and compiles them (in parallel threads), caching per size."""
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        params: PyTree,
+        batch: PyTree,
+        optimizer: optax.GradientTransformation,
+        strategy: str,
+        has_aux: bool,
+        options: dict[str, Any],
+        compiler_options: dict[str, Any],
+        workers: int,
+    ) -> None:
+        self.params = abstract(params)
+        self.batch = batch
+        self.optimizer = optimizer
+        self.compiler_options = compiler_options
+        self.workers = workers
+        self._build: Callable[[int], Update] = lambda m: build_update(
+            loss_fn, optimizer, microbatch_size=m, strategy=strategy, has_aux=has_aux, **options
+        )
+        first = self._build(1)
+        self.options = dict(first.options)
+        self.opt_state = jax.eval_shape(first.init, self.params)
+        self.points: dict[tuple[int, int], Point] = {}
+
+    def measure(self, sizes: Iterable[tuple[int, int]]) -> list[Point]:
+        """`Point` for each ``(microbatch, batch_size)``, compiling those not measured yet."""
+        sizes = list(dict.fromkeys(sizes))
+        todo = [s for s in sizes if s not in self.points]
+        lowered = []
+        for m, total in todo:  # tracing holds the GIL: lower one by one, then compile in parallel
+            update = self._build(m)
+            programs = update.programs(self.params, self.opt_state, abstract_batch(self.batch, total))
+            lowered.append([(p.lowered, p.resident_bytes) for p in programs])
+        if todo:
+            with ThreadPoolExecutor(min(self.workers, len(todo))) as pool:
+                results = pool.map(lambda programs: _analyse(programs, self.compiler_options), lowered)
+                for (m, total), r in zip(todo, results, strict=True):
+                    self.points[m, total] = Point(m, total, r.peak_bytes, r.flops, r.bytes_accessed, r.runtime_bytes)
+        return [self.points[s] for s in sizes]
+
+    def optimizer_cost(self) -> _Analysis:
+        """Cost analysis of one optimizer step on gradients shaped like the parameters."""
+
+        def step(params: PyTree, opt_state: PyTree, grads: PyTree) -> tuple[PyTree, PyTree]:
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(self.params, self.opt_state, self.params)
+        return _analyse([(lowered, 0)], self.compiler_options)
+
+
+def _affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``(intercept, slope)`` of ``ys`` against ``xs``."""
+    slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+    return float(intercept), float(slope)
+
+
+def estimate(
+    loss_fn: Callable[..., Any],
+    params: PyTree,
+    batch: PyTree,
+    *,
+    optimizer: optax.GradientTransformation | None = None,
+    strategy: str = "scan",
+    memory_limit: int | str | None = None,
+    has_aux: bool = False,
+    max_size: int | None = None,
+    accumulation: bool = True,
+    effective_batch: int | None = None,
+    refine_for: Sequence[int | str] = (),
+    compiler_options: dict[str, Any] | None = None,
+    workers: int = 2,
+    **options: Any,
+) -> Estimate:
+    """Predicts, by compiling only, the peak memory of the update step at every microbatch size.
+
+    Compiles (never runs) the update that `autoaccum.build_update` would emit at a few sizes: one-microbatch
+    steps at two sizes; with ``accumulation``, three accumulating steps (two batch sizes, one uneven split);
+    the optimizer step alone (for step times); then one more at each predicted answer (`max_microbatch`, and
+    the answer for each ``refine_for`` budget) to refine the fit where it matters. ``params`` and ``batch``
+    may be arrays or ``jax.ShapeDtypeStruct``: only their shapes and dtypes are used, nothing is allocated.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar`` (``-> (scalar, aux)`` with ``has_aux``).
+      params: the parameters pytree (arrays or ``jax.ShapeDtypeStruct``).
+      batch: an example batch; only its per-example shapes and dtypes matter, not its size.
+      optimizer: the optax optimizer (default: `autoaccum.defaults.default_optimizer`, AdamW).
+      strategy: the accumulation strategy (``strategies.available()``).
+      memory_limit: the budget `Estimate.max_microbatch` answers for: bytes or ``"16GiB"``; default: what
+        this machine's default device offers a step (`autoaccum.device.DeviceInfo.memory_limit_bytes`).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      max_size: `Estimate.max_microbatch` is at most this (default 16384, as the probe's).
+      accumulation: also measure accumulating steps (needed by `Estimate.plan_for` and by ``bytes_at`` with a
+        ``batch_size``); ``False`` saves three compilations when only `max_microbatch` is wanted.
+      effective_batch: refine the fit for plans of this many examples per update (around the largest microbatch
+        of an accumulating step, rather than of a one-microbatch step, under each budget).
+      refine_for: more budgets (bytes or strings) to refine the fit around, one compilation each, e.g. the
+        usable memory of each target of a plan.
+      compiler_options: XLA options for the analysis compilations, on top of `COMPILER_OPTIONS`.
+      workers: compilations run in parallel.
+      **options: the strategy's options (e.g. ``unroll=2``).
+
+    Returns:
+      An `Estimate`.
+
+    Raises:
+      TypeError, ValueError: bad arguments (named in the message), before anything is compiled.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> params = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)  # 64 MiB, never allocated
+      >>> batch = jax.ShapeDtypeStruct((1, 4096), jnp.float32)
+      >>> est = estimate(lambda w, x: jnp.mean(x @ w), params, batch, optimizer=optax.sgd(0.1),
+      ...                memory_limit="512MiB", accumulation=False)
+      >>> 0 < est.max_microbatch and est.bytes_at(est.max_microbatch) <= 512 * 2**20
+      True
+    """
+    start = time.perf_counter()
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
+    leading_size(batch)
+    cap = _default_max_size() if max_size is None else check_microbatch_size(max_size, "max_size")
+    if effective_batch is not None:
+        check_microbatch_size(effective_batch, "effective_batch")
+    check_microbatch_size(workers, "workers")
+    if not isinstance(accumulation, bool):
+        raise TypeError(f"`accumulation` must be a bool, got {accumulation!r}.")
+    limit = default_memory_limit() if memory_limit is None else parse_bytes(memory_limit)
+    extra_limits = [parse_bytes(x, "refine_for") for x in refine_for]
+    optimizer = _default_optimizer() if optimizer is None else optimizer
+    compile_options = {**COMPILER_OPTIONS, **(compiler_options or {})}
+    measurer = _Measurer(loss_fn, params, batch, optimizer, strategy, has_aux, dict(options), compile_options, workers)
+
+    s2 = max(2, min(FIRST_SIZES[1], cap))
+    s1 = max(1, min(FIRST_SIZES[0], s2 // 4))
+    sizes = [(s1, s1), (s2, s2)]
+    if accumulation:  # 2 and 4 microbatches of s1, and 2 of s1 plus a smaller last one
+        sizes += [(s1, 2 * s1), (s1, 4 * s1), (s1, 2 * s1 + max(1, s1 // 2))]
+    measured = measurer.measure(sizes)
+    acc_fixed = per_batch = per_remainder = None
+    if accumulation:
+        single1, _, acc2, acc4, uneven = measured
+        # accumulating step at (s1, B) = one-microbatch step at s1 + accumulation_bytes + per_batch * B
+        acc_fixed, per_batch = _affine(
+            [acc2.batch_size, acc4.batch_size],
+            [acc2.total_bytes - single1.total_bytes, acc4.total_bytes - single1.total_bytes],
+        )
+        expected = single1.total_bytes + acc_fixed + per_batch * uneven.batch_size
+        per_remainder = max(0.0, (uneven.total_bytes - expected) / (uneven.batch_size % s1 or 1))
+        acc_fixed, per_batch = max(acc_fixed, 0.0), max(per_batch, 0.0)
+    opt = measurer.optimizer_cost()
+
+    def current() -> Estimate:
+        singles = sorted(
+            (p for p in measurer.points.values() if p.batch_size == p.microbatch), key=lambda p: p.microbatch
+        )
+        xs = [p.microbatch for p in singles]
+        flops_fixed, flops_slope = _affine(xs, [p.flops - opt.flops for p in singles])
+        moved_fixed, moved_slope = _affine(xs, [p.bytes_accessed - opt.bytes_accessed for p in singles])
+        return Estimate(
+            strategy=strategy,
+            options=measurer.options,
+            memory_limit_bytes=limit,
+            points=tuple(measurer.points.values()),
+            accumulation_bytes=acc_fixed,
+            per_batch_example_bytes=per_batch,
+            remainder_bytes_per_example=per_remainder,
+            flops_fixed=flops_fixed,
+            flops_per_example=flops_slope,
+            bytes_accessed_fixed=moved_fixed,
+            bytes_accessed_per_example=moved_slope,
+            optimizer_flops=opt.flops,
+            optimizer_bytes_accessed=opt.bytes_accessed,
+            compute_dtype=_compute_dtype(measurer.params),
+            max_size=cap,
+            platform=jax.default_backend(),
+            seconds=time.perf_counter() - start,
+        )
+
+    est = current()
+    top = max(cap, effective_batch or 0)
+    plans = effective_batch is not None and accumulation
+    for _ in range(2):  # refine at the predicted answers until they are measured (usually one round)
+        budgets = (limit, *extra_limits)
+        wanted = {est.largest_microbatch(b, effective_batch) if plans else est.largest_microbatch(b) for b in budgets}
+        done = {m for m, total in measurer.points if m == total}
+        todo = [m for m in sorted(wanted) if 1 <= m <= top and not any(abs(m - k) <= 0.02 * k for k in done)]
+        if not todo:
+            break
+        measurer.measure([(m, m) for m in todo])
+        est = current()
+    return est

@@ -1,0 +1,98 @@
+"""``autoaccum plan``: the human table, JSON, the catalog listing, the plot and bad input (exit codes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from autoaccum.catalog import names
+from autoaccum.cli import main
+
+WORKLOAD = "autoaccum.workloads:mlp"
+CNN = "autoaccum.workloads:cnn"  # activations dominate: a small budget makes it accumulate
+
+
+def run(*args: str) -> Result:
+    return CliRunner().invoke(main, ["plan", *args])
+
+
+def check(result: Result, code: int) -> None:
+    assert result.exit_code == code, f"exit {result.exit_code}\n{result.output}\n{result.exception!r}"
+
+
+def test_human_table_for_gpus_and_a_memory_budget() -> None:
+    result = run(CNN, "--effective-batch", "1024", "--gpu", "A100-40GB", "--gpu", "l4", "--memory", "64MiB")
+    check(result, 0)
+    out = result.output
+    assert "A100-40GB" in out and "L4" in out and "64.00 MiB" in out
+    assert "1024 x 1" in out  # fits in one step on the GPUs
+    assert "roofline ESTIMATE" in out and "nothing was run" in out
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in out
+
+
+def test_json_output() -> None:
+    result = run(CNN, "--effective-batch", "1024", "--gpu", "H100", "--memory", "64MiB", "--json")
+    check(result, 0)
+    data = json.loads(result.stdout)
+    h100, budget = data["targets"]
+    assert data["effective_batch"] == 1024 and data["strategy"] == "scan" and data["workload"] == "cnn"
+    assert h100["target"] == "H100-80GB" and h100["accelerator"] == "H100-80GB"
+    assert h100["fits_in_one_step"] and h100["accumulation_steps"] == 1 and h100["step_seconds"] > 0
+    assert h100["bound"] in ("compute", "memory")
+    assert budget["accelerator"] is None and budget["accumulation_steps"] > 1 and budget["step_seconds"] is None
+    assert budget["peak_bytes"] <= budget["usable_bytes"] == 64 * 2**20
+    assert data["estimate"]["points"] and data["estimate"]["platform"] == "cpu"
+
+
+def test_mem_fraction_changes_the_usable_memory() -> None:
+    result = run(WORKLOAD, "--gpu", "T4", "--mem-fraction", "0.9", "--safety-margin", "0", "--json")
+    check(result, 0)
+    assert json.loads(result.stdout)["targets"][0]["usable_bytes"] == int(16 * 2**30 * 0.9)
+
+
+@pytest.mark.parametrize("args", [["--list-gpus"], ["--gpu", "list"]])
+def test_listing_the_catalog(args: list[str]) -> None:
+    result = run(*args)
+    check(result, 0)
+    assert all(name in result.output for name in names())
+    result = run(*args, "--json")
+    check(result, 0)
+    assert [row["name"] for row in json.loads(result.stdout)] == list(names())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpu", "A100-40"], "Did you mean 'A100-40GB'"),
+        (["--gpu", "B300"], "Known: T4, L4"),
+        (["--effective-batch", "0", "--gpu", "L4"], "must be >= 1, got --effective-batch 0"),
+        (["--memory", "12XB"], "'12XB' does not parse as a byte size"),
+        (["--mem-fraction", "1.5", "--gpu", "L4"], "1.5"),
+    ],
+)
+def test_bad_input_exits_2_before_compiling(args: list[str], message: str) -> None:
+    result = run(WORKLOAD, *args)
+    check(result, 2)
+    assert message in result.output
+
+
+def test_a_missing_workload_is_a_usage_error() -> None:
+    check(run("--gpu", "L4"), 2)
+    check(run("no_such_module:fn", "--gpu", "L4"), 2)
+
+
+def test_nothing_fits_exits_1() -> None:
+    result = run(WORKLOAD, "--memory", "1MiB", "--gpu", "L4")
+    check(result, 1)
+    assert "nothing fits" in result.output
+
+
+def test_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "memory.png"
+    result = run(WORKLOAD, "--effective-batch", "2048", "--gpu", "T4", "--memory", "16MiB", "--plot", str(path))
+    check(result, 0)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
