@@ -14,6 +14,10 @@ The measurements are fitted to a model of fixed + per-example bytes:
   ``accumulation_bytes + per_batch_example_bytes * B``: the gradient accumulator, and the whole batch
   resident on the device (with any copy of it the strategy makes).
 
+On the CPU, the prediction for this machine adds what XLA's CPU runtime allocates outside its accounting
+(`runtime_bytes`: a fixed few MiB, and the patches a convolution materialises), so that it compares with
+what `autoaccum.probe` measures; plans for a catalogued GPU or TPU use XLA's figure alone.
+
 Step times come from ``Compiled.cost_analysis()`` (FLOPs and bytes accessed per microbatch, and for the
 optimizer step) against an accelerator's peak FLOP/s and bandwidth: a roofline *estimate* (a lower bound
 that real steps rarely reach), not a measurement.
@@ -22,7 +26,7 @@ Example:
   >>> import autoaccum
   >>> from autoaccum import workloads
   >>> w = workloads.mlp()
-  >>> est = autoaccum.estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="4MiB")
+  >>> est = autoaccum.estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="32MiB")
   >>> est.bytes_at(est.max_microbatch) <= est.memory_limit_bytes < est.bytes_at(est.max_microbatch + 1)
   True
   >>> plan = est.plan_for(1024, "A100-40GB")
@@ -58,6 +62,10 @@ assignment and cost analysis happen before code generation, so memory and cost f
 
 FIRST_SIZES = (8, 32)
 """The microbatch sizes measured first (fewer when ``max_size`` is smaller)."""
+
+NEAR = 0.1
+"""A predicted answer within this fraction of a compiled size is not compiled again: interpolating over so
+short a distance errs by well under 1% (XLA's bytes per example drift by a few % over a 4x range)."""
 
 
 class Point(NamedTuple):
@@ -787,11 +795,11 @@ def estimate(
     est = current()
     top = max(cap, effective_batch or 0)
     plans = effective_batch is not None and accumulation
-    for _ in range(2):  # refine at the predicted answers until they are measured (usually one round)
+    for _ in range(2):  # refine at the predicted answers until they are near a measurement (usually once)
         budgets = (limit, *extra_limits)
         wanted = {est.largest_microbatch(b, effective_batch) if plans else est.largest_microbatch(b) for b in budgets}
         done = {m for m, total in measurer.points if m == total}
-        todo = [m for m in sorted(wanted) if 1 <= m <= top and not any(abs(m - k) <= 0.02 * k for k in done)]
+        todo = [m for m in sorted(wanted) if 1 <= m <= top and not any(abs(m - k) <= NEAR * k for k in done)]
         if not todo:
             break
         measurer.measure([(m, m) for m in todo])

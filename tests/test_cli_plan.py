@@ -11,7 +11,7 @@ from click.testing import CliRunner, Result
 from autoaccum.catalog import names
 from autoaccum.cli import main
 
-WORKLOAD = "autoaccum.workloads:mlp"
+WORKLOAD = "autoaccum.workloads:linear"  # tiny: compiles fast
 CNN = "autoaccum.workloads:cnn"  # activations dominate: a small budget makes it accumulate
 
 

@@ -130,8 +130,10 @@ def test_conv_patch_bytes_reads_the_compiled_convolutions() -> None:
 
 # -- against the probe: the estimate's answer within 20% of what real capped runs find -------------------------
 
-CASES = {"mlp": "48MiB", "cnn": "96MiB", "transformer": "128MiB"}
-"""Per workload, a cap whose boundary lies well inside the probe's range."""
+CASES = {"mlp": "48MiB", "cnn": "96MiB", "transformer": "256MiB"}
+"""Per workload, a cap whose boundary lies well inside the probe's range. Capped CPU trials are not quite
+deterministic (the same transformer trial at 74 examples under 128MiB fit, failed, fit: one 110 MB allocation
+meets a fragmented address space), so the caps are large enough for that jitter to stay a few %."""
 
 
 def probe_seeded_by(est: Estimate, w: autoaccum.Workload, cap: str) -> tuple[int, list[Trial]]:
