@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 
@@ -15,13 +16,17 @@ from autoaccum import workloads
 from autoaccum.catalog import UnknownAcceleratorError
 from autoaccum.estimate import CPU_RUNTIME_BYTES, Estimate, Target, conv_patch_bytes
 from autoaccum.memory import step_memory
-from autoaccum.probe import Estimate as ProbeEstimate
-from autoaccum.probe import Trial, TrialRunner, prepare, search
+from autoaccum.probe import Trial, TrialRunner, prepare
 
 NO_YNN = "xla_cpu_experimental_ynn_fusion_type"
-"""XLA's CPU YNNPACK fusions (on by default) allocate convolution workspace whose size jumps irregularly with the
-batch (measured peaks are not even monotone), so the CNN comparison turns them off in both the estimate's
-compilations and the probe's trials; XLA's CPU runtime then materialises convolution patches regularly."""
+"""XLA's CPU YNNPACK fusions (on by default) allocate their own workspace, outside XLA's accounting and
+concurrently: for convolutions it jumps irregularly with the batch (the CNN's measured peaks are not even
+monotone: 512 examples used less than 384), and for the transformer's large dots a capped run's peak varies
+from run to run (the probe's docs: 188 to 267 MB for one size). The CNN and transformer comparisons turn them
+off, in the estimate's compilations and in the probe's trials alike; XLA:CPU's own runtime is then regular
+(and materialises convolution patches, which the estimate models). The MLP's small dots are stable with them."""
+
+WITHOUT_YNN = {"cnn", "transformer"}
 
 
 def small_estimate(name: str, limit: str, **kwargs: object) -> tuple[autoaccum.Workload, Estimate]:
@@ -136,34 +141,30 @@ deterministic (the same transformer trial at 74 examples under 128MiB fit, faile
 meets a fragmented address space), so the caps are large enough for that jitter to stay a few %."""
 
 
-def probe_seeded_by(est: Estimate, w: autoaccum.Workload, cap: str) -> tuple[int, list[Trial]]:
-    """The probe's exact boundary (capped trials in child processes, as `autoaccum.probe` runs them).
-
-    The probe's search starts from the estimate instead of its own compile-only model: that saves trials,
-    never the exactness (its answer fits and one more example does not, as checked below).
-    """
+def capped_runs(w: autoaccum.Workload, cap: str, sizes: list[int]) -> list[Trial]:
+    """Real update steps under the cap, each in a child process, exactly as `autoaccum.probe` runs trials."""
     setup = prepare(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit=cap)
-    pts = est.single_points[-2:]
-    seed = ProbeEstimate(
-        tuple(p.microbatch for p in pts), tuple(p.total_bytes for p in pts), est.fixed_bytes,
-        est.per_example_bytes, est.max_microbatch, est.seconds,
-    )  # fmt: skip
     with TrialRunner(setup) as run:
-        found = search(run, limit=setup.memory_limit_bytes, max_size=setup.max_size, estimate=seed)
-        trials = list(run.trials)
-    outcome = {t.microbatch_size: t.fits for t in trials}
-    assert outcome.get(found) is True and outcome.get(found + 1) is False, trials
-    return found, trials
+        return [run(m) for m in sizes]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_max_microbatch_is_within_20_percent_of_the_probe(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's boundary ``b`` (``b`` fits, ``b + 1`` does not) lies within 20% of the estimate ``e``.
+
+    Checked with two of the probe's own capped trials at the band's edges: ``ceil(e / 1.2)`` fits and
+    ``floor(e / 0.8) + 1`` does not, so ``e / 1.2 <= b <= e / 0.8``, i.e. ``0.8 <= e / b <= 1.2`` (the probe's
+    search relies on the same monotonicity). Two runs instead of a whole search keep the test fast, and away
+    from the boundary the trials' run-to-run jitter does not flip them. ``benchmarks/estimate.py`` runs the
+    whole `autoaccum.probe` for the same comparison.
+    """
     cap = CASES[name]
-    options = {NO_YNN: ""} if name == "cnn" else None
-    if name == "cnn":  # the probe's children inherit the flag
+    options = {NO_YNN: ""} if name in WITHOUT_YNN else None
+    if name in WITHOUT_YNN:  # the probe's children inherit the flag
         monkeypatch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --{NO_YNN}=".strip())
     w, est = small_estimate(name, cap, accumulation=False, compiler_options=options)
-    found, trials = probe_seeded_by(est, w, cap)
-    ratio = est.max_microbatch / found
-    summary = [(t.microbatch_size, t.fits, t.peak_bytes) for t in trials]
-    assert 0.8 <= ratio <= 1.2, (name, est.max_microbatch, found, summary)
+    e = est.max_microbatch
+    low, high = math.ceil(e / 1.2), math.floor(e / 0.8) + 1
+    fits_low, fits_high = capped_runs(w, cap, [low, high])
+    summary = (name, e, [(t.microbatch_size, t.fits, t.peak_bytes, t.detail) for t in (fits_low, fits_high)])
+    assert fits_low.fits and not fits_high.fits, summary
