@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import optax
+import optuna
 
 import autoaccum
 import strategies
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="side-by-side re-timing rounds")
     parser.add_argument("--seq-len", type=int, default=64)
     args = parser.parse_args()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
 
     w = workloads.transformer(batch_size=args.effective_batch, seq_len=args.seq_len)
     print(
