@@ -50,10 +50,10 @@ import numpy as np
 import optax
 
 from autoaccum.catalog import DEFAULT_SAFETY_MARGIN, Accelerator, lookup
-from autoaccum.memory import abstract, abstract_batch
+from autoaccum.memory import abstract, abstract_batch, analyse
 from autoaccum.units import format_bytes, parse_bytes
 from autoaccum.update import Update, build_update, check_microbatch_size
-from strategies._base import PyTree, leading_size, tree_bytes
+from strategies._base import Program, PyTree, leading_size, tree_bytes
 
 COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
 """Options for the analysis compilations: no LLVM optimisation (about 2x faster to compile). Buffer
@@ -592,21 +592,12 @@ class _Analysis(NamedTuple):
     runtime_bytes: int
 
 
-def _analyse(programs: Sequence[tuple[jax.stages.Lowered, int]], options: dict[str, Any]) -> _Analysis:
-    """Compiles each ``(lowered, resident_bytes)`` and combines them as `autoaccum.memory.step_memory` does."""
-    peak, flops, moved = 0, 0.0, 0.0
-    compiled = [lowered.compile(compiler_options=options) for lowered, _ in programs]
-    for c, (_, resident) in zip(compiled, programs, strict=True):
-        m = c.memory_analysis()
-        assert m is not None, "this backend gives no memory analysis"
-        live = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-        peak = max(peak, int(live) + resident)
-        cost = c.cost_analysis() or {}
-        if isinstance(cost, list):  # older jax: one dict per computation
-            cost = cost[0] if cost else {}
-        flops += float(cost.get("flops", 0.0))
-        moved += float(cost.get("bytes accessed", 0.0))
-    return _Analysis(peak, flops, moved, runtime_bytes(jax.default_backend(), compiled))
+def _analyse(programs: Sequence[Program], options: dict[str, Any]) -> _Analysis:
+    """`autoaccum.memory.analyse`, plus what the runtime needs beyond XLA's accounting."""
+    memory, compiled = analyse(programs, compiler_options=options)
+    return _Analysis(
+        memory.peak_bytes, memory.flops, memory.bytes_accessed, runtime_bytes(jax.default_backend(), compiled)
+    )
 
 
 class _Measurer:
@@ -645,7 +636,7 @@ class _Measurer:
         for m, total in todo:  # tracing holds the GIL: lower one by one, then compile in parallel
             update = self._build(m)
             programs = update.programs(self.params, self.opt_state, abstract_batch(self.batch, total))
-            lowered.append([(p.lowered, p.resident_bytes) for p in programs])
+            lowered.append(programs)
         if todo:
             with ThreadPoolExecutor(min(self.workers, len(todo))) as pool:
                 results = pool.map(lambda programs: _analyse(programs, self.compiler_options), lowered)
@@ -661,7 +652,7 @@ class _Measurer:
             return optax.apply_updates(params, updates), opt_state
 
         lowered = jax.jit(step, donate_argnums=(0, 1)).lower(self.params, self.opt_state, self.params)
-        return _analyse([(lowered, 0)], self.compiler_options)
+        return _analyse([Program(lowered, 0)], self.compiler_options)
 
 
 def _affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

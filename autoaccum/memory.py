@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 
 from autoaccum.update import Update
-from strategies._base import PyTree, tree_bytes
+from strategies._base import Program, PyTree, tree_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,52 @@ def abstract_batch(batch: PyTree, size: int) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype), batch)
 
 
-def step_memory(update: Update, params: PyTree, batch: PyTree, batch_size: int) -> StepMemory:
+def analyse(
+    programs: Sequence[Program], batch_size: int = 0, compiler_options: Mapping[str, Any] | None = None
+) -> tuple[StepMemory, list[jax.stages.Compiled]]:
+    """Compiles ``programs`` (one update call's, see `Update.programs`) and combines XLA's figures.
+
+    The peak is the largest, over the programs, of arguments + outputs + temporaries - aliased bytes plus
+    the bytes resident outside the program; FLOPs and bytes accessed are summed. Returns the `StepMemory`
+    and the compiled programs (for further inspection); nothing is executed.
+    """
+    options = dict(compiler_options or {})
+    compiled = [program.lowered.compile(compiler_options=options or None) for program in programs]
+    best: tuple[int, Any] | None = None
+    flops = accessed = 0.0
+    for c, program in zip(compiled, programs, strict=True):
+        m = c.memory_analysis()
+        if m is None:
+            raise RuntimeError(f"XLA gives no memory analysis on {jax.devices()[0].platform}; cannot predict memory.")
+        live = (
+            m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+        ) + program.resident_bytes
+        if best is None or live > best[0]:
+            best = (live, m)
+        cost = c.cost_analysis() or {}
+        if isinstance(cost, list):  # older jax returns one dict per computation
+            cost = cost[0] if cost else {}
+        flops += float(cost.get("flops", 0.0))
+        accessed += float(cost.get("bytes accessed", 0.0))
+    if best is None:
+        raise ValueError("`programs` is empty: nothing to analyse.")
+    live, m = best
+    memory = StepMemory(
+        batch_size=batch_size,
+        peak_bytes=int(live),
+        argument_bytes=int(m.argument_size_in_bytes),
+        output_bytes=int(m.output_size_in_bytes),
+        temp_bytes=int(m.temp_size_in_bytes),
+        alias_bytes=int(m.alias_size_in_bytes),
+        flops=flops,
+        bytes_accessed=accessed,
+    )
+    return memory, compiled
+
+
+def step_memory(
+    update: Update, params: PyTree, batch: PyTree, batch_size: int, compiler_options: Mapping[str, Any] | None = None
+) -> StepMemory:
     """Compiles (never runs) ``update`` for a batch of ``batch_size`` examples shaped like ``batch``.
 
     Example:
@@ -55,36 +101,8 @@ def step_memory(update: Update, params: PyTree, batch: PyTree, batch_size: int) 
     """
     params_s = abstract(params)
     opt_state_s = jax.eval_shape(update.init, params_s)
-    batch_s = abstract_batch(batch, batch_size)
-    best: tuple[int, Any] | None = None
-    flops = accessed = 0.0
-    for program in update.programs(params_s, opt_state_s, batch_s):
-        compiled = program.lowered.compile()
-        m = compiled.memory_analysis()
-        if m is None:
-            raise RuntimeError(f"XLA gives no memory analysis on {jax.devices()[0].platform}; cannot predict memory.")
-        live = (
-            m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-        ) + program.resident_bytes
-        if best is None or live > best[0]:
-            best = (live, m)
-        cost = compiled.cost_analysis() or {}
-        if isinstance(cost, list):  # older jax returns one dict per computation
-            cost = cost[0] if cost else {}
-        flops += float(cost.get("flops", 0.0))
-        accessed += float(cost.get("bytes accessed", 0.0))
-    assert best is not None
-    live, m = best
-    return StepMemory(
-        batch_size=batch_size,
-        peak_bytes=int(live),
-        argument_bytes=int(m.argument_size_in_bytes),
-        output_bytes=int(m.output_size_in_bytes),
-        temp_bytes=int(m.temp_size_in_bytes),
-        alias_bytes=int(m.alias_size_in_bytes),
-        flops=flops,
-        bytes_accessed=accessed,
-    )
+    programs = update.programs(params_s, opt_state_s, abstract_batch(batch, batch_size))
+    return analyse(programs, batch_size, compiler_options)[0]
 
 
 def state_bytes(update: Update, params: PyTree) -> int:
