@@ -8,10 +8,12 @@ import itertools
 import json
 import os
 import statistics
+import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -184,6 +186,18 @@ def _check_positive_int(value: Any, name: str) -> int:
     return check_microbatch_size(value, name)
 
 
+STORAGE_ATTEMPTS = 5
+
+
+def raise_unopenable(url: str) -> NoReturn:
+    """Re-raises the error being handled as a ``ValueError`` that names ``storage`` and the fix."""
+    e = sys.exc_info()[1]
+    raise ValueError(
+        f"`storage`={url!r} cannot be opened ({type(e).__name__}: {str(e).splitlines()[0]}); pass an RDB URL "
+        "such as 'sqlite:///studies.db' or 'postgresql://user@host/db', or ':memory:'."
+    ) from e
+
+
 def _open_storage(
     storage: str | optuna.storages.BaseStorage | None,
 ) -> tuple[optuna.storages.BaseStorage, str]:
@@ -197,18 +211,26 @@ def _open_storage(
         raise TypeError(f"`storage` must be an RDB URL string, ':memory:' or an optuna storage, got {storage!r}.")
     import sqlalchemy.exc
 
-    try:
-        opened = optuna.storages.RDBStorage(
-            url,
-            heartbeat_interval=30,
-            grace_period=90,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
-        )
-    except (sqlalchemy.exc.SQLAlchemyError, ValueError, ImportError, OSError) as e:
-        raise ValueError(
-            f"`storage`={url!r} cannot be opened ({type(e).__name__}: {str(e).splitlines()[0]}); pass an RDB URL "
-            "such as 'sqlite:///studies.db' or 'postgresql://user@host/db', or ':memory:'."
-        ) from e
+    # Workers that open a new database at the same moment race to create its tables (IntegrityError on
+    # alembic_version, or "database is locked"): the loser retries and finds them made.
+    races = (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError)
+    for attempt in range(STORAGE_ATTEMPTS):
+        try:
+            with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna; we rely on them knowingly
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                opened = optuna.storages.RDBStorage(
+                    url,
+                    heartbeat_interval=30,
+                    grace_period=90,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
+                )
+            break
+        except races:
+            if attempt + 1 == STORAGE_ATTEMPTS:
+                raise_unopenable(url)
+            time.sleep(0.2 * (attempt + 1))
+        except (sqlalchemy.exc.SQLAlchemyError, ValueError, ImportError, OSError):
+            raise_unopenable(url)
     return opened, url
 
 

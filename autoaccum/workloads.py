@@ -52,17 +52,20 @@ class MLP(nnx.Module):
         return self.layers[-1](x)
 
 
-def mlp(batch_size: int = 64, seed: int = 0) -> Workload:
-    """An MLP [32, 32, 10] on 28x28x1 images with 10 classes, Adam(1e-3)."""
+def _image_classifier(model: nnx.Module, name: str, batch_size: int, seed: int) -> Workload:
+    """``model`` on random 28x28x1 images with labels in 0..9, softmax cross-entropy, Adam(1e-3)."""
     kx, ky = jax.random.split(jax.random.key(seed))
     batch = {
         "image": jax.random.normal(kx, (batch_size, 28, 28, 1)),
         "label": jax.random.randint(ky, (batch_size,), 0, 10),
     }
-    loss_fn, params = _functional(
-        MLP(rngs=nnx.Rngs(seed)), lambda model, b: _cross_entropy(model(b["image"]), b["label"])
-    )
-    return Workload(loss_fn, params, batch, optax.adam(1e-3), name="mlp")
+    loss_fn, params = _functional(model, lambda model, b: _cross_entropy(model(b["image"]), b["label"]))
+    return Workload(loss_fn, params, batch, optax.adam(1e-3), name=name)
+
+
+def mlp(batch_size: int = 64, seed: int = 0) -> Workload:
+    """An MLP [32, 32, 10] on 28x28x1 images with 10 classes, Adam(1e-3)."""
+    return _image_classifier(MLP(rngs=nnx.Rngs(seed)), "mlp", batch_size, seed)
 
 
 def linear(batch_size: int = 64, features: int = 512, seed: int = 0) -> Workload:
@@ -94,15 +97,7 @@ class CNN(nnx.Module):
 
 def cnn(batch_size: int = 64, seed: int = 0) -> Workload:
     """A small CNN on 28x28x1 images with 10 classes, Adam(1e-3)."""
-    kx, ky = jax.random.split(jax.random.key(seed))
-    batch = {
-        "image": jax.random.normal(kx, (batch_size, 28, 28, 1)),
-        "label": jax.random.randint(ky, (batch_size,), 0, 10),
-    }
-    loss_fn, params = _functional(
-        CNN(rngs=nnx.Rngs(seed)), lambda model, b: _cross_entropy(model(b["image"]), b["label"])
-    )
-    return Workload(loss_fn, params, batch, optax.adam(1e-3), name="cnn")
+    return _image_classifier(CNN(rngs=nnx.Rngs(seed)), "cnn", batch_size, seed)
 
 
 class Block(nnx.Module):

@@ -290,3 +290,27 @@ def test_unopenable_sqlite_path(linear: autoaccum.Workload, tmp_path: Path) -> N
     url = f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'x.db'}"
     with pytest.raises(ValueError, match="cannot be opened"):
         tune(linear.loss_fn, linear.params, linear.batch, max_microbatch=4, storage=url, measure=fake_measure())
+
+
+def test_two_workers_share_one_study(tmp_path: Path) -> None:
+    """Two processes tune one study through one SQLite file: together they cover the space, and both report
+    the same best plan (Optuna's RDB storage coordinates them)."""
+    import json
+    import subprocess
+    import sys
+
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    worker = Path(__file__).parent / "tune_worker.py"
+    logs = [tmp_path / f"worker{i}.jsonl" for i in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, str(worker), storage, str(log)], stdout=subprocess.PIPE, text=True)
+        for log in logs
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    measured = [tuple(json.loads(line)[:2]) for log in logs if log.exists() for line in log.read_text().splitlines()]
+    grid = {(m, s) for m in (1, 2, 3, 4) for s in ("scan", "loop", "multisteps")}
+    assert grid <= set(measured)
+    assert all(log.exists() for log in logs), "both workers measured something"
+    plans = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert plans[0] == plans[1]
