@@ -52,7 +52,7 @@ import optax
 from autoaccum.catalog import DEFAULT_SAFETY_MARGIN, Accelerator, lookup
 from autoaccum.memory import abstract, abstract_batch, analyse
 from autoaccum.units import format_bytes, parse_bytes
-from autoaccum.update import Update, build_update, check_microbatch_size
+from autoaccum.update import Update, build_update, check_positive_int
 from strategies._base import Program, PyTree, leading_size, tree_bytes
 
 COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
@@ -277,8 +277,8 @@ class Estimate:
           >>> est.bytes_at(64, 256) > est.bytes_at(64)
           True
         """
-        m = check_microbatch_size(microbatch, "microbatch")
-        total = m if batch_size is None else check_microbatch_size(batch_size, "batch_size")
+        m = check_positive_int(microbatch, "microbatch")
+        total = m if batch_size is None else check_positive_int(batch_size, "batch_size")
         m = min(m, total)
         fixed, slope = self._segment(m, runtime)
         peak = fixed + slope * m
@@ -365,8 +365,8 @@ class Estimate:
         estimate from XLA's cost analysis on the machine that compiled, not a measurement.
         """
         acc = lookup(accelerator) if isinstance(accelerator, str) else accelerator
-        total = check_microbatch_size(effective_batch, "effective_batch")
-        m = min(check_microbatch_size(microbatch, "microbatch"), total)
+        total = check_positive_int(effective_batch, "effective_batch")
+        m = min(check_positive_int(microbatch, "microbatch"), total)
         full, rest = divmod(total, m)
         parts = [(full, *self._cost(m, acc))] + ([(1, *self._cost(rest, acc))] if rest else [])
         opt_compute = self.optimizer_flops / acc.peak_flops(self.compute_dtype)
@@ -402,7 +402,7 @@ class Estimate:
           ValueError: ``effective_batch`` < 1, an unknown accelerator (with the closest name), a size that
             does not parse.
         """
-        total = check_microbatch_size(effective_batch, "effective_batch")
+        total = check_positive_int(effective_batch, "effective_batch")
         resolved = resolve_target(target, self.memory_limit_bytes, mem_fraction, safety_margin)
         runtime = resolved.accelerator is None  # a catalogued accelerator's runtime is XLA's accounting
         largest = self.largest_microbatch(resolved.usable_bytes, total, runtime=runtime)
@@ -725,10 +725,10 @@ def estimate(
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
     leading_size(batch)
-    cap = _default_max_size() if max_size is None else check_microbatch_size(max_size, "max_size")
+    cap = _default_max_size() if max_size is None else check_positive_int(max_size, "max_size")
     if effective_batch is not None:
-        check_microbatch_size(effective_batch, "effective_batch")
-    check_microbatch_size(workers, "workers")
+        check_positive_int(effective_batch, "effective_batch")
+    check_positive_int(workers, "workers")
     if not isinstance(accumulation, bool):
         raise TypeError(f"`accumulation` must be a bool, got {accumulation!r}.")
     limit = default_memory_limit() if memory_limit is None else parse_bytes(memory_limit)

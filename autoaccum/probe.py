@@ -65,7 +65,7 @@ from autoaccum.defaults import CPU_MEMORY_FRACTION, DEFAULT_MAX_SIZE, default_op
 from autoaccum.device import DeviceInfo, detect_device, oom_kills
 from autoaccum.memory import state_bytes, step_memory
 from autoaccum.units import format_bytes, parse_bytes
-from autoaccum.update import build_update, check_microbatch_size
+from autoaccum.update import build_update, check_positive_int
 from strategies._base import PyTree, leading_size
 
 FIRST_MARGIN = 0.9
@@ -243,8 +243,8 @@ def prepare(
     options: Mapping[str, Any] | None = None,
 ) -> Setup:
     """Checks a probe request and resolves its device and limit; runs nothing. See `probe` for arguments."""
-    granularity = check_microbatch_size(granularity, "granularity")
-    size_cap = DEFAULT_MAX_SIZE if max_size is None else check_microbatch_size(max_size, "max_size")
+    granularity = check_positive_int(granularity, "granularity")
+    size_cap = DEFAULT_MAX_SIZE if max_size is None else check_positive_int(max_size, "max_size")
     if size_cap < granularity:
         raise ValueError(
             f"`max_size`={size_cap} is below `granularity`={granularity}, so no size can be tried; raise "

@@ -23,7 +23,7 @@ import optuna
 import strategies as strategies_lib
 from autoaccum.defaults import default_optimizer
 from autoaccum.plan import Plan, params_signature
-from autoaccum.update import Update, build_update, check_microbatch_size
+from autoaccum.update import Update, build_update, check_positive_int
 from autoaccum.workload import resize_batch
 from strategies._base import PyTree, leading_size
 
@@ -182,10 +182,6 @@ def microbatch_candidates(effective_batch: int, max_microbatch: int) -> list[int
     return divisors + sorted(extra - set(divisors))
 
 
-def _check_positive_int(value: Any, name: str) -> int:
-    return check_microbatch_size(value, name)
-
-
 STORAGE_ATTEMPTS = 5
 
 
@@ -336,11 +332,11 @@ def tune(
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
     optimizer = default_optimizer() if optimizer is None else optimizer
-    effective_batch = batch_size if effective_batch is None else _check_positive_int(effective_batch, "effective_batch")
+    effective_batch = batch_size if effective_batch is None else check_positive_int(effective_batch, "effective_batch")
     if n_trials is not None:
-        _check_positive_int(n_trials, "n_trials")
+        check_positive_int(n_trials, "n_trials")
     if max_microbatch is not None:
-        _check_positive_int(max_microbatch, "max_microbatch")
+        check_positive_int(max_microbatch, "max_microbatch")
     names = list(strategies_lib.available() if strategies is None else strategies)
     if not names:
         raise ValueError(f"`strategies` is empty; choose from {', '.join(strategies_lib.available())}.")

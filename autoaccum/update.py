@@ -107,7 +107,7 @@ def build_update(
             f"`optimizer` must be an optax.GradientTransformation (with init and update), got "
             f"{type(optimizer).__name__}; e.g. optax.adamw(1e-3)."
         )
-    check_microbatch_size(microbatch_size)
+    check_positive_int(microbatch_size, "microbatch_size")
     cls = strategies.get(strategy)
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
@@ -122,10 +122,10 @@ def build_update(
     return Update(microbatch_size, strategy, dict(accumulation.config), accumulation)
 
 
-def check_microbatch_size(microbatch_size: Any, name: str = "microbatch_size") -> int:
-    """Returns ``microbatch_size`` if it is an int >= 1, else raises naming ``name``."""
-    if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, (int, np.integer)):
-        raise TypeError(f"`{name}` must be an int >= 1, got {type(microbatch_size).__name__} {microbatch_size!r}.")
-    if microbatch_size < 1:
-        raise ValueError(f"`{name}` must be >= 1, got {name}={microbatch_size}.")
-    return int(microbatch_size)
+def check_positive_int(value: Any, name: str) -> int:
+    """Returns ``value`` as an int if it is one and >= 1, else raises an error naming the argument ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be an int >= 1, got {type(value).__name__} {value!r}.")
+    if value < 1:
+        raise ValueError(f"`{name}` must be >= 1, got {name}={value}.")
+    return int(value)
