@@ -227,22 +227,27 @@ def run_trial(compiled: Compiled, peak: Callable[[], int | None]) -> Outcome:
     )
 
 
-def settle(before: int | None, timeout: float = 2.0) -> None:
+def settle(before: int | None, timeout: float = 1.0) -> None:
     """Waits (at most ``timeout`` s) until the address space is back near ``before`` (VmSize before a step).
 
     XLA:CPU releases a step's temporary arena asynchronously, after ``block_until_ready`` returns: a second
     step started at once may map its arena while the first one's is still mapped, needing twice the
     temporaries for a moment. Whether it does is a race (measured: 1 trial in 4 failed that way under a cap
-    that fits with 120 MB to spare), so a trial lets the first step's memory go before running the second.
+    that fits with 120 MB to spare), so a trial lets the first step's memory go before running the second:
+    until at most an eighth of what the step added (and at least 1 MiB) is still mapped.
     """
     if before is None:
         return
+    after = proc_status("VmSize")
+    if after is None:
+        return
+    slack = max(1 << 20, (after - before) // 8)
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:
         now = proc_status("VmSize")
-        if now is None or now <= before + (64 << 20):
+        if now is None or now <= before + slack:
             return
-        time.sleep(0.005)
+        time.sleep(0.002)
 
 
 def oom_outcome(e: BaseException) -> Outcome:
