@@ -21,6 +21,7 @@ import optax
 import optuna
 
 import strategies as strategies_lib
+from autoaccum._trial import is_oom
 from autoaccum.defaults import default_optimizer
 from autoaccum.plan import Plan, params_signature
 from autoaccum.update import Update, build_update, check_positive_int
@@ -60,11 +61,6 @@ class TrialFailed(Exception):
     """A configuration could not be measured (out of memory, over its time budget); the study goes on."""
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is XLA's out-of-memory error (status code ``RESOURCE_EXHAUSTED``)."""
-    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
-
-
 def time_update(
     update: Update,
     params: PyTree,
@@ -97,9 +93,9 @@ def time_update(
             params, opt_state, _ = jax.block_until_ready(update(params, opt_state, batch))
             if i >= warmup:
                 times.append(timer() - t)
-    except jax.errors.JaxRuntimeError as e:
-        if is_out_of_memory(e):
-            raise TrialFailed(f"out of memory: {str(e).splitlines()[0][:300]}") from e
+    except (jax.errors.JaxRuntimeError, MemoryError) as e:
+        if is_oom(e):  # the probe's rules: XLA's RESOURCE_EXHAUSTED, the CPU's allocation failures
+            raise TrialFailed(f"out of memory: {(str(e) or type(e).__name__).splitlines()[0][:300]}") from e
         raise
     return Timing(statistics.median(times), compile_seconds, steps)
 
