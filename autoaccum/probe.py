@@ -7,15 +7,17 @@ counts as "does not fit").
 
 The search (`search`) spends few real runs:
 
-1. a compile-only estimate (`autoaccum.memory.step_memory` at two or three sizes, nothing executed) gives
-   a linear model ``bytes(m) = fixed + per_example * m`` and a predicted boundary;
+1. a compile-only estimate (`autoaccum.estimate`: usually two sizes compiled, nothing executed) gives
+   a model ``bytes(m) = fixed + per_example * m`` and a predicted boundary;
 2. the first real trial runs a little below the prediction (90%); every trial that fits reports the memory it
    used at its peak, counted exactly as the limit counts it, and re-anchors the model (two fitting trials
    give the real slope), so the next trial aims at the boundary itself;
 3. when the model says the last fit is the largest, the next trial checks one step of ``granularity`` above
-   it (then 2, 4, ... steps if that fits too); when a trial fails the model moves down by an eighth of the
-   bracket, doubling; if two trials in a row fail to halve the bracket the next one bisects, so the worst
-   case stays logarithmic.
+   it (then 2, 4, ... steps if that fits too, bisecting once that would pass a failure); a failure also bounds
+   the model's slope from below (the step grew past the limit by then), so an estimate that under-counts
+   per example does not aim past it again; when the model still reaches past a failure the next trial moves
+   down by an eighth of the bracket, doubling; if two trials in a row fail to halve the bracket the next one
+   bisects, so the worst case stays logarithmic.
 
 The result is exact: ``max_microbatch`` fit and ``max_microbatch + granularity`` did not (or ``max_size`` was
 reached).
@@ -63,7 +65,7 @@ from autoaccum._trial import (
 )
 from autoaccum.defaults import CPU_MEMORY_FRACTION, DEFAULT_MAX_SIZE, default_optimizer
 from autoaccum.device import DeviceInfo, detect_device, oom_kills
-from autoaccum.memory import state_bytes, step_memory
+from autoaccum.memory import state_bytes
 from autoaccum.units import format_bytes, parse_bytes
 from autoaccum.update import build_update, check_positive_int
 from strategies._base import PyTree, leading_size
@@ -107,9 +109,10 @@ class Estimate:
 
     Attributes:
       sizes: microbatch sizes compiled.
-      peak_bytes: XLA's predicted peak for each (`autoaccum.memory.StepMemory.peak_bytes`).
-      fixed_bytes: the model's bytes at size 0 (parameters, optimizer state, ...).
-      per_example_bytes: the model's bytes per example.
+      peak_bytes: the predicted peak for each (`autoaccum.estimate.Point.total_bytes`: XLA's figure plus what
+        the runtime needs beyond it).
+      fixed_bytes: the model's bytes at size 0 (parameters, optimizer state, ...), fitted near ``predicted``.
+      per_example_bytes: the model's bytes per example, fitted near ``predicted``.
       predicted: the largest multiple of the granularity the model puts under the limit (capped at max_size).
       seconds: time spent compiling.
     """
@@ -319,52 +322,32 @@ def estimate(setup: Setup) -> Estimate | None:
     )
 
 
-def estimate_job(job: Job, *, limit: int, max_size: int, granularity: int, compile_sizes: int = 64) -> Estimate | None:
-    """The compile-only model: XLA's peak at ``granularity``, at up to ``compile_sizes`` granules and at the
-    model's prediction; a linear fit through the two largest. None if XLA cannot compile it.
+def estimate_job(job: Job, *, limit: int, max_size: int, granularity: int) -> Estimate | None:
+    """The compile-only model: `autoaccum.estimate` of the trial's step (one microbatch per step, the runtime's
+    own needs included), summarised for the search. None if XLA runs out of memory compiling it.
 
-    It traces ``loss_fn`` at those sizes, so `probe` runs it in a child process when trials are isolated.
+    It traces ``loss_fn``, so `probe` runs it in a child process when trials are isolated.
     """
-    g = granularity
-    top = max_size // g
-    start = time.perf_counter()
-    sizes: list[int] = []
-    peaks: list[int] = []
+    from autoaccum.estimate import estimate as compile_only
 
-    def measure(size: int) -> bool:
-        update = build_update(
-            job.loss_fn, job.optimizer, microbatch_size=size, strategy=job.strategy, has_aux=job.has_aux,
-            **dict(job.options),
+    try:
+        est = compile_only(
+            job.loss_fn, job.params, job.batch, optimizer=job.optimizer, strategy=job.strategy, memory_limit=limit,
+            has_aux=job.has_aux, max_size=max_size, accumulation=False, **dict(job.options),
         )  # fmt: skip
-        try:
-            peak = step_memory(update, job.params, job.batch, size).peak_bytes
-        except jax.errors.JaxRuntimeError as e:
-            if is_oom(e):
-                return False
-            raise
-        sizes.append(size)
-        peaks.append(peak)
-        return True
-
-    if not measure(g):
-        return None
-    if top > 1:
-        measure(min(top, compile_sizes) * g)
-
-    def fit() -> tuple[float, float, int]:
-        if len(sizes) < 2 or sizes[-1] == sizes[-2]:
-            return float(peaks[-1]), 0.0, top * g
-        per = (peaks[-1] - peaks[-2]) / (sizes[-1] - sizes[-2])
-        fixed = peaks[-1] - per * sizes[-1]
-        if per <= 0:
-            return fixed, per, top * g
-        units = math.floor((limit - fixed) / per / g)
-        return fixed, per, max(0, min(top, units)) * g
-
-    fixed, per, predicted = fit()
-    if predicted > 2 * sizes[-1] and measure(predicted):
-        fixed, per, predicted = fit()
-    return Estimate(tuple(sizes), tuple(peaks), fixed, per, predicted, time.perf_counter() - start)
+    except jax.errors.JaxRuntimeError as e:
+        if is_oom(e):
+            return None
+        raise
+    singles = est.single_points
+    return Estimate(
+        sizes=tuple(p.microbatch for p in singles),
+        peak_bytes=tuple(p.total_bytes for p in singles),
+        fixed_bytes=est.fixed_bytes,
+        per_example_bytes=est.per_example_bytes,
+        predicted=est.max_microbatch // granularity * granularity,
+        seconds=est.seconds,
+    )
 
 
 def search(
@@ -393,7 +376,7 @@ def search(
     d_up, down = 1, 1 / 8  # the next step above a fit (granules), the next step below a failure (of the bracket)
     widths: list[int] = []
     while hi - lo > 1:
-        prediction = _predict(points, limit, per_granule)
+        prediction = _predict(points, limit, per_granule, hi if hi <= top else None)
         if prediction is None and not points and estimate is not None:
             # Below the compile-only prediction by a margin, unless it says that even max_size fits.
             prediction = top + 1.0 if estimate.predicted >= top * g else estimate.predicted / g * FIRST_MARGIN
@@ -402,7 +385,7 @@ def search(
         else:
             k = math.floor(prediction)
             if k <= lo:  # the model says the last fit is the largest: check just above, growing
-                cand = lo + d_up
+                cand = lo + d_up if lo + d_up < hi else (lo + hi) // 2
                 d_up *= 2
             elif k >= hi > top:  # the model says max_size fits: try it
                 cand = top
@@ -420,25 +403,35 @@ def search(
             if trial.peak_bytes is not None:
                 points.append((cand, trial.peak_bytes))
         else:
-            hi, d_up = cand, 1
+            hi = cand
         widths.append(hi - lo)
     return lo * g
 
 
-def _predict(points: list[tuple[int, int]], limit: int, per_granule: float | None) -> float | None:
+def _predict(
+    points: list[tuple[int, int]], limit: int, per_granule: float | None, failed: int | None = None
+) -> float | None:
     """Granules at which the model meets ``limit``: the slope measured between the largest fitting trial and
     one well below it (else the estimate's), anchored at whichever fitting trial in the upper half gives the
-    most cautious answer (a trial that under-reports its peak must not push the next one over the edge)."""
+    most cautious answer (a trial that under-reports its peak must not push the next one over the edge).
+
+    A failure at ``failed`` granules bounds the slope from below: from a fit at ``k`` using ``u`` bytes, the
+    step grew by more than ``limit - u`` bytes by ``failed``. A slope under that bound (an estimate that
+    under-counts per example) would aim every next trial past the failure again, so it is raised to it.
+    """
     if not points:
         return None
     k_max, u_max = max(points)
-    far = [p for p in points if p[0] <= k_max - max(2, k_max // 16)]
+    far = [p for p in points if p[0] <= k_max - max(2, k_max // 32)]
     slope = per_granule
     if far:
         k_far, u_far = max(far)
         measured = (u_max - u_far) / (k_max - k_far)
         if measured > 0:
             slope = measured
+    if failed is not None:
+        bound = max((limit - u) / (failed - k) for k, u in points if k < failed)
+        slope = bound if slope is None else max(slope, bound)
     if slope is None or slope <= 0:
         return None
     return min(k + (limit - u) / slope for k, u in points if 2 * k >= k_max)

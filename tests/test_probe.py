@@ -21,8 +21,9 @@ from autoaccum._trial import classify_exit, is_oom
 from autoaccum.probe import Estimate, ProbeError, Trial, TrialRunner, prepare, search
 
 
-def fake_device(fixed: float, per: float, boundary: int, noise: float = 0.0, seed: int = 0):  # type: ignore[no-untyped-def]
-    """``run(m)`` of a device where ``boundary`` fits and ``boundary + 1`` does not, and its limit."""
+def fake_device(fixed: float, per: float, boundary: int, noise: float = 0.0, seed: int = 0, page: int = 1):  # type: ignore[no-untyped-def]
+    """``run(m)`` of a device where ``boundary`` fits and ``boundary + 1`` does not, and its limit; peaks are
+    reported in whole ``page``s (as a CPU trial's address space grows), never above the limit."""
     rng = np.random.default_rng(seed)
     limit = int(fixed + per * (boundary + 0.5))
     runs: list[int] = []
@@ -30,7 +31,7 @@ def fake_device(fixed: float, per: float, boundary: int, noise: float = 0.0, see
     def run(m: int) -> Trial:
         runs.append(m)
         fits = fixed + per * m <= limit
-        used = fixed + per * m + per * noise * rng.uniform(-1, 1)
+        used = min(math.ceil((fixed + per * m + per * noise * rng.uniform(-1, 1)) / page) * page, limit)
         return Trial(m, fits, 0.0, peak_bytes=int(used) if fits else None)
 
     return run, limit, runs
@@ -45,14 +46,29 @@ BOUNDARIES = [1, 2, 3, 7, 64, 100, 999, 4096, 5000, 12345, 16383, 16384]
 
 
 @pytest.mark.parametrize(
-    "slope_error, fixed_error, noise, most",
-    [(0.0, 0.0, 0.0, 4), (0.05, 0.0, 0.0, 5), (-0.05, 0.0, 0.0, 8), (0.3, 2.0, 0.0, 6), (0.0, 0.0, 3.0, 8)],
-    ids=["exact-model", "slope+5%", "slope-5%", "slope+30%-fixed*3", "noisy-peaks"],
+    "slope_error, fixed_error, noise, page, most",
+    [
+        (0.0, 0.0, 0.0, 1, 4),
+        (0.05, 0.0, 0.0, 1, 5),
+        (-0.05, 0.0, 0.0, 1, 6),
+        (0.3, 2.0, 0.0, 1, 6),
+        (0.0, 0.0, 3.0, 1, 8),
+        (0.25, 0.5, 0.0, 4096, 6),
+        (-0.2, 0.0, 0.0, 4096, 9),
+    ],
+    ids=[
+        *("exact-model", "slope+5%", "slope-5%", "slope+30%-fixed*3", "noisy-peaks"),
+        *("pages-slope+25%", "pages-slope-20%"),
+    ],
 )
-def test_search_is_exact_and_spends_few_runs(slope_error: float, fixed_error: float, noise: float, most: int) -> None:
+def test_search_is_exact_and_spends_few_runs(
+    slope_error: float, fixed_error: float, noise: float, page: int, most: int
+) -> None:
+    # page: the MLP's regime, under 4 KiB per example, peaks counted in 4 KiB pages
+    fixed, per = (5e6, 16384.0) if page == 1 else (1.9e7, 2970.0)
     for boundary in BOUNDARIES:
-        run, limit, runs = fake_device(5e6, 16384.0, boundary, noise, seed=boundary)
-        estimate = model(5e6 * (1 + fixed_error), 16384.0 * (1 + slope_error), limit, 16384)
+        run, limit, runs = fake_device(fixed, per, boundary, noise, seed=boundary, page=page)
+        estimate = model(fixed * (1 + fixed_error), per * (1 + slope_error), limit, 16384)
         found = search(run, limit=limit, max_size=16384, estimate=estimate)
         assert found == boundary, (boundary, runs)
         assert len(runs) <= most, (boundary, runs)
