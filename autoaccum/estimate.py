@@ -772,7 +772,9 @@ def estimate(
         measurer.submit(sizes)
         opt_future = measurer.optimizer_cost()
         (single1,) = measurer.measure(sizes[:1])
-        s2 = _second_size(single1, measurer.state_bytes, limit, top)
+        plans = effective_batch is not None and accumulation
+        largest = cap if effective_batch is None or not accumulation else effective_batch  # a plan's microbatch <= B
+        s2 = _second_size(single1, measurer.state_bytes, limit, largest)
         measurer.measure([(s2, s2)])
         acc_fixed = per_batch = per_remainder = None
         if accumulation:
@@ -815,7 +817,6 @@ def estimate(
             )
 
         est = current()
-        plans = effective_batch is not None and accumulation
         for _ in range(2):  # refine at the predicted answers until they are near a measurement (usually once)
             budgets = (limit, *extra_limits)
             wanted = {
@@ -831,7 +832,8 @@ def estimate(
 
 
 def _second_size(first: Point, state_bytes: int, limit: int, top: int) -> int:
-    """The second one-microbatch size to compile: where ``first`` predicts the answer under ``limit``.
+    """The second one-microbatch size to compile: where ``first`` predicts the answer under ``limit`` (at most
+    ``top``, the largest answer wanted).
 
     The guess scales everything beyond the parameters and optimizer state (and the runtime's fixed bytes)
     in proportion to the microbatch, from the first size alone. It lands near the answer when activations
