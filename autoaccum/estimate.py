@@ -62,8 +62,9 @@ assignment and cost analysis happen before code generation, so memory and cost f
 
 CPU_SINGLE_STEP_OPTIONS: dict[str, Any] = {"xla_cpu_use_fusion_emitters": False}
 """On the CPU, one-microbatch steps also compile with XLA's older loop emitter: about 2x faster again. Its
-buffer assignment for them was never below the default's, and above it by at most 0.2% (12 KB at 3 examples
-of the CNN): measured over the built-in workloads, every strategy, sizes 1 to 6615, YNNPACK fusions on and off;
+buffer assignment for them was never below the default's; it was above it by at most 0.2% from 17 examples
+up (53 KB at 6615 examples of the MLP) and by at most 12 KB below that (1.6% at 3 examples of the CNN):
+measured over the built-in workloads, every strategy, sizes 1 to 6615, YNNPACK fusions on and off;
 ``tests/test_estimate.py`` keeps checking it. Accumulating steps keep the default emitter: for them the older
 one skips a copy of the batch that the default makes (41% of the MLP's peak at 256 x 4 examples)."""
 
@@ -839,6 +840,13 @@ def _second_size(first: Point, state_bytes: int, limit: int, top: int) -> int:
     in proportion to the microbatch, from the first size alone. It lands near the answer when activations
     dominate (then no further compilation is needed, see `NEAR`); otherwise the refinement corrects it. A
     guess too close to ``first`` measures nothing new, so half (or twice) its size is taken instead.
+
+    Example:
+      >>> first = Point(32, 32, peak_bytes=33 * 2**20, flops=0.0, bytes_accessed=0.0)  # 1 MiB fixed + 1 MiB each
+      >>> _second_size(first, state_bytes=2**20, limit=257 * 2**20, top=16384)
+      256
+      >>> _second_size(first, state_bytes=2**20, limit=34 * 2**20, top=16384)  # 33 is too near 32
+      16
     """
     fixed = state_bytes + (CPU_RUNTIME_BYTES if first.runtime_bytes else 0)
     per_example = max(first.total_bytes - fixed, 1) / first.microbatch
