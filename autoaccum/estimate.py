@@ -9,7 +9,8 @@ The measurements are fitted to a model of fixed + per-example bytes:
 
 * a step on one microbatch of ``m`` examples needs ``fixed_bytes + per_example_bytes * m`` (XLA's buffer
   assignment is not exactly affine, so the fit is local: the measured points are joined piecewise-linearly
-  and the fit is refined by one compilation at the predicted answer);
+  and the fit is refined by one compilation at the predicted answer unless a compiled size lies within `NEAR`
+  of it);
 * an accumulating step (a batch of ``B > m`` examples cut into microbatches of ``m``) needs that plus
   ``accumulation_bytes + per_batch_example_bytes * B``: the gradient accumulator, and the whole batch
   resident on the device (with any copy of it the strategy makes).
@@ -602,8 +603,19 @@ class _Analysis(NamedTuple):
 
 
 def _analyse(programs: Sequence[Program], options: dict[str, Any]) -> _Analysis:
-    """`autoaccum.memory.analyse`, plus what the runtime needs beyond XLA's accounting."""
-    memory, compiled = analyse(programs, compiler_options=options)
+    """`autoaccum.memory.analyse`, plus what the runtime needs beyond XLA's accounting.
+
+    Our speed-up options (`COMPILER_OPTIONS`, `CPU_SINGLE_STEP_OPTIONS`) are only that: one this jaxlib does
+    not know is dropped and the programs compiled without it (the user's own options are never dropped).
+    """
+    try:
+        memory, compiled = analyse(programs, compiler_options=options)
+    except jax.errors.JaxRuntimeError as e:
+        ours = {**COMPILER_OPTIONS, **CPU_SINGLE_STEP_OPTIONS}
+        unknown = [k for k in options if k in ours and options[k] == ours[k] and f"compile option: '{k}'" in str(e)]
+        if "No such compile option" not in str(e) or not unknown:
+            raise
+        return _analyse(programs, {k: v for k, v in options.items() if k not in unknown})
     return _Analysis(
         memory.peak_bytes, memory.flops, memory.bytes_accessed, runtime_bytes(jax.default_backend(), compiled)
     )
@@ -834,7 +846,7 @@ def estimate(
 
 def _second_size(first: Point, state_bytes: int, limit: int, top: int) -> int:
     """The second one-microbatch size to compile: where ``first`` predicts the answer under ``limit`` (at most
-    ``top``, the largest answer wanted).
+    ``top``, the largest answer wanted, or 2 when ``top`` is 1: the fit needs two sizes).
 
     The guess scales everything beyond the parameters and optimizer state (and the runtime's fixed bytes)
     in proportion to the microbatch, from the first size alone. It lands near the answer when activations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import resource
@@ -94,6 +95,19 @@ def test_plans_for_catalogued_accelerators() -> None:
     assert tight.to_dict()["bound"] is None
     nothing = est.plan_for(64, "4MiB")
     assert not nothing.fits and nothing.accumulation_steps == 0 and nothing.max_microbatch == 0
+
+
+def test_a_speed_up_option_this_jaxlib_lacks_is_dropped_a_users_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = importlib.import_module("autoaccum.estimate")
+    monkeypatch.setitem(module.CPU_SINGLE_STEP_OPTIONS, "xla_cpu_option_from_another_jaxlib", True)
+    loss_fn = lambda w, b: jnp.mean(b @ w)  # noqa: E731
+    est = autoaccum.estimate(loss_fn, jnp.zeros(64), jnp.ones((4, 64)), optimizer=optax.sgd(0.1), memory_limit="32MiB")
+    assert est.max_microbatch > 0
+    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_users_typo"):
+        autoaccum.estimate(
+            loss_fn, jnp.zeros(64), jnp.ones((4, 64)), optimizer=optax.sgd(0.1), memory_limit="32MiB",
+            compiler_options={"xla_users_typo": True},
+        )  # fmt: skip
 
 
 def test_bad_input_names_the_argument() -> None:
