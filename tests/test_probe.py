@@ -175,12 +175,15 @@ def test_probe_finds_the_exact_boundary_under_a_real_cap() -> None:
     loss_fn, params, batch = probe_workloads.linear()
     before = jax.tree.map(np.array, params)
     seen: list[Trial] = []
-    kwargs = dict(optimizer=optax.sgd(0.1), memory_limit="100MiB", max_size=16384)
+    # 12 KiB above 100 MiB: each example needs 16 KiB, and at 100 MiB exactly the boundary's step needs 4 KiB
+    # more than the cap when run uncapped, so a separate run could land either side; here both sides have 8 KiB.
+    limit = 100 * 2**20 + 12 * 2**10
+    kwargs = dict(optimizer=optax.sgd(0.1), memory_limit=limit, max_size=16384)
     result = autoaccum.probe(loss_fn, params, batch, progress=seen.append, **kwargs)
     m = result.max_microbatch
     assert 5000 < m < 6500, result  # 16 KiB of input per example under 100 MiB (plus slack already mapped)
     assert list(result.trials) == seen and result.runs <= 8, [(t.microbatch_size, t.fits) for t in result.trials]
-    assert result.memory_limit_bytes == 100 * 2**20 and result.estimate is not None
+    assert result.memory_limit_bytes == limit and result.estimate is not None
     assert any(t.microbatch_size == m and t.fits for t in result.trials)
     assert any(t.microbatch_size == m + 1 and not t.fits for t in result.trials)
     assert verify(kwargs, [m, m + 1]) == [True, False]
@@ -189,8 +192,11 @@ def test_probe_finds_the_exact_boundary_under_a_real_cap() -> None:
 
 
 def test_probe_with_granularity_and_the_loop_strategy() -> None:
+    # Half a granule (8 x 16 KiB) above 48 MiB: at 48 MiB exactly, 3072 examples need 4 KiB more than the cap
+    # when run uncapped and still fit under it, by a hair, so a separate run could land either side.
+    limit = 48 * 2**20 + 2**16
     loss_fn, params, batch = probe_workloads.linear()
-    kwargs = dict(optimizer=optax.adam(1e-3), memory_limit="48MiB", max_size=8192, granularity=8, strategy="loop")
+    kwargs = dict(optimizer=optax.adam(1e-3), memory_limit=limit, max_size=8192, granularity=8, strategy="loop")
     result = autoaccum.probe(loss_fn, params, batch, **kwargs)
     m = result.max_microbatch
     assert m > 0 and m % 8 == 0 and result.runs <= 8, result.trials
