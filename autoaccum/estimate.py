@@ -645,7 +645,7 @@ class _Measurer:
         self.optimizer = optimizer
         self.compiler_options = compiler_options
         fast = CPU_SINGLE_STEP_OPTIONS if jax.default_backend() == "cpu" else {}
-        self.single_step_options = {**COMPILER_OPTIONS, **fast, **compiler_options}
+        self.single_step_options = {**fast, **compiler_options}  # compiler_options holds COMPILER_OPTIONS
         self._build: Callable[[int], Update] = lambda m: build_update(
             loss_fn, optimizer, microbatch_size=m, strategy=strategy, has_aux=has_aux, **options
         )
