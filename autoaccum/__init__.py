@@ -1,30 +1,41 @@
-"""autoaccum: a memory-aware auto-tuner for gradient accumulation in JAX."""
+"""autoaccum: a memory-aware auto-tuner for gradient accumulation in JAX.
+
+This module only re-exports; each concern lives in a private module named for it, and the data flows one
+way: workload -> estimate (compile-only) -> probe (real runs, isolated) -> tune (search, timing) -> plan ->
+update. Public submodules: `autoaccum.strategies` (the accumulation strategies, `register` your own),
+`autoaccum.workloads` (the built-in demo workloads) and `autoaccum.cli` (the command line).
+"""
 
 from __future__ import annotations
 
-from autoaccum.device import DeviceInfo, detect_device
-from autoaccum.estimate import Estimate, TargetPlan, estimate
-from autoaccum.plan import Plan
-from autoaccum.probe import ProbeError, ProbeResult, Trial, probe
-from autoaccum.tune import TrialRecord, TuneResult, tune
-from autoaccum.units import format_bytes, parse_bytes
-from autoaccum.update import Update, build_update
-from autoaccum.workload import Workload, load_workload
+from autoaccum import strategies
+from autoaccum._capacity import Capacity, Target
+from autoaccum._device import DeviceInfo, detect_device
+from autoaccum._estimate import Estimate, estimate
+from autoaccum._plan import Plan
+from autoaccum._probe import ProbeError, ProbeResult, Trial, probe
+from autoaccum._tune.result import TrialRecord, TuneResult
+from autoaccum._tune.run import tune
+from autoaccum._units import format_bytes, parse_bytes
+from autoaccum._update import Update, build_update
+from autoaccum._workload import Workload, WorkloadError, load_workload
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Capacity",
     "DeviceInfo",
     "Estimate",
     "Plan",
     "ProbeError",
     "ProbeResult",
-    "TargetPlan",
+    "Target",
     "Trial",
     "TrialRecord",
     "TuneResult",
     "Update",
     "Workload",
+    "WorkloadError",
     "__version__",
     "build_update",
     "detect_device",
@@ -33,5 +44,6 @@ __all__ = [
     "load_workload",
     "parse_bytes",
     "probe",
+    "strategies",
     "tune",
 ]

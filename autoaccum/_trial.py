@@ -1,9 +1,11 @@
 """One probe trial: build the real update step for a microbatch size, run it, report whether it fit.
 
-`compile_trial` and `run_trial` run in a fresh child process (the default; its entry point is
-``python -m autoaccum._child PAYLOAD SIZE LIMIT RESULT``) or in the caller's process (``isolate=False``).
+`compile_trial` and `run_trial` run in a fresh child process (the default, see `autoaccum._isolation`; the
+child's work is `child_main`) or in the caller's process (``isolate=False``). A trial gets the parameters'
+shapes and dtypes only (`Job`), and makes the arrays itself: a probe of a 7B-parameter model writes no 28 GB
+file. The example batch travels as it is (a few rows).
 
-What "does not fit" means, exactly (`is_oom`, `classify_exit`):
+What "does not fit" means in a trial, exactly (`is_oom`; for a child that dies, `autoaccum._isolation`):
 
 * XLA raises ``JaxRuntimeError`` with status ``RESOURCE_EXHAUSTED`` (at compile or at run);
 * on the CPU, XLA's runtime reports a failed allocation under the capped address space as
@@ -11,48 +13,42 @@ What "does not fit" means, exactly (`is_oom`, `classify_exit`):
   message, seen under ``RLIMIT_AS``), or Python raises ``MemoryError``, or an ``OSError`` with ``ENOMEM``;
   any other XLA error under the cap counts only if the same step then runs without the cap (`measured`:
   XLA's CPU kernels report some failed allocations as e.g. ``INTERNAL: YNNPACK operation failed``);
-* the child dies from a signal after an allocation failure it could not report: ``SIGABRT``/``SIGSEGV``
-  with ``std::bad_alloc``, ``RESOURCE_EXHAUSTED``, ``Out of memory`` or ``Cannot allocate memory`` in its
-  output (C++ ``terminate`` on ``bad_alloc``), or ``SIGKILL`` from the kernel's OOM killer (the cgroup's
-  ``memory.events`` ``oom_kill`` count rose, or cannot be read).
 
-Anything else (an exception from the user's loss, a plain ``os.abort()``, a segfault with no allocation
-failure in the output, a non-zero exit) is a trial error, reported with its message.
+Anything else (an exception from the user's loss, ...) is a trial error, reported with its message.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import json
-import os
-import pickle
+import functools
 import resource
-import signal
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from strategies._base import PyTree, leading_size
+from autoaccum._batch import abstract, abstract_batch, resize_batch
+from autoaccum._isolation import Outcome, load_payload, write_result
+from autoaccum.strategies import PyTree
 
-OOM_MARKERS = ("RESOURCE_EXHAUSTED", "std::bad_alloc", "Out of memory", "out of memory", "Cannot allocate memory")
-"""Text in a dead child's output that says it died of a failed allocation."""
+if TYPE_CHECKING:
+    from autoaccum._estimate import Estimate
 
 _CPU_OOM_MESSAGE = "Out of memory allocating"
 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """Everything a trial needs, host-side only (numpy leaves) so that it pickles and nothing device-side
-    crosses a process boundary."""
+    """Everything a trial needs, host-side only, so that it pickles and nothing device-side crosses a process
+    boundary: the parameters as ``jax.ShapeDtypeStruct`` (`materialize` makes them), the example batch as
+    numpy arrays."""
 
     loss_fn: Callable[..., Any]
     optimizer: optax.GradientTransformation
@@ -61,28 +57,6 @@ class Job:
     has_aux: bool
     strategy: str
     options: Mapping[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """What one trial found.
-
-    Attributes:
-      status: ``"fits"``, ``"oom"`` or ``"error"``.
-      seconds: the second (steady-state) update step's wall time, when it fit.
-      first_seconds: the first step's wall time (its programs were compiled before), when it fit.
-      peak_bytes: memory the trial used at its peak, counted like the limit (CPU: growth of the address
-        space since the cap was set; GPU: XLA's ``peak_bytes_in_use``); None where not measurable.
-      message: the OOM or error message.
-      compile_seconds: time spent compiling the trial's programs.
-    """
-
-    status: str
-    seconds: float | None = None
-    first_seconds: float | None = None
-    peak_bytes: int | None = None
-    message: str | None = None
-    compile_seconds: float | None = None
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -108,51 +82,21 @@ def is_oom(exc: BaseException) -> bool:
     return False
 
 
-def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outcome:
-    """The outcome of a child that died without writing its result.
+def materialize(params: PyTree, seed: int = 0) -> PyTree:
+    """Arrays shaped like ``params`` (``jax.ShapeDtypeStruct`` leaves): small random floats, zeros otherwise.
 
-    Args:
-      returncode: the child's exit status (``-N`` for signal ``N``).
-      output: the end of its stdout and stderr.
-      oom_killed: whether the cgroup's OOM-kill count rose during the trial (None: unknown).
+    The values only need to be ordinary (a step's memory and time do not depend on them); jit it, so that
+    the arrays are made on the device without a host copy.
     """
-    tail = output.strip()[-1500:]
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        if -returncode == signal.SIGKILL:
-            if oom_killed is False:
-                return Outcome("error", message=f"the trial's child was killed by {name}, not by the OOM killer.")
-            return Outcome("oom", message=f"the trial's child was killed by {name} (the kernel's OOM killer).")
-        marker = next((m for m in OOM_MARKERS if m in output), None)
-        if marker is not None:
-            return Outcome("oom", message=f"the trial's child died of {name} after an allocation failure: {tail}")
-        return Outcome("error", message=f"the trial's child crashed with {name}; its output ends: {tail or '(none)'}")
-    if any(m in output for m in ("MemoryError", "std::bad_alloc", "RESOURCE_EXHAUSTED")):
-        return Outcome("oom", message=f"the trial's child ran out of memory: {tail}")
-    return Outcome(
-        "error", message=f"the trial's child exited with status {returncode}; its output ends: {tail or '(none)'}"
-    )
-
-
-def host_copy(tree: PyTree) -> PyTree:
-    """Numpy copies of ``tree``'s leaves (the caller's arrays are never donated or changed)."""
-    import numpy as np
-
-    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
-
-
-def _resizer(example: PyTree, size: int) -> Any:
-    """A jitted ``batch -> batch repeated cyclically to size rows`` for batches shaped like ``example``."""
-    total = leading_size(example)
-
-    def grow(b: PyTree) -> PyTree:
-        index = jnp.arange(size) % total
-        return jax.tree.map(lambda x: jnp.take(x, index, axis=0), b)
-
-    return jax.jit(grow)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), max(len(leaves), 1))
+    made = [
+        0.02 * jax.random.normal(k, x.shape, x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.floating)
+        else jnp.zeros(x.shape, x.dtype)
+        for k, x in zip(keys, leaves, strict=False)
+    ]
+    return jax.tree.unflatten(treedef, made)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +107,7 @@ class Compiled:
     size: int
     device: Any
     update: Any
-    copy: Callable[[PyTree], PyTree]
+    make_params: Callable[[], PyTree]
     init: Callable[[PyTree], PyTree]
     resize: Callable[[PyTree], PyTree]
     seconds: float
@@ -175,8 +119,7 @@ def compile_trial(job: Job, size: int, device: Any) -> Compiled:
     Compiling works from abstract shapes and allocates no device buffer, so the memory measured (and, on
     the CPU, capped) afterwards is the step's: parameters, optimizer state, batch and temporaries.
     """
-    from autoaccum.memory import abstract, abstract_batch
-    from autoaccum.update import build_update
+    from autoaccum._update import build_update
 
     start = time.perf_counter()
     update = build_update(
@@ -190,14 +133,14 @@ def compile_trial(job: Job, size: int, device: Any) -> Compiled:
     )
     with jax.default_device(device):
         params_s = abstract(job.params)
-        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t)).lower(params_s).compile()
+        make_params = jax.jit(functools.partial(materialize, params_s)).lower().compile()
         init = jax.jit(update.init)
         init.lower(params_s).compile()  # the jit keeps it: the call in run_trial does not compile again
         opt_state_s = jax.eval_shape(update.init, params_s)
-        resize = _resizer(job.batch, size).lower(abstract(job.batch)).compile()
+        resize = jax.jit(functools.partial(resize_batch, size=size)).lower(abstract(job.batch)).compile()
         for program in update.programs(params_s, opt_state_s, abstract_batch(job.batch, size)):
             program.lowered.compile()  # likewise kept by the strategy's jitted functions
-    return Compiled(job, size, device, update, copy, init, resize, time.perf_counter() - start)
+    return Compiled(job, size, device, update, make_params, init, resize, time.perf_counter() - start)
 
 
 def run_trial(compiled: Compiled, peak: Callable[[], int | None]) -> Outcome:
@@ -207,7 +150,7 @@ def run_trial(compiled: Compiled, peak: Callable[[], int | None]) -> Outcome:
     """
     job, update, device = compiled.job, compiled.update, compiled.device
     with jax.default_device(device):
-        params = compiled.copy(jax.device_put(job.params, device))
+        params = compiled.make_params()
         opt_state = compiled.init(params)
         batch = compiled.resize(jax.device_put(job.batch, device))
         before = proc_status("VmSize")
@@ -299,7 +242,7 @@ def address_space_cap(limit: int) -> Iterator[Callable[[], int | None]]:
 
 def gpu_peak(device: Any) -> Callable[[], int | None]:
     """A function giving XLA's ``peak_bytes_in_use`` on ``device`` if it rose since now, else None."""
-    from autoaccum.device import memory_stats
+    from autoaccum._device import memory_stats
 
     before = memory_stats(device).get("peak_bytes_in_use")
 
@@ -338,36 +281,37 @@ def measured(compiled: Compiled, platform: str, limit: int) -> Outcome:
         return Outcome("oom", message=f"{first} (under the cap; the same step runs without it)")
 
 
-def load_payload(payload_path: str) -> tuple[Job, str]:
-    """The `Job` and platform a parent pickled (``autoaccum.probe.payload``), its ``sys.path`` restored."""
-    with open(payload_path, "rb") as f:
-        sys_path, platform, body = pickle.load(f)
-    sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    import cloudpickle
+def estimate_for_search(job: Job, *, limit: int, max_microbatch: int) -> Estimate | None:
+    """The compile-only `autoaccum.Estimate` of the trial's step (one microbatch per step, the runtime's own
+    needs included) that the probe's search starts from; None if XLA runs out of memory compiling it.
 
-    job: Job = cloudpickle.loads(body)
-    return job, platform
+    It traces ``loss_fn``, so `autoaccum.probe` runs it in a child process when trials are isolated.
+    """
+    from autoaccum._estimate import estimate
 
-
-def write_result(result_path: str, data: dict[str, Any]) -> None:
-    tmp = result_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, result_path)
-
-
-def child_estimate(payload_path: str, limit: int, max_size: int, granularity: int, result_path: str) -> None:
-    """The estimate child's work: `autoaccum.probe.estimate_job`, written as JSON."""
-    from autoaccum.probe import estimate_job
-
-    job, _ = load_payload(payload_path)
-    model = estimate_job(job, limit=limit, max_size=max_size, granularity=granularity)
-    write_result(result_path, {"estimate": None if model is None else dataclasses.asdict(model)})
+    try:
+        return estimate(
+            job.loss_fn, job.params, job.batch, optimizer=job.optimizer, strategy=job.strategy, memory_limit=limit,
+            has_aux=job.has_aux, max_microbatch=max_microbatch, accumulation=False, **dict(job.options),
+        )  # fmt: skip
+    except jax.errors.JaxRuntimeError as e:
+        if is_oom(e):
+            return None
+        raise
 
 
-def child_main(payload_path: str, size: int, limit: int, result_path: str) -> None:
-    """The trial child's work: load the job, compile, run under the cap, write the `Outcome` as JSON."""
+def child_main(kind: str, payload_path: str, args: list[str], result_path: str) -> None:
+    """A child's work, its result written as JSON (any failure is reported to the parent, never raised):
+
+    * ``trial SIZE LIMIT``: compile the step for ``SIZE``, run it under ``LIMIT``: an `Outcome`;
+    * ``estimate LIMIT MAX_MICROBATCH``: `estimate_for_search`: ``{"estimate": Estimate or None}``.
+    """
     job, platform = load_payload(payload_path)
+    if kind == "estimate":
+        model = estimate_for_search(job, limit=int(args[0]), max_microbatch=int(args[1]))
+        write_result(result_path, {"estimate": None if model is None else model.to_dict()})
+        return
+    size, limit = int(args[0]), int(args[1])
     device = jax.devices()[0]
     warm_up(device)
     outcome: Outcome
@@ -381,4 +325,4 @@ def child_main(payload_path: str, size: int, limit: int, result_path: str) -> No
     # A process boundary: every other failure is reported to the parent, which makes it a trial error.
     except Exception as e:
         outcome = Outcome("error", message="".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:])
-    write_result(result_path, dataclasses.asdict(outcome))
+    write_result(result_path, outcome.to_dict())

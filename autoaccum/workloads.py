@@ -21,15 +21,17 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from autoaccum.workload import Workload
+from autoaccum._workload import Workload
 
 
 def _functional(model: nnx.Module, loss: Callable[[nnx.Module, Any], jax.Array]) -> tuple[Callable[..., Any], Any]:
-    """``(loss_fn(params, batch), params)`` for an nnx model: the pure-function view autoaccum works with."""
-    graphdef, params = nnx.split(model)
+    """``(loss_fn(params, batch), params)`` for a stateless nnx model: the pure-function view autoaccum works
+    with. Only the ``nnx.Param`` leaves are differentiated; anything else the model holds (none here: no
+    dropout, no batch statistics) is closed over."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
 
     def loss_fn(params: Any, batch: Any) -> jax.Array:
-        return loss(nnx.merge(graphdef, params), batch)
+        return loss(nnx.merge(graphdef, params, rest), batch)
 
     return loss_fn, params
 

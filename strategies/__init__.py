@@ -1,23 +1,83 @@
-"""Interchangeable ways to accumulate gradients, behind one interface.
+"""Interchangeable ways to accumulate gradients, behind one interface (installed as ``autoaccum.strategies``).
+
+Every strategy computes the same update (see `Strategy`); they differ in how the microbatches are run. A
+strategy of your own subclasses `Strategy`, builds on the pieces exported here (`weighted_grad`,
+`apply_optimizer`, ...) and is made available everywhere (``build_update(strategy=...)``, the tuner, the CLI,
+and the conformance test suite) by `register`.
 
 Example:
-  >>> import strategies
+  >>> from autoaccum import strategies
   >>> strategies.available()
   ('scan', 'loop', 'multisteps')
 """
 
 from __future__ import annotations
 
-from strategies._base import Accum, Program, Spec, Strategy
-from strategies.loop import Loop
-from strategies.multisteps import MultiSteps
-from strategies.scan import Scan
+from autoaccum.strategies._base import (
+    Accum,
+    OutDtypes,
+    Program,
+    PyTree,
+    Spec,
+    Strategy,
+    accumulate_in_scan,
+    add,
+    apply_optimizer,
+    finish_loss,
+    leading_size,
+    output_dtypes,
+    take,
+    tree_bytes,
+    weighted_grad,
+)
+from autoaccum.strategies.loop import Loop
+from autoaccum.strategies.multisteps import MultiSteps
+from autoaccum.strategies.scan import Scan
 
-_REGISTRY: dict[str, type[Strategy]] = {cls.name: cls for cls in (Scan, Loop, MultiSteps)}
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Makes ``cls`` available under ``cls.name`` (usable as a class decorator); returns ``cls``.
+
+    Raises:
+      TypeError: ``cls`` is not a `Strategy` subclass with a string ``name``.
+      ValueError: another class is already registered under that name.
+
+    Example:
+      >>> from autoaccum import strategies
+      >>> class Mine(strategies.Scan):
+      ...     name = "mine"
+      >>> _ = strategies.register(Mine)
+      >>> "mine" in strategies.available()
+      True
+      >>> strategies.unregister("mine")
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise TypeError(f"`cls` must be a subclass of autoaccum.strategies.Strategy, got {cls!r}.")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name or ":" in name or "=" in name:
+        raise TypeError(
+            f"`{cls.__name__}.name` must be a non-empty string without ':' or '=', got {name!r}; set the class "
+            "attribute `name`."
+        )
+    if _REGISTRY.get(name, cls) is not cls:
+        raise ValueError(
+            f"a strategy named {name!r} is already registered ({_REGISTRY[name].__qualname__}); choose another "
+            f"`name` for {cls.__qualname__}, or `unregister({name!r})` first."
+        )
+    _REGISTRY[name] = cls
+    return cls
+
+
+def unregister(name: str) -> None:
+    """Removes the strategy registered as ``name`` (built-in ones included); unknown names raise ``ValueError``."""
+    get(name)
+    del _REGISTRY[name]
 
 
 def available() -> tuple[str, ...]:
-    """Names of the registered strategies, the default (``"scan"``) first."""
+    """Names of the registered strategies, in registration order (the built-in default, ``"scan"``, first)."""
     return tuple(_REGISTRY)
 
 
@@ -32,4 +92,31 @@ def get(name: str) -> type[Strategy]:
     return _REGISTRY[name]
 
 
-__all__ = ["Accum", "Loop", "MultiSteps", "Program", "Scan", "Spec", "Strategy", "available", "get"]
+for _cls in (Scan, Loop, MultiSteps):
+    register(_cls)
+del _cls
+
+__all__ = [
+    "Accum",
+    "Loop",
+    "MultiSteps",
+    "OutDtypes",
+    "Program",
+    "PyTree",
+    "Scan",
+    "Spec",
+    "Strategy",
+    "accumulate_in_scan",
+    "add",
+    "apply_optimizer",
+    "available",
+    "finish_loss",
+    "get",
+    "leading_size",
+    "output_dtypes",
+    "register",
+    "take",
+    "tree_bytes",
+    "unregister",
+    "weighted_grad",
+]

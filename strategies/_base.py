@@ -281,7 +281,7 @@ class Strategy(abc.ABC):
         self._dtypes: dict[Any, OutDtypes] = {}
 
     def init(self, params: PyTree) -> PyTree:
-        """The optimizer state this strategy's update expects."""
+        """The optimizer's own state (``optimizer.init(params)``): the same type for every strategy."""
         return self.spec.optimizer.init(params)
 
     @abc.abstractmethod

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-
-from strategies._base import (
+from autoaccum.strategies._base import (
     Accum,
     OutDtypes,
     Program,

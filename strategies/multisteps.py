@@ -7,8 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-
-from strategies._base import (
+from autoaccum.strategies._base import (
     Accum,
     OutDtypes,
     Program,
@@ -19,6 +18,7 @@ from strategies._base import (
     finish_loss,
     leading_size,
     take,
+    tree_bytes,
     weighted_grad,
 )
 
@@ -29,7 +29,10 @@ class MultiSteps(Strategy):
     ``MultiSteps`` averages the k gradients it is given with equal weights; to keep every example at weight
     ``1 / B`` when the last microbatch is smaller, microbatch ``i`` of ``n_i`` examples hands it
     ``k * n_i / B`` times its mean gradient. Accumulation happens in ``MultiSteps``'s ``accumulator_dtype``.
-    The optimizer state is a ``optax.MultiStepsState`` wrapping the inner optimizer's.
+
+    The optimizer state it takes and returns is the optimizer's own, as for every strategy (a checkpoint
+    saved under one plan restores under another): each call wraps it in an ``optax.MultiStepsState`` with a
+    fresh accumulator, runs the ``k`` microbatches, and hands back the inner state.
     """
 
     name = "multisteps"
@@ -42,12 +45,14 @@ class MultiSteps(Strategy):
             donate_argnums=(2, *self.donate_argnums(0, 1)),
             static_argnames=("size", "total", "k", "dtypes"),
         )
+        self._wrap = jax.jit(self._wrap_fn, donate_argnums=self.donate_argnums(0))
 
     def _wrapped(self, k: int) -> optax.MultiSteps:
         return optax.MultiSteps(self.spec.optimizer, every_k_schedule=k, accumulator_dtype=self.spec.accumulator_dtype)
 
-    def init(self, params: PyTree) -> PyTree:
-        return self._wrapped(1).init(params)  # the state does not depend on k
+    def _wrap_fn(self, opt_state: PyTree, params: PyTree) -> optax.MultiStepsState:
+        """A ``MultiStepsState`` around ``opt_state`` with a zero accumulator (the inner init is dead code)."""
+        return self._wrapped(1).init(params)._replace(inner_opt_state=opt_state)  # the state does not depend on k
 
     def _step_fn(
         self,
@@ -73,17 +78,20 @@ class MultiSteps(Strategy):
         calls = self.microbatches(batch)
         dtypes = self.out_dtypes(params, batch)
         sums = dtypes.zero_sums(self.spec.accumulator_dtype)  # the same step program for every microbatch
+        state = self._wrap(opt_state, params)
         for start, size in calls:
-            params, opt_state, sums = self._step(
-                params, opt_state, sums, batch, start, size=size, total=total, k=len(calls), dtypes=dtypes
+            params, state, sums = self._step(
+                params, state, sums, batch, start, size=size, total=total, k=len(calls), dtypes=dtypes
             )
-        return params, opt_state, finish_loss(self.spec, sums, dtypes)
+        return params, state.inner_opt_state, finish_loss(self.spec, sums, dtypes)
 
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> list[Program]:
         total = leading_size(batch)
         calls = self.microbatches(batch)
         dtypes = self.out_dtypes(params, batch)
         sums = jax.eval_shape(lambda: dtypes.zero_sums(self.spec.accumulator_dtype))
+        state = jax.eval_shape(self._wrap_fn, opt_state, params)
         kw: dict[str, Any] = dict(total=total, k=len(calls), dtypes=dtypes)
         sizes = sorted({n for _, n in calls})
-        return [Program(self._step.lower(params, opt_state, sums, batch, 0, size=n, **kw), 0) for n in sizes]
+        steps = [Program(self._step.lower(params, state, sums, batch, 0, size=n, **kw), 0) for n in sizes]
+        return [Program(self._wrap.lower(opt_state, params), tree_bytes(batch)), *steps]

@@ -6,8 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
-
-from strategies._base import (
+from autoaccum.strategies._base import (
     Program,
     PyTree,
     Spec,

@@ -7,6 +7,8 @@ bad input (unknown workload, unparsable size, ...).
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from autoaccum import __version__
@@ -21,6 +23,8 @@ def main() -> None:
     Exit codes: 0 success; 1 the job ran but failed (e.g. nothing fits);
                 2 bad usage or bad input.
     """
+    # Before JAX starts: this process must not take 75% of the GPU that trials (child processes) need.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 __all__ = ["main"]

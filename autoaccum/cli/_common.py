@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import click
 
-from autoaccum.workload import Workload, load_workload
+from autoaccum._workload import Workload, WorkloadError, load_workload
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -31,5 +31,5 @@ def resolve_workload(workload: str | None, demo: bool) -> Workload:
         raise click.UsageError("give a WORKLOAD (path/to/file.py:function or package.module:function) or --demo.")
     try:
         return load_workload(workload)
-    except (ValueError, TypeError) as e:
+    except WorkloadError as e:
         raise click.BadParameter(str(e), param_hint="WORKLOAD") from e

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-import strategies as strategies_lib
+from autoaccum import strategies as strategies_lib
 from autoaccum.cli._common import resolve_workload, workload_arguments
 
 NOTE = (
@@ -37,11 +37,11 @@ NOTE = (
     "'--gpu list' lists them.",
 )
 @click.option(
-    "--memory",
-    "memories",
+    "--memory-limit",
+    "memory_limits",
     multiple=True,
     metavar="SIZE",
-    help="A memory budget to plan for, e.g. 24GiB, used as given (repeat the option).",
+    help="A memory limit to plan for, e.g. 24GiB, used as given (repeat the option).",
 )
 @click.option("--list-gpus", is_flag=True, help="List the catalogued accelerators and exit.")
 @click.option(
@@ -70,7 +70,7 @@ def plan(
     demo: bool,
     effective_batch: int | None,
     gpus: tuple[str, ...],
-    memories: tuple[str, ...],
+    memory_limits: tuple[str, ...],
     list_gpus: bool,
     strategy: str,
     mem_fraction: float | None,
@@ -82,14 +82,16 @@ def plan(
 
     WORKLOAD is path/to/file.py:function or package.module:function returning an autoaccum.Workload;
     --demo uses the built-in transformer language model. Targets are catalogued accelerators (--gpu) and
-    bare memory budgets (--memory); with neither, this machine's default device.
+    bare memory limits (--memory-limit); with neither, this machine's default device.
 
     \b
-    Exit codes: 0 a plan for every target; 1 nothing fits on some target; 2 bad usage or bad input.
+    Exit codes: 0 a capacity for every target; 1 nothing fits on some target; 2 bad usage or bad input.
     """
     from rich.console import Console
 
-    from autoaccum.estimate import Target, default_memory_limit, estimate
+    from autoaccum._capacity import Target
+    from autoaccum._device import detect_device, resolve_memory_limit
+    from autoaccum._estimate import estimate
 
     console = Console(stderr=as_json, quiet=as_json, width=None if sys.stdout.isatty() else 130)
     if list_gpus or any(g.strip().lower() == "list" for g in gpus):
@@ -105,17 +107,17 @@ def plan(
             targets.append(Target.gpu(name, mem_fraction, safety_margin))
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="'--gpu'") from e
-    for size in memories:
+    for size in memory_limits:
         try:
-            targets.append(Target.memory(size))
+            targets.append(Target.memory_limit(size))
         except (ValueError, TypeError) as e:
-            raise click.BadParameter(str(e), param_hint="'--memory'") from e
+            raise click.BadParameter(str(e), param_hint="'--memory-limit'") from e
     if plot is not None:
         _require_matplotlib()
     w = resolve_workload(workload, demo)
     total = w.batch_size if effective_batch is None else effective_batch
     if not targets:
-        targets.append(Target("this machine", default_memory_limit()))
+        targets.append(Target("this machine", resolve_memory_limit(detect_device(), None)[0]))
     console.print(
         f"[bold]workload[/] {w.name}: effective batch {total}, strategy {strategy}; compiling (not running)..."
     )
@@ -126,14 +128,14 @@ def plan(
             w.batch,
             optimizer=w.optimizer,
             strategy=strategy,
-            memory_limit=targets[0].usable_bytes,
+            memory_limit=targets[0].memory_limit_bytes,
             has_aux=w.has_aux,
-            refine_for=[t.usable_bytes for t in targets],
+            refine_for=[t.memory_limit_bytes for t in targets],
             effective_batch=total,
         )
     except (ValueError, TypeError) as e:
         raise click.UsageError(str(e)) from e
-    plans = [est.plan_for(total, t) for t in targets]
+    plans = [est.capacity(total, t) for t in targets]
     if plot is not None:
         _plot(est, plans, total, plot)
     if as_json:
@@ -153,8 +155,8 @@ def _print_catalog(as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from autoaccum.catalog import ACCELERATORS
-    from autoaccum.units import format_bytes
+    from autoaccum._catalog import ACCELERATORS
+    from autoaccum._units import format_bytes
 
     if as_json:
         rows = [
@@ -162,7 +164,7 @@ def _print_catalog(as_json: bool) -> None:
                 "name": a.name,
                 "platform": a.platform.value,
                 "memory_bytes": a.memory_bytes,
-                "usable_bytes": a.usable_bytes(),
+                "memory_limit_bytes": a.memory_limit_bytes(),
                 "bf16_flops": a.bf16_flops,
                 "fp32_flops": a.fp32_flops,
                 "bandwidth": a.bandwidth,
@@ -174,13 +176,13 @@ def _print_catalog(as_json: bool) -> None:
         click.echo(json.dumps(rows, indent=2))
         return
     table = Table(title="catalogued accelerators (datasheet figures)")
-    for column in ("name", "memory", "usable (default)", "bf16 TFLOP/s", "fp32 TFLOP/s", "bandwidth", "aliases"):
+    for column in ("name", "memory", "memory limit (default)", "bf16 TFLOP/s", "fp32 TFLOP/s", "bandwidth", "aliases"):
         table.add_column(column, justify="left" if column in ("name", "aliases") else "right")
     for a in ACCELERATORS:
         table.add_row(
             a.name,
             format_bytes(a.memory_bytes),
-            format_bytes(a.usable_bytes()),
+            format_bytes(a.memory_limit_bytes()),
             f"{a.bf16_flops / 1e12:,.1f}",
             "-" if a.fp32_flops is None else f"{a.fp32_flops / 1e12:,.1f}",
             f"{a.bandwidth / 1e9:,.0f} GB/s",
@@ -192,10 +194,18 @@ def _print_catalog(as_json: bool) -> None:
 def _print_table(console: Any, plans: list[Any], total: int) -> None:
     from rich.table import Table
 
-    from autoaccum.units import format_bytes
+    from autoaccum._units import format_bytes
 
-    table = Table(title=f"predicted plan for an effective batch of {total} (estimates, nothing was run)")
-    columns = ("target", "usable", "one step?", "max microbatch", "microbatch x steps", "peak", "step time (est.)")
+    table = Table(title=f"predicted capacity for an effective batch of {total} (estimates, nothing was run)")
+    columns = (
+        "target",
+        "memory limit",
+        "one step?",
+        "max microbatch",
+        "microbatch x steps",
+        "peak",
+        "step time (est.)",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "target" else "right")
     for p in plans:
@@ -203,7 +213,7 @@ def _print_table(console: Any, plans: list[Any], total: int) -> None:
         seconds = "-" if p.step_seconds is None else f"{_seconds(p.step_seconds)} ({p.bound.value}-bound)"
         table.add_row(
             p.target,
-            format_bytes(p.usable_bytes),
+            format_bytes(p.memory_limit_bytes),
             "yes" if p.fits_in_one_step else "no",
             str(p.max_microbatch),
             split,
@@ -224,11 +234,11 @@ def _seconds(s: float) -> str:
 def _as_dict(name: str, total: int, est: Any, plans: list[Any], targets: list[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"workload": name, "effective_batch": total, "strategy": est.strategy, "targets": []}
     for p, t in zip(plans, targets, strict=True):
-        row = p.to_dict()
-        row["accelerator"] = None if t.accelerator is None else t.accelerator.name
-        out["targets"].append(row)
+        out["targets"].append({**p.to_dict(), "accelerator": t.accelerator})
     out["estimate"] = est.to_dict()
-    out["note"] = "predictions from XLA compile-only analysis; step_seconds is a roofline estimate"
+    out["note"] = (
+        "predictions from XLA compile-only analysis (see each target's compiler); step_seconds is a roofline estimate"
+    )
     return out
 
 
@@ -246,7 +256,7 @@ def _plot(est: Any, plans: list[Any], total: int, path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    top = max([total, *(p.max_microbatch for p in plans), *(pt.microbatch for pt in est.points)])
+    top = max([total, *(p.max_microbatch for p in plans), *(pt.microbatch_size for pt in est.points)])
     sizes = np.unique(np.geomspace(1, max(top, 2) * 1.5, 200).astype(int))
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     ax.plot(sizes, [est.bytes_at(int(m)) / 2**30 for m in sizes], label="one microbatch per step")
@@ -254,16 +264,18 @@ def _plot(est: Any, plans: list[Any], total: int, path: Path) -> None:
     if len(under):
         ax.plot(under, [est.bytes_at(int(m), total) / 2**30 for m in under], "--", label=f"accumulating to {total}")
     singles = est.single_points
-    ax.plot([p.microbatch for p in singles], [p.peak_bytes / 2**30 for p in singles], "o", label="compiled (measured)")
+    ax.plot(
+        [p.microbatch_size for p in singles], [p.peak_bytes / 2**30 for p in singles], "o", label="compiled (measured)"
+    )
     for i, p in enumerate(plans):
         color = f"C{(i + 2) % 10}"
-        ax.axhline(p.usable_bytes / 2**30, color=color, linestyle=":", linewidth=1)
-        ax.annotate(p.target, (sizes[0], p.usable_bytes / 2**30), color=color, va="bottom", fontsize=8)
+        ax.axhline(p.memory_limit_bytes / 2**30, color=color, linestyle=":", linewidth=1)
+        ax.annotate(p.target, (sizes[0], p.memory_limit_bytes / 2**30), color=color, va="bottom", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("microbatch size")
     ax.set_ylabel("predicted peak memory (GiB)")
-    ax.set_title("autoaccum plan: predicted memory (compile-only); dotted: usable memory per target")
+    ax.set_title("predicted peak memory (compile-only)\ndotted: each target's memory limit", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)

@@ -7,7 +7,7 @@ import os
 
 import click
 
-import strategies as strategies_lib
+from autoaccum import strategies as strategies_lib
 from autoaccum.cli._common import resolve_workload, workload_arguments
 
 
@@ -22,7 +22,7 @@ from autoaccum.cli._common import resolve_workload, workload_arguments
     help="Memory a trial may use, e.g. 1.5GiB or 800MB [default: XLA's allocator limit on a GPU, "
     "50% of available RAM on the CPU].",
 )
-@click.option("--max-size", type=int, default=16384, show_default=True, help="Largest microbatch to try.")
+@click.option("--max-microbatch", type=int, default=16384, show_default=True, help="Largest microbatch to try.")
 @click.option("--granularity", type=int, default=1, show_default=True, help="Try only multiples of this (e.g. 8).")
 @click.option(
     "--no-isolate", is_flag=True,
@@ -34,7 +34,7 @@ def probe(
     demo: bool,
     strategy: str,
     memory_limit: str | None,
-    max_size: int,
+    max_microbatch: int,
     granularity: int,
     no_isolate: bool,
     as_json: bool,
@@ -54,12 +54,12 @@ def probe(
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from rich.console import Console
 
-    from autoaccum.probe import ProbeError, Trial, prepare
-    from autoaccum.probe import probe as run_probe
-    from autoaccum.units import format_bytes, parse_bytes
+    from autoaccum._probe import ProbeError, Trial, prepare
+    from autoaccum._probe import probe as run_probe
+    from autoaccum._units import format_bytes, parse_bytes
 
-    if max_size < 1:
-        raise click.BadParameter(f"must be >= 1, got {max_size}.", param_hint="--max-size")
+    if max_microbatch < 1:
+        raise click.BadParameter(f"must be >= 1, got {max_microbatch}.", param_hint="--max-microbatch")
     if granularity < 1:
         raise click.BadParameter(f"must be >= 1, got {granularity}.", param_hint="--granularity")
     if memory_limit is not None:
@@ -81,7 +81,7 @@ def probe(
 
     console.print(f"probing [bold]{w.name}[/] ({strategy}) ...")
     kwargs = dict(
-        optimizer=w.optimizer, strategy=strategy, memory_limit=memory_limit, max_size=max_size,
+        optimizer=w.optimizer, strategy=strategy, memory_limit=memory_limit, max_microbatch=max_microbatch,
         granularity=granularity, has_aux=w.has_aux, isolate=not no_isolate,
     )  # fmt: skip
     try:
@@ -109,8 +109,8 @@ def _report(console: object, result: object) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from autoaccum.probe import ProbeResult
-    from autoaccum.units import format_bytes
+    from autoaccum._probe import ProbeResult
+    from autoaccum._units import format_bytes
 
     assert isinstance(console, Console) and isinstance(result, ProbeResult)
     d = result.device

@@ -10,7 +10,7 @@ from typing import Any
 import click
 import optuna
 
-import strategies as strategies_lib
+from autoaccum import strategies as strategies_lib
 from autoaccum.cli._common import resolve_workload, workload_arguments
 
 SNIPPET = """\
@@ -71,8 +71,8 @@ def tune(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from autoaccum.tune import TrialRecord
-    from autoaccum.tune import tune as run_tune
+    from autoaccum._tune.result import TrialRecord
+    from autoaccum._tune.run import tune as run_tune
 
     if plot is not None:
         _require_matplotlib()

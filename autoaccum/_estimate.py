@@ -30,15 +30,14 @@ Example:
   >>> est = autoaccum.estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="32MiB")
   >>> est.bytes_at(est.max_microbatch) <= est.memory_limit_bytes < est.bytes_at(est.max_microbatch + 1)
   True
-  >>> plan = est.plan_for(1024, "A100-40GB")
-  >>> plan.fits_in_one_step, plan.accumulation_steps
+  >>> capacity = est.capacity(1024, "A100-40GB")
+  >>> capacity.fits_in_one_step, capacity.accumulation_steps
   (True, 1)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import re
 import time
@@ -50,16 +49,24 @@ import jax
 import numpy as np
 import optax
 
-from autoaccum.catalog import DEFAULT_SAFETY_MARGIN, Accelerator, lookup
-from autoaccum.memory import abstract, abstract_batch, analyse
-from autoaccum.units import format_bytes, parse_bytes
-from autoaccum.update import Update, build_update, check_positive_int
-from strategies._base import Program, PyTree, leading_size, tree_bytes
+from autoaccum._batch import abstract, abstract_batch
+from autoaccum._capacity import Capacity, Target, capacity
+from autoaccum._catalog import DEFAULT_SAFETY_MARGIN, Accelerator
+from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
+from autoaccum._json import JsonMixin
+from autoaccum._memory import analyse
+from autoaccum._step_time import StepCost
+from autoaccum._units import parse_bytes
+from autoaccum._update import Update, build_update
+from autoaccum.strategies import Program, PyTree, leading_size, tree_bytes
+
+DEFAULT_MAX_MICROBATCH = 16384
+"""The largest microbatch the estimate and the probe consider when the caller gives no ``max_microbatch``."""
 
 COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
 """Options for the analysis compilations: no LLVM optimisation (about 2x faster to compile). Buffer
 assignment and cost analysis happen before code generation, so memory and cost figures are unchanged
-(``tests/test_estimate.py`` checks this against `autoaccum.memory.step_memory`)."""
+(``tests/test_estimate.py`` checks this against `autoaccum._memory.step_memory`)."""
 
 CPU_SINGLE_STEP_OPTIONS: dict[str, Any] = {"xla_cpu_use_fusion_emitters": False}
 """On the CPU, one-microbatch steps also compile with XLA's older loop emitter: about 2x faster again. Its
@@ -70,7 +77,7 @@ measured over the built-in workloads, every strategy, sizes 1 to 6615, YNNPACK f
 one skips a copy of the batch that the default makes (41% of the MLP's peak at 256 x 4 examples)."""
 
 FIRST_SIZE = 32
-"""The microbatch size measured first (``max_size`` when smaller); the second is where it predicts the
+"""The microbatch size measured first (``max_microbatch`` when smaller); the second is where it predicts the
 answer (`_second_size`)."""
 
 NEAR = 0.1
@@ -82,8 +89,8 @@ class Point(NamedTuple):
     """One compile-only measurement of an update step.
 
     Attributes:
-      microbatch: examples per microbatch.
-      batch_size: examples in the step's batch (``== microbatch`` for a step on one microbatch).
+      microbatch_size: examples per microbatch.
+      batch_size: examples in the step's batch (``== microbatch_size`` for a step on one microbatch).
       peak_bytes: XLA's predicted peak: arguments + outputs + temporaries - aliased bytes (the largest
         over the step's programs, plus what stays resident outside them).
       flops, bytes_accessed: XLA's cost analysis of the step's programs.
@@ -91,7 +98,7 @@ class Point(NamedTuple):
         GPUs and TPUs, whose buffer assignment covers everything).
     """
 
-    microbatch: int
+    microbatch_size: int
     batch_size: int
     peak_bytes: int
     flops: float
@@ -104,116 +111,21 @@ class Point(NamedTuple):
         return self.peak_bytes + self.runtime_bytes
 
 
-class Bound(enum.Enum):
-    """What limits a roofline step time: arithmetic (``compute``) or memory traffic (``memory``)."""
-
-    COMPUTE = "compute"
-    MEMORY = "memory"
-
-
 @dataclasses.dataclass(frozen=True)
-class Target:
-    """A memory budget to plan for: a catalogued accelerator, or a bare size.
-
-    Attributes:
-      name: what to call it in reports (``"A100-40GB"``, ``"24.00 GiB"``).
-      usable_bytes: the bytes one update step may use (reservation and safety margin already taken off).
-      accelerator: the catalogue entry, for step-time estimates; ``None`` for a bare memory size.
-    """
-
-    name: str
-    usable_bytes: int
-    accelerator: Accelerator | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.usable_bytes, bool) or not isinstance(self.usable_bytes, int) or self.usable_bytes < 1:
-            raise ValueError(f"`Target.usable_bytes` must be an int >= 1, got usable_bytes={self.usable_bytes!r}.")
-
-    @classmethod
-    def gpu(
-        cls, name: str | Accelerator, mem_fraction: float | None = None, safety_margin: float = DEFAULT_SAFETY_MARGIN
-    ) -> Target:
-        """A catalogued accelerator (by name), its usable memory per `Accelerator.usable_bytes`.
-
-        Example:
-          >>> round(Target.gpu("L4").usable_bytes / 2**30, 2)  # 24 GiB x (0.75 - 0.05)
-          16.8
-        """
-        acc = name if isinstance(name, Accelerator) else lookup(name)
-        return cls(acc.name, acc.usable_bytes(mem_fraction, safety_margin), acc)
-
-    @classmethod
-    def memory(cls, size: int | str) -> Target:
-        """A bare budget of ``size`` bytes (``"24GiB"`` or an int), used as given: no reservation, no margin.
-
-        Example:
-          >>> Target.memory("1GiB")
-          Target(name='1.00 GiB', usable_bytes=1073741824, accelerator=None)
-        """
-        usable = parse_bytes(size, "memory")
-        return cls(format_bytes(usable), usable)
-
-
-@dataclasses.dataclass(frozen=True)
-class TargetPlan:
-    """What an effective batch needs on one target: microbatch, accumulation steps, peak and step time.
-
-    Every figure is a prediction from compilation (see `estimate`); ``step_seconds`` is a roofline estimate.
-
-    Attributes:
-      target: the target's name.
-      usable_bytes: the memory the step may use there.
-      effective_batch: examples per update.
-      fits: whether any microbatch fits (``False``: not even one example does).
-      fits_in_one_step: whether the whole effective batch fits in one step, without accumulation.
-      max_microbatch: the largest microbatch predicted to fit for this effective batch (0 if none).
-      microbatch_size: the microbatch to use: the smallest one with as few accumulation steps as
-        ``max_microbatch`` (``ceil(B / steps)``; it divides ``B`` evenly whenever some size does).
-      accumulation_steps: microbatches per update, ``ceil(B / microbatch_size)`` (0 when nothing fits).
-      peak_bytes: the predicted peak at ``microbatch_size`` (at one example when nothing fits).
-      step_seconds: roofline estimate of one update's time; ``None`` without accelerator figures.
-      bound: whether that estimate is compute- or memory-bound (``None`` with ``step_seconds``).
-      flops, bytes_accessed: the update's predicted FLOPs and bytes moved (cost analysis).
-    """
-
-    target: str
-    usable_bytes: int
-    effective_batch: int
-    fits: bool
-    fits_in_one_step: bool
-    max_microbatch: int
-    microbatch_size: int
-    accumulation_steps: int
-    peak_bytes: int
-    step_seconds: float | None
-    bound: Bound | None
-    flops: float
-    bytes_accessed: float
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (``bound`` as its string value)."""
-        out = dataclasses.asdict(self)
-        out["bound"] = None if self.bound is None else self.bound.value
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimate:
+class Estimate(JsonMixin):
     """The predicted memory and cost of an update step as a function of the microbatch size.
 
     Made by `estimate`; every figure comes from compiling, nothing was run.
 
     Attributes:
       strategy: the accumulation strategy measured, and ``options`` its options.
-      memory_limit_bytes: the budget ``max_microbatch`` answers for.
-      points: every measurement, one-microbatch steps (``batch_size == microbatch``) and accumulating ones.
+      memory_limit_bytes: the memory limit ``max_microbatch`` answers for.
+      points: every measurement, one-microbatch steps (``batch_size == microbatch_size``) and accumulating ones.
       accumulation_bytes: extra fixed bytes of an accumulating step (the accumulator, the loop's carry).
       per_batch_example_bytes: extra bytes per example of the whole batch in an accumulating step.
-      flops_per_example, bytes_accessed_per_example, flops_fixed, bytes_accessed_fixed: the cost analysis
-        of one microbatch (optimizer excluded) as ``fixed + per_example * m``.
-      optimizer_flops, optimizer_bytes_accessed: the cost analysis of one optimizer step.
-      compute_dtype: the dtype of most parameter bytes, which picks the peak FLOP/s of a roofline.
-      max_size: an upper bound on microbatch sizes, or ``None``.
+      remainder_bytes_per_example: extra bytes per example of a smaller last microbatch.
+      cost: XLA's cost analysis fitted per example, for roofline step times (`StepCost`).
+      microbatch_cap: microbatch sizes considered are at most this (the ``max_microbatch`` it was given).
       platform: the backend the step was compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
       seconds: how long the estimate took.
     """
@@ -225,16 +137,13 @@ class Estimate:
     accumulation_bytes: float | None
     per_batch_example_bytes: float | None
     remainder_bytes_per_example: float | None
-    flops_fixed: float
-    flops_per_example: float
-    bytes_accessed_fixed: float
-    bytes_accessed_per_example: float
-    optimizer_flops: float
-    optimizer_bytes_accessed: float
-    compute_dtype: str
-    max_size: int
+    cost: StepCost
+    microbatch_cap: int
     platform: str
     seconds: float
+
+    json_format = "autoaccum.estimate/1"
+    json_properties = ("fixed_bytes", "per_example_bytes", "max_microbatch")
 
     # -- memory -------------------------------------------------------------------------------------------
 
@@ -243,18 +152,18 @@ class Estimate:
         """The one-microbatch measurements, one per size, by size."""
         seen: dict[int, Point] = {}
         for p in self.points:
-            if p.batch_size == p.microbatch:
-                seen.setdefault(p.microbatch, p)
+            if p.batch_size == p.microbatch_size:
+                seen.setdefault(p.microbatch_size, p)
         return tuple(seen[k] for k in sorted(seen))
 
     def _segment(self, m: float, runtime: bool = True) -> tuple[float, float]:
         """``(fixed, per_example)`` of the affine piece that models one-microbatch steps of ``m`` examples."""
         pts = self.single_points
-        i = int(np.searchsorted([p.microbatch for p in pts], m))
+        i = int(np.searchsorted([p.microbatch_size for p in pts], m))
         a, b = pts[min(max(i - 1, 0), len(pts) - 2)], pts[min(max(i, 1), len(pts) - 1)]
         ya, yb = (a.total_bytes, b.total_bytes) if runtime else (a.peak_bytes, b.peak_bytes)
-        slope = max((yb - ya) / (b.microbatch - a.microbatch), 1.0)
-        return ya - slope * a.microbatch, slope
+        slope = max((yb - ya) / (b.microbatch_size - a.microbatch_size), 1.0)
+        return ya - slope * a.microbatch_size, slope
 
     @property
     def fixed_bytes(self) -> float:
@@ -266,14 +175,14 @@ class Estimate:
         """Bytes per example of a one-microbatch step (the local fit at `max_microbatch`)."""
         return self._segment(max(self.max_microbatch, 1))[1]
 
-    def bytes_at(self, microbatch: int, batch_size: int | None = None, *, runtime: bool = True) -> int:
-        """Predicted peak bytes of the full update step at ``microbatch`` examples per microbatch.
+    def bytes_at(self, microbatch_size: int, batch_size: int | None = None, *, runtime: bool = True) -> int:
+        """Predicted peak bytes of the full update step at ``microbatch_size`` examples per microbatch.
 
         Args:
-          microbatch: examples per microbatch.
-          batch_size: examples per update; ``None`` (the default) means one microbatch (``= microbatch``).
-            A larger batch is accumulated over ``ceil(batch_size / microbatch)`` microbatches (the last one
-            smaller when ``microbatch`` does not divide it).
+          microbatch_size: examples per microbatch.
+          batch_size: examples per update; ``None`` (the default) means one microbatch (``= microbatch_size``).
+            A larger batch is accumulated over ``ceil(batch_size / microbatch_size)`` microbatches (the last one
+            smaller when ``microbatch_size`` does not divide it).
           runtime: include what this platform's runtime needs beyond XLA's accounting (`Point.runtime_bytes`,
             the CPU's); ``False`` gives XLA's figure alone, as for planning a GPU or TPU from a CPU.
 
@@ -287,7 +196,7 @@ class Estimate:
           >>> est.bytes_at(64, 256) > est.bytes_at(64)
           True
         """
-        m = check_positive_int(microbatch, "microbatch")
+        m = check_positive_int(microbatch_size, "microbatch_size")
         total = m if batch_size is None else check_positive_int(batch_size, "batch_size")
         m = min(m, total)
         fixed, slope = self._segment(m, runtime)
@@ -295,7 +204,7 @@ class Estimate:
         if total > m:
             if self.accumulation_bytes is None or self.per_batch_example_bytes is None:
                 raise ValueError(
-                    f"`batch_size`={total} > `microbatch`={m} needs the accumulating step's measurements; make "
+                    f"`batch_size`={total} > `microbatch_size`={m} needs the accumulating step's measurements; make "
                     "the estimate with accumulation=True (the default)."
                 )
             peak += self.accumulation_bytes + self.per_batch_example_bytes * total
@@ -310,13 +219,13 @@ class Estimate:
         Args:
           memory_limit: the budget, bytes or a string like ``"16GiB"``.
           batch_size: examples per update, accumulated over microbatches (the answer is at most
-            ``batch_size``); ``None``: one microbatch per step (the answer is at most ``max_size``).
+            ``batch_size``); ``None``: one microbatch per step (the answer is at most `microbatch_cap`).
           runtime: as for `bytes_at`.
         """
         limit = parse_bytes(memory_limit)
         if batch_size is not None and self.bytes_at(batch_size, batch_size, runtime=runtime) <= limit:
             return batch_size  # the whole batch in one step
-        hi = self.max_size if batch_size is None else batch_size - 1
+        hi = self.microbatch_cap if batch_size is None else batch_size - 1
 
         def fits(m: int, remainder: bool = True) -> bool:
             peak: float = self.bytes_at(m, batch_size, runtime=runtime)
@@ -354,164 +263,35 @@ class Estimate:
           >>> est.accumulation_steps(1024) > 1
           True
         """
-        return self.plan_for(effective_batch, Target("memory_limit", self.memory_limit_bytes)).accumulation_steps
+        return self.capacity(effective_batch).accumulation_steps
 
-    # -- time ---------------------------------------------------------------------------------------------
+    # -- capacity -----------------------------------------------------------------------------------------
 
-    def _cost(self, microbatch: int, accelerator: Accelerator) -> tuple[float, float, float, bool]:
-        """``(seconds, flops, bytes, memory_bound)`` of one microbatch's forward and backward pass."""
-        flops = max(self.flops_fixed + self.flops_per_example * microbatch, 0.0)
-        moved = max(self.bytes_accessed_fixed + self.bytes_accessed_per_example * microbatch, 0.0)
-        compute, memory = flops / accelerator.peak_flops(self.compute_dtype), moved / accelerator.bandwidth
-        return max(compute, memory), flops, moved, memory > compute
-
-    def step_time(
-        self, effective_batch: int, microbatch: int, accelerator: Accelerator | str
-    ) -> tuple[float, Bound, float, float]:
-        """Roofline estimate of one update: ``(seconds, bound, flops, bytes_accessed)``.
-
-        Each microbatch costs ``max(flops / peak FLOP/s, bytes accessed / bandwidth)`` and the optimizer step
-        the same on its own figures; ``bound`` says which term dominates over the whole update. This is an
-        estimate from XLA's cost analysis on the machine that compiled, not a measurement.
-        """
-        acc = lookup(accelerator) if isinstance(accelerator, str) else accelerator
-        total = check_positive_int(effective_batch, "effective_batch")
-        m = min(check_positive_int(microbatch, "microbatch"), total)
-        full, rest = divmod(total, m)
-        parts = [(full, *self._cost(m, acc))] + ([(1, *self._cost(rest, acc))] if rest else [])
-        opt_compute = self.optimizer_flops / acc.peak_flops(self.compute_dtype)
-        opt_memory = self.optimizer_bytes_accessed / acc.bandwidth
-        seconds = sum(n * t for n, t, *_ in parts) + max(opt_compute, opt_memory)
-        flops = sum(n * f for n, _, f, *_ in parts) + self.optimizer_flops
-        moved = sum(n * b for n, _, _, b, _ in parts) + self.optimizer_bytes_accessed
-        memory_time = moved / acc.bandwidth
-        compute_time = flops / acc.peak_flops(self.compute_dtype)
-        return seconds, Bound.MEMORY if memory_time > compute_time else Bound.COMPUTE, flops, moved
-
-    # -- plans --------------------------------------------------------------------------------------------
-
-    def plan_for(
+    def capacity(
         self,
         effective_batch: int,
         target: Target | Accelerator | str | int | None = None,
         *,
         mem_fraction: float | None = None,
         safety_margin: float = DEFAULT_SAFETY_MARGIN,
-    ) -> TargetPlan:
+    ) -> Capacity:
         """The microbatch, accumulation steps, peak and step time for ``effective_batch`` on ``target``.
 
         Args:
           effective_batch: examples per update (an int >= 1).
-          target: a `Target`, a catalogued accelerator or its name (``"A100-40GB"``), a memory size
+          target: a `Target`, a catalogued accelerator or its name (``"A100-40GB"``), a memory limit
             (int bytes or a string with a unit, ``"24GiB"``, used as given), or ``None`` for
-            `memory_limit_bytes`. A bare size is a budget on this machine's platform (on a CPU, the runtime's
+            `memory_limit_bytes`. A bare size is a limit on this machine's platform (on a CPU, the runtime's
             needs beyond XLA's accounting count); an accelerator's peak is XLA's figure alone.
-          mem_fraction, safety_margin: for an accelerator, see `Accelerator.usable_bytes`.
+          mem_fraction, safety_margin: for an accelerator, see `Accelerator.memory_limit_bytes`.
 
         Raises:
           ValueError: ``effective_batch`` < 1, an unknown accelerator (with the closest name), a size that
             does not parse.
         """
-        total = check_positive_int(effective_batch, "effective_batch")
-        resolved = resolve_target(target, self.memory_limit_bytes, mem_fraction, safety_margin)
-        runtime = resolved.accelerator is None  # a catalogued accelerator's runtime is XLA's accounting
-        largest = self.largest_microbatch(resolved.usable_bytes, total, runtime=runtime)
-        if largest >= 1:
-            steps = -(-total // largest)
-            microbatch = -(-total // steps)  # as many steps, microbatches as even as can be
-            if self.bytes_at(microbatch, total, runtime=runtime) > resolved.usable_bytes:  # its last one is costlier
-                microbatch = largest
-        else:
-            steps, microbatch = 0, 1
-        peak = self.bytes_at(microbatch, total, runtime=runtime)
-        seconds: float | None = None
-        bound: Bound | None = None
-        flops = moved = 0.0
-        if resolved.accelerator is not None:
-            seconds, bound, flops, moved = self.step_time(total, microbatch, resolved.accelerator)
-            if largest < 1:
-                seconds, bound = None, None
-        return TargetPlan(
-            target=resolved.name,
-            usable_bytes=resolved.usable_bytes,
-            effective_batch=total,
-            fits=largest >= 1,
-            fits_in_one_step=largest >= total,
-            max_microbatch=largest,
-            microbatch_size=microbatch,
-            accumulation_steps=steps,
-            peak_bytes=peak,
-            step_seconds=seconds,
-            bound=bound,
-            flops=flops,
-            bytes_accessed=moved,
+        return capacity(
+            self, self.cost, effective_batch, target, mem_fraction=mem_fraction, safety_margin=safety_margin
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of the estimate (the measured points included)."""
-        out = dataclasses.asdict(self)
-        out["points"] = [p._asdict() for p in self.points]
-        out["fixed_bytes"] = self.fixed_bytes
-        out["per_example_bytes"] = self.per_example_bytes
-        out["max_microbatch"] = self.max_microbatch
-        return out
-
-
-def resolve_target(
-    target: Target | Accelerator | str | int | None,
-    default_bytes: int,
-    mem_fraction: float | None = None,
-    safety_margin: float = DEFAULT_SAFETY_MARGIN,
-) -> Target:
-    """``target`` as a `Target`: an accelerator name or entry, a size (``"24GiB"``, bytes), or ``None``.
-
-    A string is an accelerator name unless it starts with a digit (then it is a size).
-
-    Example:
-      >>> resolve_target("2GiB", 0).usable_bytes
-      2147483648
-    """
-    if target is None:
-        return Target("memory_limit", default_bytes)
-    if isinstance(target, Target):
-        return target
-    if isinstance(target, Accelerator):
-        return Target.gpu(target, mem_fraction, safety_margin)
-    if isinstance(target, str) and not target.strip()[:1].isdigit():
-        return Target.gpu(target, mem_fraction, safety_margin)
-    if isinstance(target, (int, str)) and not isinstance(target, bool):
-        return Target.memory(target)
-    raise TypeError(
-        f"`target` must be an accelerator name such as 'A100-40GB', a size such as '24GiB' or bytes, "
-        f"got {type(target).__name__} {target!r}."
-    )
-
-
-def default_memory_limit() -> int:
-    """The memory an update step may use on this machine's default device (`autoaccum.device.detect_device`).
-
-    Raises:
-      ValueError: the device reports no limit (pass ``memory_limit``).
-    """
-    from autoaccum.device import detect_device
-
-    info = detect_device()
-    limit = info.memory_limit_bytes
-    if limit is None:
-        raise ValueError(f"`memory_limit` is None and {info.name} reports no memory limit; pass memory_limit='8GiB'.")
-    return int(limit)
-
-
-def _default_optimizer() -> optax.GradientTransformation:
-    from autoaccum.defaults import default_optimizer
-
-    return default_optimizer()
-
-
-def _default_max_size() -> int:
-    from autoaccum.defaults import DEFAULT_MAX_SIZE
-
-    return DEFAULT_MAX_SIZE
 
 
 def _compute_dtype(params: PyTree) -> str:
@@ -603,7 +383,7 @@ class _Analysis(NamedTuple):
 
 
 def _analyse(programs: Sequence[Program], options: dict[str, Any]) -> _Analysis:
-    """`autoaccum.memory.analyse`, plus what the runtime needs beyond XLA's accounting.
+    """`autoaccum._memory.analyse`, plus what the runtime needs beyond XLA's accounting.
 
     Our speed-up options (`COMPILER_OPTIONS`, `CPU_SINGLE_STEP_OPTIONS`) are only that: one this jaxlib does
     not know is dropped and the programs compiled without it (the user's own options are never dropped).
@@ -703,11 +483,11 @@ def estimate(
     params: PyTree,
     batch: PyTree,
     *,
-    optimizer: optax.GradientTransformation | None = None,
+    optimizer: optax.GradientTransformation,
     strategy: str = "scan",
     memory_limit: int | str | None = None,
     has_aux: bool = False,
-    max_size: int | None = None,
+    max_microbatch: int | None = None,
     accumulation: bool = True,
     effective_batch: int | None = None,
     refine_for: Sequence[int | str] = (),
@@ -729,18 +509,19 @@ def estimate(
       loss_fn: ``loss_fn(params, batch) -> scalar`` (``-> (scalar, aux)`` with ``has_aux``).
       params: the parameters pytree (arrays or ``jax.ShapeDtypeStruct``).
       batch: an example batch; only its per-example shapes and dtypes matter, not its size.
-      optimizer: the optax optimizer (default: `autoaccum.defaults.default_optimizer`, AdamW).
-      strategy: the accumulation strategy (``strategies.available()``).
-      memory_limit: the budget `Estimate.max_microbatch` answers for: bytes or ``"16GiB"``; default: what
-        this machine's default device offers a step (`autoaccum.device.DeviceInfo.memory_limit_bytes`).
+      optimizer: the optax optimizer training uses (required: its state is part of the memory).
+      strategy: the accumulation strategy (``autoaccum.strategies.available()``).
+      memory_limit: the limit `Estimate.max_microbatch` answers for: bytes or ``"16GiB"``; default: what
+        this machine's default device offers a step (the same policy as the probe's).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      max_size: `Estimate.max_microbatch` is at most this (default 16384, as the probe's).
-      accumulation: also measure accumulating steps (needed by `Estimate.plan_for` and by ``bytes_at`` with a
+      max_microbatch: `Estimate.max_microbatch` is at most this (default `DEFAULT_MAX_MICROBATCH`, as the
+        probe's).
+      accumulation: also measure accumulating steps (needed by `Estimate.capacity` and by ``bytes_at`` with a
         ``batch_size``); ``False`` saves three compilations when only `max_microbatch` is wanted.
       effective_batch: refine the fit for plans of this many examples per update (around the largest microbatch
         of an accumulating step, rather than of a one-microbatch step, under each budget).
-      refine_for: more budgets (bytes or strings) to refine the fit around, one compilation each, e.g. the
-        usable memory of each target of a plan.
+      refine_for: more memory limits (bytes or strings) to refine the fit around, one compilation each, e.g.
+        the memory limit of each target of a capacity plan.
       compiler_options: XLA options for the analysis compilations, on top of `COMPILER_OPTIONS`.
       workers: compilations run in parallel.
       **options: the strategy's options (e.g. ``unroll=2``).
@@ -761,18 +542,21 @@ def estimate(
       True
     """
     start = time.perf_counter()
-    if not callable(loss_fn):
-        raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
+    check_loss_fn(loss_fn)
+    check_optimizer(optimizer)
     leading_size(batch)
-    cap = _default_max_size() if max_size is None else check_positive_int(max_size, "max_size")
+    cap = DEFAULT_MAX_MICROBATCH if max_microbatch is None else check_positive_int(max_microbatch, "max_microbatch")
     if effective_batch is not None:
         check_positive_int(effective_batch, "effective_batch")
     check_positive_int(workers, "workers")
-    if not isinstance(accumulation, bool):
-        raise TypeError(f"`accumulation` must be a bool, got {accumulation!r}.")
-    limit = default_memory_limit() if memory_limit is None else parse_bytes(memory_limit)
+    check_bool(accumulation, "accumulation")
+    if memory_limit is None:
+        from autoaccum._device import detect_device, resolve_memory_limit
+
+        limit = resolve_memory_limit(detect_device(), None)[0]
+    else:
+        limit = parse_bytes(memory_limit, "memory_limit")
     extra_limits = [parse_bytes(x, "refine_for") for x in refine_for]
-    optimizer = _default_optimizer() if optimizer is None else optimizer
     compile_options = {**COMPILER_OPTIONS, **(compiler_options or {})}
     top = max(cap, effective_batch or 0)
     with _Measurer(
@@ -804,9 +588,10 @@ def estimate(
 
         def current() -> Estimate:
             singles = sorted(
-                (p for p in measurer.points.values() if p.batch_size == p.microbatch), key=lambda p: p.microbatch
+                (p for p in measurer.points.values() if p.batch_size == p.microbatch_size),
+                key=lambda p: p.microbatch_size,
             )
-            xs = [p.microbatch for p in singles]
+            xs = [p.microbatch_size for p in singles]
             flops_fixed, flops_slope = _affine(xs, [p.flops - opt.flops for p in singles])
             moved_fixed, moved_slope = _affine(xs, [p.bytes_accessed - opt.bytes_accessed for p in singles])
             return Estimate(
@@ -817,14 +602,16 @@ def estimate(
                 accumulation_bytes=acc_fixed,
                 per_batch_example_bytes=per_batch,
                 remainder_bytes_per_example=per_remainder,
-                flops_fixed=flops_fixed,
-                flops_per_example=flops_slope,
-                bytes_accessed_fixed=moved_fixed,
-                bytes_accessed_per_example=moved_slope,
-                optimizer_flops=opt.flops,
-                optimizer_bytes_accessed=opt.bytes_accessed,
-                compute_dtype=_compute_dtype(measurer.params),
-                max_size=cap,
+                cost=StepCost(
+                    flops_fixed=flops_fixed,
+                    flops_per_example=flops_slope,
+                    bytes_accessed_fixed=moved_fixed,
+                    bytes_accessed_per_example=moved_slope,
+                    optimizer_flops=opt.flops,
+                    optimizer_bytes_accessed=opt.bytes_accessed,
+                    compute_dtype=_compute_dtype(measurer.params),
+                ),
+                microbatch_cap=cap,
                 platform=jax.default_backend(),
                 seconds=time.perf_counter() - start,
             )
@@ -861,8 +648,8 @@ def _second_size(first: Point, state_bytes: int, limit: int, top: int) -> int:
       16
     """
     fixed = state_bytes + (CPU_RUNTIME_BYTES if first.runtime_bytes else 0)
-    per_example = max(first.total_bytes - fixed, 1) / first.microbatch
+    per_example = max(first.total_bytes - fixed, 1) / first.microbatch_size
     guess = min(max(int((limit - fixed) / per_example), 1), max(top, 2))
-    if abs(guess - first.microbatch) <= NEAR * first.microbatch:
-        guess = first.microbatch // 2 if first.microbatch > 1 else 2
+    if abs(guess - first.microbatch_size) <= NEAR * first.microbatch_size:
+        guess = first.microbatch_size // 2 if first.microbatch_size > 1 else 2
     return guess

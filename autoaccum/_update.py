@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import strategies
-from strategies._base import Program, PyTree, Spec, Strategy, leading_size
+from autoaccum import strategies
+from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
+from autoaccum.strategies import Program, PyTree, Spec, Strategy, leading_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Update:
     accumulation: Strategy = dataclasses.field(repr=False, compare=False)
 
     def init(self, params: PyTree) -> PyTree:
-        """The optimizer state for ``params`` (``optax.MultiStepsState`` for the ``multisteps`` strategy)."""
+        """The optimizer state for ``params``: ``optimizer.init(params)``, the same for every strategy."""
         return self.accumulation.init(params)
 
     def __call__(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree, Any]:
@@ -76,13 +77,13 @@ def build_update(
         ``has_aux``, ``-> (scalar, aux)``. ``batch`` is any pytree whose leaves share a leading example axis.
       optimizer: an ``optax.GradientTransformation``.
       microbatch_size: examples per microbatch (a positive int).
-      strategy: how to accumulate, one of ``strategies.available()``.
+      strategy: how to accumulate, one of ``autoaccum.strategies.available()``.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       accumulator_dtype: floating dtype for accumulating gradients, loss and aux (float32 by default, also
         for bf16 models); gradients are cast back like ``params`` before the optimizer.
       donate: donate ``params`` and ``opt_state`` to the update (saves a copy of each; the caller must not
         reuse the arrays it passed).
-      **options: the strategy's options (``strategies.get(strategy).options``), e.g. ``unroll=2`` for scan.
+      **options: the strategy's options (``autoaccum.strategies.get(strategy).options``), e.g. ``unroll=2`` for scan.
 
     Returns:
       An `Update`; ``update.init(params)`` makes the optimizer state.
@@ -100,17 +101,12 @@ def build_update(
       >>> float(loss)
       9.0
     """
-    if not callable(loss_fn):
-        raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
-    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        raise TypeError(
-            f"`optimizer` must be an optax.GradientTransformation (with init and update), got "
-            f"{type(optimizer).__name__}; e.g. optax.adamw(1e-3)."
-        )
+    check_loss_fn(loss_fn)
+    check_optimizer(optimizer)
     check_positive_int(microbatch_size, "microbatch_size")
     cls = strategies.get(strategy)
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+    check_bool(has_aux, "has_aux")
+    check_bool(donate, "donate")
     try:
         dtype = np.dtype(accumulator_dtype)
     except TypeError:
@@ -120,12 +116,3 @@ def build_update(
     spec = Spec(loss_fn, optimizer, microbatch_size, has_aux, dtype, donate)
     accumulation = cls(spec, **options)
     return Update(microbatch_size, strategy, dict(accumulation.config), accumulation)
-
-
-def check_positive_int(value: Any, name: str) -> int:
-    """Returns ``value`` as an int if it is one and >= 1, else raises an error naming the argument ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"`{name}` must be an int >= 1, got {type(value).__name__} {value!r}.")
-    if value < 1:
-        raise ValueError(f"`{name}` must be >= 1, got {name}={value}.")
-    return int(value)

@@ -8,8 +8,9 @@ from typing import Any
 
 import jax
 
-from autoaccum.update import Update
-from strategies._base import Program, PyTree, tree_bytes
+from autoaccum._batch import abstract, abstract_batch
+from autoaccum._update import Update
+from autoaccum.strategies import Program, PyTree, tree_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,16 +33,6 @@ class StepMemory:
     alias_bytes: int
     flops: float
     bytes_accessed: float
-
-
-def abstract(tree: PyTree) -> PyTree:
-    """``jax.ShapeDtypeStruct`` of every leaf (nothing is copied or allocated)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-
-
-def abstract_batch(batch: PyTree, size: int) -> PyTree:
-    """``jax.ShapeDtypeStruct`` of ``batch`` resized to ``size`` examples."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype), batch)
 
 
 def analyse(
@@ -94,7 +85,7 @@ def step_memory(
 
     Example:
       >>> import jax.numpy as jnp, optax, autoaccum
-      >>> from autoaccum.memory import step_memory
+      >>> from autoaccum._memory import step_memory
       >>> u = autoaccum.build_update(lambda w, b: jnp.mean(b @ w), optax.sgd(0.1), microbatch_size=8)
       >>> step_memory(u, jnp.ones(4), jnp.ones((8, 4)), 8).peak_bytes > 0
       True

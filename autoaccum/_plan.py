@@ -1,9 +1,8 @@
-"""`Plan`: the tuner's answer (microbatch, accumulation steps, strategy), saved to and loaded from JSON."""
+"""`Plan`: how to run one accumulated update, as the tuner measured it; saved to and loaded from JSON."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,10 +11,9 @@ import jax
 import numpy as np
 import optax
 
-from autoaccum.update import Update, build_update
-from strategies._base import PyTree
-
-FORMAT = "autoaccum.plan/1"
+from autoaccum._json import JsonMixin
+from autoaccum._update import Update, build_update
+from autoaccum.strategies import PyTree
 
 
 def params_signature(params: PyTree) -> dict[str, str]:
@@ -38,14 +36,14 @@ def describe_difference(expected: dict[str, str], actual: dict[str, str], limit:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(JsonMixin):
     """How to run one accumulated update: the tuner's best configuration, with what it was measured on.
 
     Attributes:
       effective_batch: examples per update (``B``).
       microbatch_size: examples per microbatch.
       accumulation_steps: microbatches per update, ``ceil(B / microbatch_size)``.
-      strategy: the accumulation strategy (``strategies.available()``).
+      strategy: the accumulation strategy (``autoaccum.strategies.available()``).
       options: the strategy's options, e.g. ``{"unroll": 2}``.
       throughput: measured examples per second of the whole update (0.0 if not measured).
       device: the device it was measured on, e.g. ``"NVIDIA H100 80GB HBM3"`` or ``"cpu"``.
@@ -73,6 +71,8 @@ class Plan:
     params: dict[str, str] = dataclasses.field(default_factory=dict)
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
 
+    json_format = "autoaccum.plan/1"
+
     def __post_init__(self) -> None:
         for name in ("effective_batch", "microbatch_size", "accumulation_steps"):
             value = getattr(self, name)
@@ -83,27 +83,6 @@ class Plan:
                 f"Plan accumulation_steps={self.accumulation_steps} does not match "
                 f"ceil(effective_batch / microbatch_size) = ceil({self.effective_batch} / {self.microbatch_size})."
             )
-
-    def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, **dataclasses.asdict(self)}, indent=2, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str, source: str = "plan") -> Plan:
-        """Parses `to_json` output; ``ValueError`` (naming ``source``) when it is not a valid plan."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{source} is not valid JSON ({e}); re-create it with `autoaccum tune --out`.") from e
-        if not isinstance(data, dict) or data.pop("format", None) != FORMAT:
-            raise ValueError(f'{source} is not an autoaccum plan (expected "format": {FORMAT!r}).')
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields)
-        if unknown:
-            raise ValueError(f"{source} has unknown field(s) {unknown}; it may come from a newer autoaccum.")
-        try:
-            return cls(**data)
-        except TypeError as e:
-            raise ValueError(f"{source} is missing fields or has wrong types ({e}).") from e
 
     def save(self, path: str | Path) -> Path:
         """Writes the plan as JSON to ``path`` and returns the path."""
@@ -122,7 +101,9 @@ class Plan:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"plan file {str(path)!r} does not exist; create one with `autoaccum tune --out`.")
-        return cls.from_json(path.read_text(), source=f"plan file {str(path)!r}")
+        return cls.from_json(
+            path.read_text(), source=f"plan file {str(path)!r} (re-create it with `autoaccum tune --out`)"
+        )
 
     def check_params(self, params: PyTree) -> None:
         """Raises ``ValueError`` saying what differs if ``params`` are not the ones this plan was tuned for."""

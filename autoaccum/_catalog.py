@@ -1,7 +1,7 @@
 """A catalog of common accelerators: memory, peak FLOP/s and bandwidth from the vendors' datasheets.
 
 Plan runs for hardware you do not have: `lookup` finds an accelerator by name (``"A100-40GB"``,
-``"a100_40gb"``, ``"H100"``), and `Accelerator.usable_bytes` says how much of its memory a JAX program can
+``"a100_40gb"``, ``"H100"``), and `Accelerator.memory_limit_bytes` says how much of its memory a JAX program can
 count on.
 
 Usable memory. On a GPU, JAX's XLA client preallocates ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the card's
@@ -21,11 +21,11 @@ the rate "with sparsity", twice the dense one; the dense one is used here), ``fp
 non-tensor float32 rate, ``bandwidth`` the peak memory bandwidth in bytes/s. Every entry cites its source.
 
 Example:
-  >>> from autoaccum.catalog import lookup
+  >>> from autoaccum._catalog import lookup
   >>> a100 = lookup("a100_40gb")
   >>> a100.name, a100.memory_bytes // 2**30
   ('A100-40GB', 40)
-  >>> round(a100.usable_bytes() / 2**30, 1)  # 40 GiB * 0.75 - 5% of 40 GiB
+  >>> round(a100.memory_limit_bytes() / 2**30, 1)  # 40 GiB * 0.75 - 5% of 40 GiB
   28.0
 """
 
@@ -90,7 +90,9 @@ class Accelerator:
             if not getattr(self, field) > 0:
                 raise ValueError(f"`Accelerator.{field}` must be positive, got {field}={getattr(self, field)!r}.")
 
-    def usable_bytes(self, mem_fraction: float | None = None, safety_margin: float = DEFAULT_SAFETY_MARGIN) -> int:
+    def memory_limit_bytes(
+        self, mem_fraction: float | None = None, safety_margin: float = DEFAULT_SAFETY_MARGIN
+    ) -> int:
         """The bytes one JAX program can count on: ``memory * mem_fraction - memory * safety_margin``.
 
         Args:
@@ -99,7 +101,7 @@ class Accelerator:
           safety_margin: the fraction of the whole memory kept free on top (0.05 by default).
 
         Example:
-          >>> lookup("H100").usable_bytes(mem_fraction=0.95, safety_margin=0.0) // 2**30
+          >>> lookup("H100").memory_limit_bytes(mem_fraction=0.95, safety_margin=0.0) // 2**30
           76
         """
         fraction = self.platform.default_mem_fraction if mem_fraction is None else mem_fraction

@@ -14,6 +14,9 @@ Every figure in a `DeviceInfo` says where it came from (``sources``), so a repor
 
 No NVIDIA driver (``NVMLError_LibraryNotFound``, ``NVMLError_DriverNotLoaded``, ...) is not an error: the
 figures then come from XLA, or from the OS on the CPU.
+
+`resolve_memory_limit` is THE memory-limit policy: the probe, the estimate, the tuner and the CLI all ask it
+what a step may use when the user gives no ``memory_limit``, and it checks the one they give.
 """
 
 from __future__ import annotations
@@ -27,11 +30,21 @@ from typing import Any
 
 import jax
 
+from autoaccum._json import NOT_JSON, JsonMixin
+from autoaccum._units import format_bytes, parse_bytes
+
+CPU_MEMORY_FRACTION = 0.5
+"""With no ``memory_limit`` on the CPU, a step may use this fraction of the RAM available now (never swap)."""
+
+GPU_CONTEXT_BYTES = 512 * 2**20
+"""What a trial's child process needs on a GPU outside its XLA allocator (CUDA context, cuBLAS/cuDNN
+handles): kept free when the default limit is taken from the memory free on the card."""
+
 _GPU_PLATFORMS = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu", "tpu": "tpu"}
 
 
 @dataclasses.dataclass(frozen=True)
-class DeviceInfo:
+class DeviceInfo(JsonMixin):
     """One device and its memory, each figure with its source.
 
     Attributes:
@@ -58,41 +71,17 @@ class DeviceInfo:
     total_bytes: int | None
     free_bytes: int | None
     limit_bytes: int | None
-    device: Any = dataclasses.field(repr=False, compare=False, hash=False)
+    device: Any = dataclasses.field(metadata=NOT_JSON, default=None, repr=False, compare=False, hash=False)
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
     nvml_index: int | None = None
     visible_id: str | None = None
 
-    @property
-    def memory_limit_bytes(self) -> int | None:
-        """The memory a step may use here by default: XLA's allocator limit on a GPU/TPU; on the CPU,
-        ``CPU_MEMORY_FRACTION`` (50%) of the RAM available now (`autoaccum.probe`'s default cap)."""
-        if self.platform == "cpu":
-            from autoaccum.defaults import CPU_MEMORY_FRACTION
-
-            return None if self.free_bytes is None else int(self.free_bytes * CPU_MEMORY_FRACTION)
-        return self.limit_bytes
+    json_properties = ("id",)
 
     @property
-    def id(self) -> int:
-        """The JAX device id."""
-        return int(self.device.id)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (the JAX device as its id and string)."""
-        return {
-            "id": self.id,
-            "device": str(self.device),
-            "platform": self.platform,
-            "name": self.name,
-            "total_bytes": self.total_bytes,
-            "free_bytes": self.free_bytes,
-            "limit_bytes": self.limit_bytes,
-            "memory_limit_bytes": self.memory_limit_bytes,
-            "sources": dict(self.sources),
-            "nvml_index": self.nvml_index,
-            "visible_id": self.visible_id,
-        }
+    def id(self) -> int | None:
+        """The JAX device id (None for a description read back from JSON)."""
+        return None if self.device is None else int(self.device.id)
 
 
 def detect_device(device: Any = None) -> DeviceInfo:
@@ -300,3 +289,110 @@ def cpu_name() -> str:
 def all_devices() -> list[DeviceInfo]:
     """`detect_device` for every JAX device."""
     return [detect_device(d) for d in jax.devices()]
+
+
+def default_gpu_fraction(env: Mapping[str, str] | None = None) -> float:
+    """The fraction of a GPU that JAX's allocator takes in a new process: ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+    (or ``XLA_CLIENT_MEM_FRACTION``), else JAX's default 0.75.
+
+    Example:
+      >>> default_gpu_fraction({}), default_gpu_fraction({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".9"})
+      (0.75, 0.9)
+    """
+    env = os.environ if env is None else env
+    for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"):
+        raw = env.get(name)
+        if raw:
+            try:
+                value = float(raw)
+            except ValueError:
+                continue
+            if 0 < value <= 1:
+                return value
+    return 0.75
+
+
+def resolve_memory_limit(
+    info: DeviceInfo, memory_limit: int | float | str | None, *, isolate: bool = True
+) -> tuple[int, str]:
+    """THE memory-limit policy: the bytes a step may use on ``info``'s device, and where that figure came from.
+
+    ``memory_limit`` given: it is checked and used as is (on a GPU it must fit in the memory free now, since
+    a trial's process allocates it). With none:
+
+    * CPU: `CPU_MEMORY_FRACTION` of the RAM available now (never more, so a probe never drives the machine
+      into swap or the OOM killer);
+    * GPU, ``isolate=True`` (trials in child processes): what JAX's allocator takes in a new process (its
+      fraction of the card, `default_gpu_fraction`), but never more than is free on the card now less
+      `GPU_CONTEXT_BYTES` for the child's CUDA context. When this process has preallocated (JAX's default:
+      75% of the card as soon as it touches the GPU) the free memory is what is left, and the source says so;
+    * GPU or TPU, ``isolate=False``: this process's own allocator limit (``bytes_limit``).
+
+    Raises:
+      ValueError, TypeError: the limit does not parse, exceeds the card or its free memory, needs isolation,
+        or cannot be determined (the message says what to pass).
+
+    Example:
+      >>> info = DeviceInfo("cpu", "cpu", 8 * 2**30, 6 * 2**30, None)
+      >>> resolve_memory_limit(info, None)[0] == 3 * 2**30
+      True
+    """
+    limit = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
+    if info.platform == "cpu":
+        if limit is not None:
+            return limit, "memory_limit"
+        if info.free_bytes is None:
+            raise ValueError(
+                "`memory_limit` is None and this machine's available RAM cannot be read; pass memory_limit, "
+                "e.g. '4GiB'."
+            )
+        where = info.sources.get("free_bytes", "?")
+        return int(info.free_bytes * CPU_MEMORY_FRACTION), f"{CPU_MEMORY_FRACTION:.0%} of available RAM ({where})"
+    if info.platform == "tpu" and isolate:
+        raise ValueError("`isolate=True` cannot run trials on a TPU (one process owns the chip); pass isolate=False.")
+    if not isolate:
+        if limit is not None:
+            raise ValueError(
+                f"`memory_limit`={format_bytes(limit)} needs isolate=True on {info.platform}: the cap is set on a "
+                "trial process's allocator when it starts; with isolate=False trials use this process's allocator "
+                f"(bytes_limit={info.limit_bytes}). Drop memory_limit or keep isolate=True."
+            )
+        if info.limit_bytes is None:
+            raise ValueError(f"`memory_limit` is None and {info.name} reports no allocator limit; pass memory_limit.")
+        return info.limit_bytes, "this process's XLA allocator limit (memory_stats bytes_limit)"
+    if info.total_bytes is None:
+        raise ValueError(f"`memory_limit` cannot be resolved: {info.name}'s total memory is unknown (no NVML).")
+    if limit is not None:
+        if limit > info.total_bytes:
+            raise ValueError(
+                f"`memory_limit`={format_bytes(limit)} is above the card's {format_bytes(info.total_bytes)}; "
+                "give a smaller limit."
+            )
+        if info.free_bytes is not None and limit > info.free_bytes - GPU_CONTEXT_BYTES:
+            raise ValueError(
+                f"`memory_limit`={format_bytes(limit)} is above the {format_bytes(info.free_bytes)} free on "
+                f"{info.name} now, less {format_bytes(GPU_CONTEXT_BYTES)} for a trial's CUDA context (a process "
+                "holds the rest: JAX preallocates 75% of the card unless XLA_PYTHON_CLIENT_PREALLOCATE=false is "
+                "set before JAX starts). Free it, set that variable, or pass a smaller memory_limit."
+            )
+        return limit, "memory_limit"
+    fraction = default_gpu_fraction()
+    allocator = int(info.total_bytes * fraction)
+    source = f"JAX's default allocator share of {info.name} ({fraction:g} of {format_bytes(info.total_bytes)})"
+    if info.free_bytes is None:
+        return allocator, source
+    available = info.free_bytes - GPU_CONTEXT_BYTES
+    if available >= allocator:
+        return allocator, source
+    if available <= 0:
+        raise ValueError(
+            f"`memory_limit` is None and only {format_bytes(info.free_bytes)} is free on {info.name}: another "
+            "process (or this one: JAX preallocates 75% of the card unless XLA_PYTHON_CLIENT_PREALLOCATE=false "
+            "is set before JAX starts) holds the rest. Free it or set that variable."
+        )
+    return available, (
+        f"the {format_bytes(info.free_bytes)} free on {info.name} now, less {format_bytes(GPU_CONTEXT_BYTES)} for "
+        f"the trial's CUDA context; below the allocator's share ({format_bytes(allocator)}) because a process "
+        "holds the rest (JAX preallocates 75% of the card: set XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX "
+        "starts to probe up to the full share)"
+    )

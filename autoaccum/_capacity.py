@@ -1,0 +1,195 @@
+"""Capacity per target: what an effective batch needs on one accelerator or memory limit, predicted.
+
+A `Target` is a memory limit to plan for (a catalogued accelerator's usable memory, or a bare size); a
+`Capacity` is the answer for one effective batch there: does it fit in one step, the largest microbatch,
+the microbatch and accumulation steps to use, the predicted peak and a roofline step time. Both come from
+an `autoaccum.Estimate` (compile-only); nothing is run. (A `Plan` is different: how to run an update, as the
+tuner measured it.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from autoaccum._catalog import DEFAULT_SAFETY_MARGIN, Accelerator, lookup
+from autoaccum._checks import check_positive_int
+from autoaccum._json import JsonMixin
+from autoaccum._step_time import Bound, StepCost
+from autoaccum._units import format_bytes, parse_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Target(JsonMixin):
+    """A memory limit to plan for: a catalogued accelerator, or a bare size.
+
+    Attributes:
+      name: what to call it in reports (``"A100-40GB"``, ``"24.00 GiB"``).
+      memory_limit_bytes: the bytes one update step may use (reservation and safety margin already taken off).
+      accelerator: the catalogue entry's name, for step-time estimates; ``None`` for a bare memory limit.
+    """
+
+    name: str
+    memory_limit_bytes: int
+    accelerator: str | None = None
+
+    def __post_init__(self) -> None:
+        value = self.memory_limit_bytes
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`Target.memory_limit_bytes` must be an int >= 1, got memory_limit_bytes={value!r}.")
+
+    @classmethod
+    def gpu(
+        cls, name: str | Accelerator, mem_fraction: float | None = None, safety_margin: float = DEFAULT_SAFETY_MARGIN
+    ) -> Target:
+        """A catalogued accelerator (by name), its memory limit per `Accelerator.memory_limit_bytes`.
+
+        Example:
+          >>> round(Target.gpu("L4").memory_limit_bytes / 2**30, 2)  # 24 GiB x (0.75 - 0.05)
+          16.8
+        """
+        acc = name if isinstance(name, Accelerator) else lookup(name)
+        return cls(acc.name, acc.memory_limit_bytes(mem_fraction, safety_margin), acc.name)
+
+    @classmethod
+    def memory_limit(cls, size: int | str) -> Target:
+        """A bare memory limit of ``size`` bytes (``"24GiB"`` or an int), used as given: no reservation or margin.
+
+        Example:
+          >>> Target.memory_limit("1GiB")
+          Target(name='1.00 GiB', memory_limit_bytes=1073741824, accelerator=None)
+        """
+        limit = parse_bytes(size, "memory_limit")
+        return cls(format_bytes(limit), limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity(JsonMixin):
+    """What an effective batch needs on one target: microbatch, accumulation steps, peak and step time.
+
+    Every figure is a prediction from compilation (`autoaccum.estimate`); ``step_seconds`` is a roofline
+    estimate.
+
+    Attributes:
+      target: the target's name.
+      memory_limit_bytes: the memory the step may use there.
+      effective_batch: examples per update.
+      fits: whether any microbatch fits (``False``: not even one example does).
+      fits_in_one_step: whether the whole effective batch fits in one step, without accumulation.
+      max_microbatch: the largest microbatch predicted to fit for this effective batch (0 if none).
+      microbatch_size: the microbatch to use: the smallest one with as few accumulation steps as
+        ``max_microbatch`` (``ceil(B / steps)``; it divides ``B`` evenly whenever some size does).
+      accumulation_steps: microbatches per update, ``ceil(B / microbatch_size)`` (0 when nothing fits).
+      peak_bytes: the predicted peak at ``microbatch_size`` (at one example when nothing fits).
+      step_seconds: roofline estimate of one update's time; ``None`` without accelerator figures.
+      bound: whether that estimate is compute- or memory-bound (``None`` with ``step_seconds``).
+      flops, bytes_accessed: the update's predicted FLOPs and bytes moved (cost analysis).
+      compiler: which compiler's memory analysis answered (e.g. ``"XLA:CPU (proxy)"``).
+    """
+
+    target: str
+    memory_limit_bytes: int
+    effective_batch: int
+    fits: bool
+    fits_in_one_step: bool
+    max_microbatch: int
+    microbatch_size: int
+    accumulation_steps: int
+    peak_bytes: int
+    step_seconds: float | None
+    bound: Bound | None
+    flops: float
+    bytes_accessed: float
+    compiler: str = ""
+
+    json_format = "autoaccum.capacity/1"
+
+
+class MemoryModel(Protocol):
+    """What `capacity` needs of an `autoaccum.Estimate`."""
+
+    @property
+    def memory_limit_bytes(self) -> int: ...
+
+    @property
+    def platform(self) -> str: ...
+
+    def largest_microbatch(self, limit: int, batch_size: int | None = None, *, runtime: bool = True) -> int: ...
+
+    def bytes_at(self, microbatch_size: int, batch_size: int | None = None, *, runtime: bool = True) -> int: ...
+
+
+def resolve_target(
+    target: Target | Accelerator | str | int | None,
+    default_bytes: int,
+    mem_fraction: float | None = None,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
+) -> Target:
+    """``target`` as a `Target`: an accelerator name or entry, a size (``"24GiB"``, bytes), or ``None``.
+
+    A string is an accelerator name unless it starts with a digit (then it is a size).
+
+    Example:
+      >>> resolve_target("2GiB", 0).memory_limit_bytes
+      2147483648
+    """
+    if target is None:
+        return Target("memory_limit", default_bytes)
+    if isinstance(target, Target):
+        return target
+    if isinstance(target, Accelerator):
+        return Target.gpu(target, mem_fraction, safety_margin)
+    if isinstance(target, str) and not target.strip()[:1].isdigit():
+        return Target.gpu(target, mem_fraction, safety_margin)
+    if isinstance(target, (int, str)) and not isinstance(target, bool):
+        return Target.memory_limit(target)
+    raise TypeError(
+        f"`target` must be an accelerator name such as 'A100-40GB', a size such as '24GiB' or bytes, "
+        f"got {type(target).__name__} {target!r}."
+    )
+
+
+def capacity(
+    model: MemoryModel,
+    cost: StepCost,
+    effective_batch: int,
+    target: Target | Accelerator | str | int | None = None,
+    *,
+    mem_fraction: float | None = None,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
+) -> Capacity:
+    """The `Capacity` of ``target`` for ``effective_batch`` under ``model`` (see `autoaccum.Estimate.capacity`)."""
+    total = check_positive_int(effective_batch, "effective_batch")
+    resolved = resolve_target(target, model.memory_limit_bytes, mem_fraction, safety_margin)
+    runtime = resolved.accelerator is None  # a catalogued accelerator's runtime is XLA's accounting
+    largest = model.largest_microbatch(resolved.memory_limit_bytes, total, runtime=runtime)
+    if largest >= 1:
+        steps = -(-total // largest)
+        microbatch = -(-total // steps)  # as many steps, microbatches as even as can be
+        if model.bytes_at(microbatch, total, runtime=runtime) > resolved.memory_limit_bytes:  # its last one costs more
+            microbatch = largest
+    else:
+        steps, microbatch = 0, 1
+    peak = model.bytes_at(microbatch, total, runtime=runtime)
+    seconds: float | None = None
+    bound: Bound | None = None
+    flops = moved = 0.0
+    if resolved.accelerator is not None and largest >= 1:
+        seconds, bound, flops, moved = cost.step_time(total, microbatch, resolved.accelerator)
+    compiler = f"XLA:{model.platform.upper()}" + (" (proxy)" if resolved.accelerator is not None else "")
+    return Capacity(
+        target=resolved.name,
+        memory_limit_bytes=resolved.memory_limit_bytes,
+        effective_batch=total,
+        fits=largest >= 1,
+        fits_in_one_step=largest >= total,
+        max_microbatch=largest,
+        microbatch_size=microbatch,
+        accumulation_steps=steps,
+        peak_bytes=peak,
+        step_seconds=seconds,
+        bound=bound,
+        flops=flops,
+        bytes_accessed=moved,
+        compiler=compiler,
+    )

@@ -1,0 +1,57 @@
+"""Argument checks shared by every entry point: each error names the argument, its value and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    """``value`` as an int if it is one and >= 1, else an error naming the argument ``name``.
+
+    Example:
+      >>> check_positive_int(3, "microbatch_size")
+      3
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be an int >= 1, got {type(value).__name__} {value!r}.")
+    if value < 1:
+        raise ValueError(f"`{name}` must be >= 1, got {name}={value}.")
+    return int(value)
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """Raises ``TypeError`` unless ``loss_fn`` is callable."""
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
+
+
+def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:
+    """Raises ``TypeError`` unless ``optimizer`` is an optax ``GradientTransformation``.
+
+    ``None`` is refused too: how much memory a step needs depends on the optimizer's state (AdamW keeps two
+    copies of the parameters, SGD none), so no memory answer is given for a guessed optimizer.
+    """
+    if optimizer is None:
+        raise TypeError(
+            f"`{name}` is required: the memory an update step needs depends on the optimizer's state (AdamW "
+            "keeps 2 copies of the parameters, SGD none); pass the one training uses, e.g. optax.adamw(1e-3)."
+        )
+    if type(optimizer).__module__.startswith("flax.nnx"):
+        raise TypeError(
+            f"`{name}` is a {type(optimizer).__name__} from flax.nnx, but this function takes an optax optimizer "
+            "(e.g. optax.adamw(1e-3)); for nnx models use the `autoaccum.nnx` entry points instead."
+        )
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(
+            f"`{name}` must be an optax.GradientTransformation (with init and update), got "
+            f"{type(optimizer).__name__}; e.g. optax.adamw(1e-3)."
+        )
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """``value`` if it is a bool, else a ``TypeError`` naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False, got {type(value).__name__} {value!r}.")
+    return value

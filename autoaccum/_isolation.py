@@ -1,0 +1,257 @@
+"""Child processes that may run out of memory, crash or hang without taking the caller down.
+
+The caller writes a *payload* (`payload`: the job pickled with cloudpickle, parameters as shapes only), then
+`run_child` starts ``python -m autoaccum._child KIND PAYLOAD ARGS... RESULT`` under `child_env` (one device,
+its allocator capped on a GPU; glibc malloc made predictable on the CPU) with a time limit. The child writes
+its result as JSON; a child that dies first is classified from its exit status and output (`classify_exit`),
+one that outlives its time limit is killed with its whole process group and reported as such.
+
+What "does not fit" means for a dead child, exactly (`classify_exit`):
+
+* it dies from a signal after an allocation failure it could not report: ``SIGABRT``/``SIGSEGV`` with
+  ``std::bad_alloc``, ``RESOURCE_EXHAUSTED``, ``Out of memory`` or ``Cannot allocate memory`` in its output
+  (C++ ``terminate`` on ``bad_alloc``), or ``SIGKILL`` from the kernel's OOM killer (the cgroup's
+  ``memory.events`` ``oom_kill`` count rose, or cannot be read).
+
+Anything else (a plain ``os.abort()``, a segfault with no allocation failure in the output, a non-zero exit,
+a time-out) is an error, reported with its message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.machinery
+import json
+import math
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from autoaccum._device import DeviceInfo, oom_kills
+from autoaccum._json import JsonMixin
+
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "std::bad_alloc", "Out of memory", "out of memory", "Cannot allocate memory")
+"""Text in a dead child's output that says it died of a failed allocation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome(JsonMixin):
+    """What one run in a child (or in this process) found.
+
+    Attributes:
+      status: ``"fits"``, ``"oom"`` or ``"error"``.
+      seconds: the second (steady-state) update step's wall time, when it fit.
+      first_seconds: the first step's wall time (its programs were compiled before), when it fit.
+      peak_bytes: memory used at the peak, counted like the limit (CPU: growth of the address space since the
+        cap was set; GPU: XLA's ``peak_bytes_in_use``); None where not measurable.
+      message: the OOM or error message.
+      compile_seconds: time spent compiling.
+    """
+
+    status: str
+    seconds: float | None = None
+    first_seconds: float | None = None
+    peak_bytes: int | None = None
+    message: str | None = None
+    compile_seconds: float | None = None
+
+
+def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outcome:
+    """The outcome of a child that died without writing its result.
+
+    Args:
+      returncode: the child's exit status (``-N`` for signal ``N``).
+      output: the end of its stdout and stderr.
+      oom_killed: whether the cgroup's OOM-kill count rose while it ran (None: unknown).
+    """
+    tail = output.strip()[-1500:]
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        if -returncode == signal.SIGKILL:
+            if oom_killed is False:
+                return Outcome("error", message=f"the trial's child was killed by {name}, not by the OOM killer.")
+            return Outcome("oom", message=f"the trial's child was killed by {name} (the kernel's OOM killer).")
+        marker = next((m for m in OOM_MARKERS if m in output), None)
+        if marker is not None:
+            return Outcome("oom", message=f"the trial's child died of {name} after an allocation failure: {tail}")
+        return Outcome("error", message=f"the trial's child crashed with {name}; its output ends: {tail or '(none)'}")
+    if any(m in output for m in ("MemoryError", "std::bad_alloc", "RESOURCE_EXHAUSTED")):
+        return Outcome("oom", message=f"the trial's child ran out of memory: {tail}")
+    return Outcome(
+        "error", message=f"the trial's child exited with status {returncode}; its output ends: {tail or '(none)'}"
+    )
+
+
+_CPU_MALLOC = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_THRESHOLD_": "65536",
+    "MALLOC_TOP_PAD_": "0",
+    "MALLOC_TRIM_THRESHOLD_": "0",
+}
+
+
+def child_env(info: DeviceInfo, limit: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child: one device, its allocator capped at ``limit`` on a GPU.
+
+    On a GPU: ``CUDA_VISIBLE_DEVICES`` selects the probed card, ``XLA_CLIENT_MEM_FRACTION`` = ``limit`` /
+    the card's total (XLA's BFC allocator then hands out at most that), ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
+    and the default allocator (the fraction is ignored by ``platform``). On the CPU: ``JAX_PLATFORMS=cpu``
+    and glibc malloc made predictable under the cap: ``MALLOC_ARENA_MAX=1`` (no per-thread arenas, which reserve
+    address space in 64 MiB heaps), ``MALLOC_MMAP_THRESHOLD_=65536`` (every large buffer is its own mapping,
+    released when freed; no dynamic threshold), ``MALLOC_TOP_PAD_=0`` and ``MALLOC_TRIM_THRESHOLD_=0``. Without
+    them the same size fits in one child and not in the next (measured: +-50 examples at 100 MiB).
+
+    Example:
+      >>> info = DeviceInfo("cpu", "cpu", 2**33, 2**32, None)
+      >>> child_env(info, 2**30, {})["JAX_PLATFORMS"]
+      'cpu'
+    """
+    out = dict(os.environ if env is None else env)
+    out["JAX_PLATFORMS"] = info.platform
+    if info.platform == "gpu":
+        if info.total_bytes is None:
+            raise ValueError(f"cannot cap {info.name}: its total memory is unknown (no NVML, no memory_stats).")
+        out["CUDA_VISIBLE_DEVICES"] = info.visible_id or "0"
+        out.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+        out["XLA_CLIENT_MEM_FRACTION"] = f"{math.floor(limit / info.total_bytes * 1e6) / 1e6:.6f}"
+        out["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        out.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None)
+    elif info.platform == "cpu":
+        for name, value in _CPU_MALLOC.items():
+            out.setdefault(name, value)
+    return out
+
+
+def payload(job: Any, platform: str, functions: Sequence[Any] = ()) -> bytes:
+    """``job`` pickled for a child: ``(sys.path, platform, cloudpickle bytes)``.
+
+    ``functions`` (the user's loss) defined in modules a fresh interpreter could not import (``__main__``,
+    files loaded by path, as `autoaccum.load_workload` does) are pickled by value.
+    """
+    import cloudpickle
+
+    with _by_value([m for fn in functions for m in _unimportable_modules(fn)]):
+        body = cloudpickle.dumps(job)
+    return pickle.dumps(([p for p in sys.path if p], platform, body))
+
+
+def load_payload(payload_path: str) -> tuple[Any, str]:
+    """The job and platform a parent pickled (`payload`), its ``sys.path`` restored."""
+    with open(payload_path, "rb") as f:
+        sys_path, platform, body = pickle.load(f)
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    import cloudpickle
+
+    return cloudpickle.loads(body), platform
+
+
+def write_result(result_path: str, data: dict[str, Any]) -> None:
+    """Writes a child's result atomically (a parent never reads half a file)."""
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, result_path)
+
+
+def _unimportable_modules(fn: Any) -> list[ModuleType]:
+    modules: list[ModuleType] = []
+    name = getattr(fn, "__module__", None)
+    if not isinstance(name, str):
+        return modules
+    module = sys.modules.get(name)
+    if module is not None and name != "__main__":
+        top = name.split(".")[0]
+        if importlib.machinery.PathFinder.find_spec(top, [p for p in sys.path if p]) is None and (
+            top not in sys.builtin_module_names
+        ):
+            modules.append(module)
+    return modules
+
+
+@contextmanager
+def _by_value(modules: list[ModuleType]) -> Iterator[None]:
+    import cloudpickle
+
+    for m in modules:
+        cloudpickle.register_pickle_by_value(m)
+    try:
+        yield
+    finally:
+        for m in modules:
+            cloudpickle.unregister_pickle_by_value(m)
+
+
+class ChildRunner:
+    """Runs children of one job: ``runner.run(kind, args, timeout) -> (data or None, output, Outcome or None)``.
+
+    Use as a context manager: it keeps the payload in a temporary directory, removed on exit.
+    """
+
+    def __init__(self, job: Any, device: DeviceInfo, limit: int, functions: Sequence[Any] = ()) -> None:
+        self.job, self.device, self.limit, self.functions = job, device, limit, tuple(functions)
+        self._dir: Path | None = None
+        self._count = 0
+
+    def __enter__(self) -> ChildRunner:
+        self._dir = Path(tempfile.mkdtemp(prefix="autoaccum-"))
+        (self._dir / "job.pkl").write_bytes(payload(self.job, self.device.platform, self.functions))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import shutil
+
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def run(
+        self, kind: str, args: Sequence[str], timeout: float | None
+    ) -> tuple[dict[str, Any] | None, Outcome | None]:
+        """Runs one child; ``(result, None)`` if it wrote its result, else ``(None, outcome)`` saying why not.
+
+        A child still running after ``timeout`` seconds is killed with its process group and reported as an
+        ``"error"`` outcome that says so.
+        """
+        assert self._dir is not None, "use ChildRunner as a context manager"
+        self._count += 1
+        result, log = self._dir / f"{kind}-{self._count}.json", self._dir / f"{kind}-{self._count}.log"
+        command = [sys.executable, "-m", "autoaccum._child", kind, str(self._dir / "job.pkl"), *args, str(result)]
+        kills = oom_kills()
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                command, env=child_env(self.device, self.limit), stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+            try:
+                returncode = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                return None, Outcome(
+                    "error", message=f"timed out: the {kind} ran over {timeout:g} s and was killed (a hang? raise "
+                    "`trial_timeout` if it is only slow)."
+                )  # fmt: skip
+        output = log.read_bytes()[-20000:].decode(errors="replace")
+        if result.is_file():
+            return json.loads(result.read_text()), None
+        after = oom_kills()
+        killed = None if kills is None or after is None else after > kills
+        return None, classify_exit(returncode, output, killed)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()

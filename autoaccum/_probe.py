@@ -1,0 +1,491 @@
+"""The probe: the largest microbatch whose full update step really runs on this device, found in few runs.
+
+A *trial* runs the update step training will run (`build_update` for the strategy, forward, backward and the
+optimizer step, effective batch = microbatch) on a batch of that many rows made by repeating the example
+batch, by default in a fresh child process under the memory limit (see `autoaccum._trial` for exactly what
+counts as "does not fit").
+
+The search (`search`) spends few real runs:
+
+1. a compile-only estimate (`autoaccum.estimate`: usually two sizes compiled, nothing executed) gives
+   a model ``bytes(m) = fixed + per_example * m`` and a predicted boundary;
+2. the first real trial runs a little below the prediction (90%); every trial that fits reports the memory it
+   used at its peak, counted exactly as the limit counts it, and re-anchors the model (two fitting trials
+   give the real slope), so the next trial aims at the boundary itself;
+3. when the model says the last fit is the largest, the next trial checks one step of ``granularity`` above
+   it (then 2, 4, ... steps if that fits too, bisecting once that would pass a failure); a failure also bounds
+   the model's slope from below (the step grew past the limit by then), so an estimate that under-counts
+   per example does not aim past it again; when the model still reaches past a failure the next trial moves
+   down by an eighth of the bracket, doubling; if two trials in a row fail to halve the bracket the next one
+   bisects, so the worst case stays logarithmic.
+
+The result is exact: ``max_microbatch`` fit and ``max_microbatch + granularity`` did not (or the ``max_microbatch``
+it was given was reached).
+
+Reproducibility on the CPU: the cap is on the child's address space, with glibc's malloc made predictable
+(`child_env`) and every program compiled before the cap is set. For steps whose kernels only use XLA's own
+buffers (the linear test workload) the memory a trial uses is then identical to the byte from run to run.
+XLA:CPU also runs independent kernels concurrently and some of them (YNNPACK's dots) allocate their own
+workspace, so for such models (the demo transformer) a step's peak varies between runs by a few percent
+(measured: 188 to 267 MB for one size under a 256 MiB cap); the boundary is exact for the runs the probe
+made, and a separate run within that margin may disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optax
+
+from autoaccum._batch import abstract, host_copy
+from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
+from autoaccum._device import DeviceInfo, detect_device, resolve_memory_limit
+from autoaccum._estimate import DEFAULT_MAX_MICROBATCH, Estimate
+from autoaccum._isolation import ChildRunner, Outcome
+from autoaccum._json import JsonMixin
+from autoaccum._memory import state_bytes
+from autoaccum._trial import Job, compile_trial, estimate_for_search, is_oom, measured, oom_outcome
+from autoaccum._units import format_bytes
+from autoaccum._update import build_update
+from autoaccum.strategies import PyTree, leading_size
+
+FIRST_MARGIN = 0.9
+"""The first real trial runs at this fraction of the compile-only prediction (XLA's estimate omits the
+runtime's own overheads)."""
+
+DEFAULT_TRIAL_TIMEOUT = 600.0
+"""Seconds a probe's child (one trial, or the estimate) may run before it is killed as hung."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial(JsonMixin):
+    """One real run of the update step at one microbatch size.
+
+    Attributes:
+      microbatch_size: examples in the microbatch (= the effective batch of the trial's step).
+      fits: whether the step compiled and ran under the limit.
+      seconds: the steady-state step time (the second step), when it fit.
+      error: the trial's error message when it failed for another reason than memory, else None.
+      peak_bytes: memory used at the peak, counted as the limit counts it (None where not measurable).
+      first_seconds: compile + first step, when it fit.
+      wall_seconds: the whole trial, child start-up included.
+      detail: why it did not fit (the OOM message), else None.
+    """
+
+    microbatch_size: int
+    fits: bool
+    seconds: float | None
+    error: str | None = None
+    peak_bytes: int | None = None
+    first_seconds: float | None = None
+    wall_seconds: float | None = None
+    detail: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult(JsonMixin):
+    """What `probe` found.
+
+    Attributes:
+      max_microbatch: the largest microbatch (a multiple of ``granularity``) whose update step ran; 0 if not
+        even ``granularity`` fits.
+      trials: every real run, in the order run.
+      device: the device probed.
+      memory_limit_bytes: the memory a trial could use.
+      limit_source: where that limit came from.
+      granularity: trial sizes are multiples of it.
+      microbatch_cap: the largest size the probe would try (the ``max_microbatch`` it was given).
+      strategy: the accumulation strategy whose step was run.
+      options: its options.
+      state_bytes: parameters plus optimizer state.
+      estimate: the compile-only `autoaccum.Estimate` the search started from (None: none could be made).
+      isolate: whether trials ran in child processes.
+      seconds: the probe's wall time.
+      message: a one-line summary for people.
+    """
+
+    max_microbatch: int
+    trials: tuple[Trial, ...]
+    device: DeviceInfo
+    memory_limit_bytes: int
+    limit_source: str
+    granularity: int
+    microbatch_cap: int
+    strategy: str
+    options: Mapping[str, Any]
+    state_bytes: int
+    estimate: Estimate | None
+    isolate: bool
+    seconds: float
+    message: str
+
+    json_format = "autoaccum.probe/1"
+    json_properties = ("runs", "step_seconds")
+
+    @property
+    def runs(self) -> int:
+        """Real runs spent."""
+        return len(self.trials)
+
+    @property
+    def reached_cap(self) -> bool:
+        """Whether the answer is the cap (``max_microbatch`` it was given), not a boundary the device set."""
+        return self.max_microbatch + self.granularity > self.microbatch_cap and self.max_microbatch > 0
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The step time at ``max_microbatch`` (from its trial)."""
+        for t in self.trials:
+            if t.fits and t.microbatch_size == self.max_microbatch:
+                return t.seconds
+        return None
+
+
+class ProbeError(RuntimeError):
+    """A trial failed for another reason than memory; ``trial`` has its message, ``trials`` all runs so far."""
+
+    def __init__(self, message: str, trial: Trial, trials: tuple[Trial, ...]) -> None:
+        super().__init__(message)
+        self.trial = trial
+        self.trials = trials
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """A validated probe request: what to run, where, under which limit."""
+
+    job: Job
+    device: DeviceInfo
+    memory_limit_bytes: int
+    limit_source: str
+    state_bytes: int
+    microbatch_cap: int
+    granularity: int
+    isolate: bool
+    trial_timeout: float | None
+
+
+def prepare(
+    loss_fn: Callable[..., Any],
+    params: PyTree,
+    batch: PyTree,
+    *,
+    optimizer: optax.GradientTransformation,
+    strategy: str = "scan",
+    memory_limit: int | float | str | None = None,
+    max_microbatch: int | None = None,
+    granularity: int = 1,
+    has_aux: bool = False,
+    isolate: bool = True,
+    device: Any = None,
+    options: Mapping[str, Any] | None = None,
+    trial_timeout: float | None = DEFAULT_TRIAL_TIMEOUT,
+) -> Setup:
+    """Checks a probe request and resolves its device and limit; runs nothing. See `probe` for arguments."""
+    check_loss_fn(loss_fn)
+    check_optimizer(optimizer)
+    granularity = check_positive_int(granularity, "granularity")
+    cap = DEFAULT_MAX_MICROBATCH if max_microbatch is None else check_positive_int(max_microbatch, "max_microbatch")
+    if cap < granularity:
+        raise ValueError(
+            f"`max_microbatch`={cap} is below `granularity`={granularity}, so no size can be tried; raise "
+            "max_microbatch or lower granularity."
+        )
+    check_bool(isolate, "isolate")
+    if trial_timeout is not None and not (isinstance(trial_timeout, (int, float)) and trial_timeout > 0):
+        raise ValueError(f"`trial_timeout` must be a positive number of seconds or None, got {trial_timeout!r}.")
+    options = dict(options or {})
+    leading_size(batch)
+    update = build_update(
+        loss_fn, optimizer, microbatch_size=granularity, strategy=strategy, has_aux=has_aux, **options
+    )
+    info = detect_device(device)
+    limit, source = resolve_memory_limit(info, memory_limit, isolate=isolate)
+    needed = state_bytes(update, params)
+    if limit <= needed:
+        raise ValueError(
+            f"`memory_limit`={format_bytes(limit)} ({limit} bytes) is below what the parameters and optimizer "
+            f"state alone need: {format_bytes(needed)} ({needed} bytes); give a limit above that."
+        )
+    job = Job(loss_fn, optimizer, abstract(params), host_copy(batch), has_aux, strategy, options)
+    return Setup(job, info, limit, source, needed, cap, granularity, isolate, trial_timeout)
+
+
+def search(
+    run: Callable[[int], Trial],
+    *,
+    limit: int,
+    max_microbatch: int,
+    granularity: int = 1,
+    predicted: int | None = None,
+    per_example_bytes: float | None = None,
+) -> int:
+    """The largest multiple of ``granularity`` (up to ``max_microbatch``) for which ``run`` fits, exactly.
+
+    Model-guided bracketing, then bisection as a safeguard (see the module docstring). ``run(size)`` runs
+    one trial; the search only uses ``fits`` and ``peak_bytes`` of what it returns. ``predicted`` and
+    ``per_example_bytes`` are the compile-only estimate's answer and slope, when there is one. Pure Python:
+    testable on simulated devices.
+
+    Example:
+      >>> run = lambda m: Trial(m, 100 + 3 * m <= 1000, 0.0, peak_bytes=100 + 3 * m)
+      >>> search(run, limit=1000, max_microbatch=4096)
+      300
+    """
+    g = granularity
+    top = max_microbatch // g
+    lo, hi = 0, top + 1  # in granules: lo fits (0 trivially), hi does not (top + 1: beyond max_size)
+    points: list[tuple[int, int]] = []  # (granules, peak bytes) of trials that fit
+    per_granule = None if per_example_bytes is None or per_example_bytes <= 0 else per_example_bytes * g
+    d_up, down = 1, 1 / 8  # the next step above a fit (granules), the next step below a failure (of the bracket)
+    widths: list[int] = []
+    while hi - lo > 1:
+        prediction = _predict(points, limit, per_granule, hi if hi <= top else None)
+        if prediction is None and not points and predicted is not None:
+            # Below the compile-only prediction by a margin, unless it says that even max_microbatch fits.
+            prediction = top + 1.0 if predicted >= top * g else predicted / g * FIRST_MARGIN
+        if prediction is None:
+            cand = (lo + hi) // 2 if hi <= top else max(1, 2 * lo)
+        else:
+            k = math.floor(prediction)
+            if k <= lo:  # the model says the last fit is the largest: check just above, growing
+                cand = lo + d_up if lo + d_up < hi else (lo + hi) // 2
+                d_up *= 2
+            elif k >= hi > top:  # the model says max_microbatch fits: try it
+                cand = top
+            elif k >= hi:  # the model over-reaches a known failure: step down, growing
+                cand = hi - max(1, math.ceil((hi - lo) * down))
+                down = min(0.5, down * 2)
+            else:
+                cand = k
+        if hi <= top and len(widths) >= 3 and widths[-1] > widths[-2] / 2 and widths[-2] > widths[-3] / 2:
+            cand = (lo + hi) // 2  # a real failure bounds the search and two steps did not halve it: bisect
+        cand = min(max(cand, lo + 1), hi - 1)
+        trial = run(cand * g)
+        if trial.fits:
+            lo, down = cand, 1 / 8
+            if trial.peak_bytes is not None:
+                points.append((cand, trial.peak_bytes))
+        else:
+            hi = cand
+        widths.append(hi - lo)
+    return lo * g
+
+
+def _predict(
+    points: list[tuple[int, int]], limit: int, per_granule: float | None, failed: int | None = None
+) -> float | None:
+    """Granules at which the model meets ``limit``: the slope measured between the largest fitting trial and
+    one well below it (else the estimate's), anchored at whichever fitting trial in the upper half gives the
+    most cautious answer (a trial that under-reports its peak must not push the next one over the edge).
+
+    A failure at ``failed`` granules bounds the slope from below: from a fit at ``k`` using ``u`` bytes, the
+    step grew by more than ``limit - u`` bytes by ``failed``. A slope under that bound (an estimate that
+    under-counts per example) would aim every next trial past the failure again, so it is raised to it.
+    """
+    if not points:
+        return None
+    k_max, u_max = max(points)
+    far = [p for p in points if p[0] <= k_max - max(2, k_max // 32)]
+    slope = per_granule
+    if far:
+        k_far, u_far = max(far)
+        measured = (u_max - u_far) / (k_max - k_far)
+        if measured > 0:
+            slope = measured
+    if failed is not None:
+        bound = max((limit - u) / (failed - k) for k, u in points if k < failed)
+        slope = bound if slope is None else max(slope, bound)
+    if slope is None or slope <= 0:
+        return None
+    return min(k + (limit - u) / slope for k, u in points if 2 * k >= k_max)
+
+
+class TrialRunner:
+    """Runs trials of one `Setup`: ``runner(size) -> Trial``, remembering every trial in ``trials``.
+
+    Use as a context manager (isolated trials keep their payload in a temporary directory).
+    """
+
+    def __init__(self, setup: Setup, progress: Callable[[Trial], None] | None = None) -> None:
+        self.setup = setup
+        self.progress = progress
+        self.trials: list[Trial] = []
+        self._children: ChildRunner | None = None
+
+    def __enter__(self) -> TrialRunner:
+        if self.setup.isolate:
+            s = self.setup
+            self._children = ChildRunner(s.job, s.device, s.memory_limit_bytes, [s.job.loss_fn]).__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._children is not None:
+            self._children.__exit__(*exc)
+            self._children = None
+
+    def estimate(self) -> tuple[Estimate | None, str | None]:
+        """The compile-only `autoaccum.Estimate` (in a child when isolated), and why it is None when it is."""
+        s = self.setup
+        if self._children is None:
+            return estimate_for_search(s.job, limit=s.memory_limit_bytes, max_microbatch=s.microbatch_cap), None
+        data, failed = self._children.run(
+            "estimate", [str(s.memory_limit_bytes), str(s.microbatch_cap)], s.trial_timeout
+        )
+        if data is None:
+            assert failed is not None
+            return None, f"the compile-only estimate's child failed: {(failed.message or '').strip()[-300:]}"
+        if data.get("estimate") is None:
+            return None, "XLA ran out of memory compiling the step for an estimate"
+        return Estimate.from_dict(data["estimate"]), None
+
+    def __call__(self, size: int) -> Trial:
+        start = time.perf_counter()
+        outcome = self._here(size) if self._children is None else self._in_child(size)
+        wall = time.perf_counter() - start
+        trial = Trial(
+            microbatch_size=size,
+            fits=outcome.status == "fits",
+            seconds=outcome.seconds,
+            error=outcome.message if outcome.status == "error" else None,
+            peak_bytes=outcome.peak_bytes,
+            first_seconds=outcome.first_seconds,
+            wall_seconds=wall,
+            detail=outcome.message if outcome.status == "oom" else None,
+        )
+        self.trials.append(trial)
+        if self.progress is not None:
+            self.progress(trial)
+        if trial.error is not None:
+            raise ProbeError(f"trial at microbatch {size} failed: {trial.error}", trial, tuple(self.trials))
+        return trial
+
+    def _here(self, size: int) -> Outcome:
+        import jax
+
+        info = self.setup.device
+        try:
+            compiled = compile_trial(self.setup.job, size, info.device)
+            return measured(compiled, info.platform, self.setup.memory_limit_bytes)
+        except (jax.errors.JaxRuntimeError, MemoryError) as e:
+            if not is_oom(e):
+                raise
+            return oom_outcome(e)
+
+    def _in_child(self, size: int) -> Outcome:
+        assert self._children is not None
+        data, failed = self._children.run(
+            "trial", [str(size), str(self.setup.memory_limit_bytes)], self.setup.trial_timeout
+        )
+        if data is None:
+            assert failed is not None
+            return failed
+        return Outcome.from_dict(data)
+
+
+def probe(
+    loss_fn: Callable[..., Any],
+    params: PyTree,
+    batch: PyTree,
+    *,
+    optimizer: optax.GradientTransformation,
+    strategy: str = "scan",
+    memory_limit: int | float | str | None = None,
+    max_microbatch: int | None = None,
+    granularity: int = 1,
+    has_aux: bool = False,
+    isolate: bool = True,
+    device: Any = None,
+    options: Mapping[str, Any] | None = None,
+    trial_timeout: float | None = DEFAULT_TRIAL_TIMEOUT,
+    progress: Callable[[Trial], None] | None = None,
+) -> ProbeResult:
+    """Finds the largest microbatch whose full update step really runs here, in few real runs.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar`` (mean over the batch), or ``(scalar, aux)`` with has_aux.
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``; only shapes and dtypes are used: trials make
+        their own arrays, and yours are never changed, copied to disk or donated).
+      batch: an example batch; trial batches repeat its rows.
+      optimizer: the optax optimizer training uses (required: its state is part of the memory).
+      strategy: the accumulation strategy whose step is run (``autoaccum.strategies.available()``).
+      memory_limit: bytes a trial may use, an int or a string like ``"1.5GiB"``/``"800MB"``. On a GPU the
+        trial's XLA allocator is capped to it (so a big card can answer for a smaller one); on the CPU the
+        trial's address space is capped at its size before the trial plus the limit (``RLIMIT_AS``). Default:
+        `autoaccum._device.resolve_memory_limit` (50% of the available RAM on the CPU; JAX's allocator share
+        of a GPU, at most what is free now).
+      max_microbatch: the largest microbatch to try (default 16384).
+      granularity: trial sizes are multiples of it (e.g. 8 for tensor cores).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      isolate: run each trial in a fresh child process (default). ``False`` runs them here, catching only
+        out-of-memory errors: faster, but an abort or a segfault in a trial kills this process, memory
+        fragmentation and leaked buffers carry from one trial to the next, and on the CPU this process's
+        own address-space limit is lowered during each trial. On a GPU it needs ``memory_limit=None``.
+      device: a ``jax.Device`` (default: the first).
+      options: the strategy's options.
+      trial_timeout: seconds an isolated child (a trial, or the estimate) may run before it is killed and
+        reported as hung (a `ProbeError` naming the time-out); None: no limit.
+      progress: called with each `Trial` as it finishes.
+
+    Returns:
+      A `ProbeResult`; ``max_microbatch`` fits and ``max_microbatch + granularity`` does not (or is above the
+      ``max_microbatch`` given); 0 when not even ``granularity`` fits.
+
+    Raises:
+      ValueError, TypeError: bad arguments, a limit that does not parse or is below the parameters' and
+        optimizer state's bytes, before anything runs.
+      ProbeError: a trial failed for another reason than memory, or hung (its message says why).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, autoaccum
+      >>> loss_fn = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.ones((4, 8)), "y": jnp.zeros(4)}
+      >>> result = autoaccum.probe(loss_fn, jnp.zeros(8), batch, optimizer=optax.sgd(0.1),
+      ...                          memory_limit="256MiB", max_microbatch=64, isolate=False)
+      >>> result.max_microbatch
+      64
+    """
+    start = time.perf_counter()
+    setup = prepare(
+        loss_fn, params, batch, optimizer=optimizer, strategy=strategy, memory_limit=memory_limit,
+        max_microbatch=max_microbatch, granularity=granularity, has_aux=has_aux, isolate=isolate, device=device,
+        options=options, trial_timeout=trial_timeout,
+    )  # fmt: skip
+    with TrialRunner(setup, progress) as runner:
+        model, why = runner.estimate()
+        best = search(
+            runner, limit=setup.memory_limit_bytes, max_microbatch=setup.microbatch_cap,
+            granularity=setup.granularity,
+            predicted=None if model is None else model.max_microbatch // setup.granularity * setup.granularity,
+            per_example_bytes=None if model is None else model.per_example_bytes,
+        )  # fmt: skip
+        trials = tuple(runner.trials)
+    limit = format_bytes(setup.memory_limit_bytes)
+    note = "" if why is None else f" (no compile-only estimate: {why})"
+    name = setup.device.name
+    if best == 0:
+        message = f"nothing fits: even a microbatch of {setup.granularity} does not run under {limit} on {name}."
+    elif best + setup.granularity > setup.microbatch_cap:
+        message = f"microbatch {best} (max_microbatch) fits under {limit} on {name}."
+    else:
+        message = f"microbatch {best} fits under {limit} on {name}; {best + setup.granularity} does not."
+    return ProbeResult(
+        max_microbatch=best,
+        trials=trials,
+        device=setup.device,
+        memory_limit_bytes=setup.memory_limit_bytes,
+        limit_source=setup.limit_source,
+        granularity=setup.granularity,
+        microbatch_cap=setup.microbatch_cap,
+        strategy=strategy,
+        options=dict(setup.job.options),
+        state_bytes=setup.state_bytes,
+        estimate=model,
+        isolate=setup.isolate,
+        seconds=time.perf_counter() - start,
+        message=message + note,
+    )

@@ -1,0 +1,94 @@
+"""What the tuner returns: one `TrialRecord` per trial and the `TuneResult`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import optuna
+
+from autoaccum._json import NOT_JSON, JsonMixin
+from autoaccum._plan import Plan
+from autoaccum._probe import ProbeResult
+from autoaccum._update import Update
+from autoaccum.strategies import PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialRecord(JsonMixin):
+    """One tuning trial.
+
+    Attributes:
+      number: Optuna's trial number.
+      microbatch_size, accumulation_steps, strategy, options: the configuration.
+      throughput: measured examples per second (``None`` unless the trial completed).
+      compile_seconds: the first (compiling) call's duration (``None`` if unknown).
+      state: Optuna's trial state name (``COMPLETE``, ``FAIL``, ``RUNNING``, ...).
+      reason: why it failed, if it did.
+    """
+
+    number: int
+    microbatch_size: int
+    accumulation_steps: int
+    strategy: str
+    options: dict[str, Any]
+    throughput: float | None
+    compile_seconds: float | None
+    state: str
+    reason: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult(JsonMixin):
+    """What `tune` returns.
+
+    Attributes:
+      plan: the best configuration, ready to `Plan.save`.
+      trials: every trial of the study (earlier runs' too when it was resumed), best first.
+      probe: the probe's result, or ``None`` when a bound was given (``max_microbatch``).
+      study_name: the Optuna study (named after `fingerprint` unless given).
+      storage: where the study lives (an RDB URL, or ``":memory:"``).
+      fingerprint: a hash of what determines the timings (the lowered update program, hence the loss's body,
+        the optimizer, shapes, dtypes and options; the device, the memory limit, the search space and the
+        library versions): a changed loss or optimizer never resumes an old study.
+      resumed_trials: trials this study had settled in earlier runs (0 for a new study).
+      new_trials: trials settled in this run.
+      message: a one-line summary for people ("resumed: 12 trials from earlier runs, 0 new").
+      update_fn: the plan's update, already compiled for the effective batch's shapes (not in the JSON).
+      init: ``init(params) -> opt_state`` for ``update_fn`` (not in the JSON).
+    """
+
+    plan: Plan
+    trials: tuple[TrialRecord, ...]
+    probe: ProbeResult | None
+    study_name: str
+    storage: str
+    fingerprint: str
+    resumed_trials: int
+    new_trials: int
+    message: str
+    update_fn: Update | None = dataclasses.field(metadata=NOT_JSON, default=None, repr=False, compare=False)
+    init: Callable[[PyTree], PyTree] | None = dataclasses.field(
+        metadata=NOT_JSON, default=None, repr=False, compare=False
+    )
+
+    json_format = "autoaccum.tune/1"
+
+
+def record(trial: optuna.trial.FrozenTrial, effective_batch: int, labels: dict[str, Any]) -> TrialRecord:
+    """The `TrialRecord` of an Optuna trial of the space ``labels`` (`autoaccum._tune.space.variants`)."""
+    m = int(trial.params.get("microbatch_size", 0))
+    label = trial.params.get("strategy", "")
+    name, options = labels.get(label, (label, {}))
+    return TrialRecord(
+        number=trial.number,
+        microbatch_size=m,
+        accumulation_steps=-(-effective_batch // m) if m else 0,
+        strategy=name,
+        options=dict(options),
+        throughput=trial.value if trial.state == optuna.trial.TrialState.COMPLETE else None,
+        compile_seconds=trial.user_attrs.get("compile_seconds"),
+        state=trial.state.name,
+        reason=trial.user_attrs.get("reason"),
+    )

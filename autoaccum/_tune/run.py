@@ -1,0 +1,322 @@
+"""`tune`: Optuna picks the microbatch size and the accumulation strategy that maximise measured throughput."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+import optuna
+
+from autoaccum import strategies as strategies_lib
+from autoaccum._batch import abstract, abstract_batch, resize_batch
+from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
+from autoaccum._plan import Plan, params_signature
+from autoaccum._probe import probe
+from autoaccum._tune.result import TrialRecord, TuneResult, record
+from autoaccum._tune.space import microbatch_candidates, variants
+from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
+from autoaccum._tune.timing import Timing, TrialFailed, time_update
+from autoaccum._units import parse_bytes
+from autoaccum._update import Update, build_update
+from autoaccum.strategies import PyTree, leading_size
+
+DEFAULT_TRIALS = 12
+"""Trials the tuner runs when ``n_trials`` is not given and the search space is larger than this."""
+
+_COMPLETE = optuna.trial.TrialState.COMPLETE
+
+
+def _key(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(params.items()))
+
+
+def _versions() -> dict[str, str]:
+    import flax
+    import jaxlib
+
+    from autoaccum import __version__
+
+    return {
+        "autoaccum": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__,
+        "flax": flax.__version__, "optuna": optuna.__version__,
+    }  # fmt: skip
+
+
+def tune(
+    loss_fn: Callable[..., Any],
+    params: PyTree,
+    batch: PyTree,
+    *,
+    optimizer: optax.GradientTransformation,
+    effective_batch: int | None = None,
+    strategies: Sequence[str] | None = None,
+    memory_limit: int | str | None = None,
+    n_trials: int | None = None,
+    timeout: float | None = None,
+    storage: str | optuna.storages.BaseStorage | None = None,
+    study_name: str | None = None,
+    fresh: bool = False,
+    seed: int = 0,
+    has_aux: bool = False,
+    max_microbatch: int | None = None,
+    trial_timeout: float | None = 120.0,
+    measure: Callable[[Update, PyTree, PyTree], Timing] | None = None,
+    callbacks: Sequence[Callable[[TrialRecord, int, int], None]] = (),
+) -> TuneResult:
+    """Finds the microbatch size and accumulation strategy with the highest measured throughput.
+
+    First the probe bounds the microbatch (`autoaccum.probe`; no size above that bound is ever timed); then
+    an Optuna study times real update steps at the effective batch: every configuration when the space is
+    small (``GridSampler``), else a seeded ``TPESampler`` warm-started with the largest fitting microbatch of
+    each strategy. Trials that run out of memory or over ``trial_timeout`` are recorded as failed and the
+    study goes on. The study lives in ``storage``, so an interrupted tune resumes where it stopped (finished
+    trials are not re-run) and several processes can tune one study together. A study is identified by a
+    fingerprint of what determines its timings (`TuneResult.fingerprint`): change the loss's body or the
+    optimizer and a new study starts, never the old one's answer.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss (``-> (loss, aux)`` with ``has_aux``).
+      params: the parameters; never donated or changed (trials work on copies).
+      batch: an example batch; its leading size is the default effective batch.
+      optimizer: the optax optimizer training uses (required: its state is part of the memory).
+      effective_batch: examples per update; may exceed the batch's size (rows are then repeated).
+      strategies: strategy names to consider; default all of ``autoaccum.strategies.available()``.
+      memory_limit: bytes (or ``"1.5GiB"``) a step may use, passed to the probe; default: the device's
+        (`autoaccum.probe`).
+      n_trials: trials to run now; default the whole space if it has at most ``DEFAULT_TRIALS`` points,
+        else ``DEFAULT_TRIALS``. A resumed study runs only the trials still missing.
+      timeout: stop starting new trials after this many seconds.
+      storage: an RDB URL (default: SQLite at `autoaccum._tune.study.default_storage`), ``":memory:"`` or an
+        optuna storage.
+      study_name: default: ``"autoaccum-"`` + the fingerprint, so re-running the same tune resumes its study.
+      fresh: start the study anew, deleting earlier trials of the same name.
+      seed: the sampler's seed.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      max_microbatch: skip the probe and use this bound instead.
+      trial_timeout: seconds a trial may take (its compile included) before it is recorded as failed.
+      measure: how a configuration is timed, ``measure(update, params, batch) -> Timing``; default
+        `autoaccum._tune.timing.time_update` (tests inject a deterministic one).
+      callbacks: called as ``callback(record, done, total)`` after each trial: its `TrialRecord`, the distinct
+        configurations settled so far and the number the study aims for (the CLI's progress bar).
+
+    Returns:
+      A `TuneResult` whose ``update_fn`` is already compiled.
+
+    Raises:
+      ValueError, TypeError: bad arguments or an unopenable storage, before any trial runs.
+      RuntimeError: nothing fits (the probe found no microbatch) or every trial failed.
+    """
+    with quiet_optuna():
+        return _tune(
+            loss_fn, params, batch, optimizer=optimizer, effective_batch=effective_batch, strategies=strategies,
+            memory_limit=memory_limit, n_trials=n_trials, timeout=timeout, storage=storage, study_name=study_name,
+            fresh=fresh, seed=seed, has_aux=has_aux, max_microbatch=max_microbatch, trial_timeout=trial_timeout,
+            measure=measure, callbacks=callbacks,
+        )  # fmt: skip
+
+
+def _tune(
+    loss_fn: Callable[..., Any],
+    params: PyTree,
+    batch: PyTree,
+    *,
+    optimizer: optax.GradientTransformation,
+    effective_batch: int | None,
+    strategies: Sequence[str] | None,
+    memory_limit: int | str | None,
+    n_trials: int | None,
+    timeout: float | None,
+    storage: str | optuna.storages.BaseStorage | None,
+    study_name: str | None,
+    fresh: bool,
+    seed: int,
+    has_aux: bool,
+    max_microbatch: int | None,
+    trial_timeout: float | None,
+    measure: Callable[[Update, PyTree, PyTree], Timing] | None,
+    callbacks: Sequence[Callable[[TrialRecord, int, int], None]],
+) -> TuneResult:
+    batch_size = leading_size(batch)
+    check_loss_fn(loss_fn)
+    check_optimizer(optimizer)
+    check_bool(fresh, "fresh")
+    effective_batch = batch_size if effective_batch is None else check_positive_int(effective_batch, "effective_batch")
+    if n_trials is not None:
+        check_positive_int(n_trials, "n_trials")
+    if max_microbatch is not None:
+        check_positive_int(max_microbatch, "max_microbatch")
+    names = list(strategies_lib.available() if strategies is None else strategies)
+    if not names:
+        raise ValueError(f"`strategies` is empty; choose from {', '.join(strategies_lib.available())}.")
+    for name in names:
+        strategies_lib.get(name)
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"`timeout` must be a positive number of seconds, got timeout={timeout!r}.")
+    limit_bytes = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
+    # Build one update per strategy so bad input (optimizer, loss, options) fails here, not in trial 0.
+    for name in names:
+        build_update(loss_fn, optimizer, microbatch_size=1, strategy=name, has_aux=has_aux)
+    opened, storage_label = open_storage(storage)
+
+    probed = None
+    if max_microbatch is None:
+        probed = probe(
+            loss_fn,
+            params,
+            batch,
+            optimizer=optimizer,
+            strategy=names[0],
+            memory_limit=memory_limit,
+            max_microbatch=effective_batch,
+            has_aux=has_aux,
+        )
+        max_microbatch = probed.max_microbatch
+        if max_microbatch < 1:
+            raise RuntimeError(
+                "nothing fits: even a microbatch of 1 ran out of memory under the probe's limit "
+                f"({probed.memory_limit_bytes} bytes); reduce the model or raise `memory_limit`."
+            )
+
+    labels = variants(names)
+    sizes = microbatch_candidates(effective_batch, max_microbatch)
+    space: dict[str, list[Any]] = {"microbatch_size": sizes, "strategy": list(labels)}
+    grid_points = len(sizes) * len(labels)
+    plain = build_update(loss_fn, optimizer, microbatch_size=effective_batch, strategy=names[0], has_aux=has_aux)
+    params_s = abstract(params)
+    programs = plain.programs(params_s, jax.eval_shape(plain.init, params_s), abstract_batch(batch, effective_batch))
+    key = fingerprint(
+        "\n".join(p.lowered.as_text() for p in programs),
+        {
+            "effective_batch": effective_batch, "space": space, "memory_limit": limit_bytes,
+            "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "versions": _versions(),
+        },
+    )  # fmt: skip
+    name = study_name or f"autoaccum-{key}"
+    if fresh:
+        with contextlib.suppress(KeyError):  # no such study yet: nothing to delete
+            optuna.delete_study(study_name=name, storage=opened)
+    exhaustive = (n_trials is None and grid_points <= DEFAULT_TRIALS) or (n_trials or 0) >= grid_points
+    sampler: optuna.samplers.BaseSampler = (
+        optuna.samplers.GridSampler(space, seed=seed)
+        if exhaustive
+        else optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(len(labels) + 2, 8))
+    )
+    study = optuna.create_study(
+        storage=opened, sampler=sampler, study_name=name, direction="maximize", load_if_exists=True
+    )
+    # Settled trials are never re-run: completed ones, and failures with a reason (out of memory, timed out).
+    # A trial interrupted by Ctrl-C is marked and queued again; one killed outright stays RUNNING until its
+    # heartbeat goes stale, and Optuna's RetryHeartbeatStaleTrialCallback queues it again.
+    trials = study.get_trials(deepcopy=False)
+    settled = {_key(t.params) for t in trials if t.state == _COMPLETE or "reason" in t.user_attrs}
+    resumed = len(settled)
+    queued = {_key(t.params) for t in trials if t.state == optuna.trial.TrialState.WAITING}
+    for t in trials:
+        if t.user_attrs.get("interrupted") and _key(t.params) not in settled | queued:
+            study.enqueue_trial(t.params)
+            queued.add(_key(t.params))
+    wanted = grid_points if exhaustive else (n_trials or DEFAULT_TRIALS)
+    remaining = max(0, wanted - len(settled))
+    if not exhaustive and not trials:
+        for label in list(labels)[:wanted]:  # warm start: on most devices the largest fitting microbatch is fastest
+            study.enqueue_trial({"microbatch_size": max(sizes), "strategy": label})
+
+    full_batch = batch if effective_batch == batch_size else resize_batch(batch, effective_batch)
+    timer = measure or (lambda u, p, b: time_update(u, p, b, time_limit=trial_timeout))
+    best: dict[str, Any] = {}
+
+    def objective(trial: optuna.Trial) -> float:
+        m = trial.suggest_categorical("microbatch_size", sizes)
+        label = trial.suggest_categorical("strategy", list(labels))
+        strategy, options = labels[label]
+        for other in study.get_trials(deepcopy=False, states=(_COMPLETE,)):
+            if other.params == trial.params:  # TPE may propose a measured point again: reuse, don't re-run
+                trial.set_user_attr("duplicate_of", other.number)
+                return float(other.value)  # type: ignore[arg-type]
+        update = build_update(loss_fn, optimizer, microbatch_size=m, strategy=strategy, has_aux=has_aux, **options)
+        try:
+            timing = timer(update, params, full_batch)
+        except TrialFailed as e:
+            trial.set_user_attr("reason", str(e))
+            raise
+        except KeyboardInterrupt:
+            trial.set_user_attr("interrupted", True)
+            raise
+        throughput = effective_batch / timing.seconds_per_step
+        trial.set_user_attr("compile_seconds", timing.compile_seconds)
+        if throughput > best.get("throughput", -1.0):
+            best.update(throughput=throughput, update=update, params=trial.params)
+        return throughput
+
+    def report(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if "duplicate_of" in trial.user_attrs:
+            return
+        settled.add(_key(trial.params))
+        for callback in callbacks:
+            callback(record(trial, effective_batch, labels), len(settled), min(wanted, grid_points))
+        if len(settled) >= min(wanted, grid_points):
+            study.stop()
+
+    if remaining:
+        # Proposals of an already measured point cost nothing and don't count; the cap only bounds the loop.
+        study.optimize(
+            objective, n_trials=4 * remaining + 16, timeout=timeout, catch=(TrialFailed,), callbacks=[report]
+        )
+
+    records = sorted(
+        (
+            record(t, effective_batch, labels)
+            for t in study.get_trials(deepcopy=False)
+            if "duplicate_of" not in t.user_attrs and t.state != optuna.trial.TrialState.WAITING
+        ),
+        key=lambda r: (r.throughput is None, -(r.throughput or 0.0), r.number),
+    )
+    completed = study.get_trials(deepcopy=False, states=(_COMPLETE,))
+    if not completed:
+        reasons = "; ".join(f"#{r.number} {r.reason}" for r in records if r.reason)[:500]
+        raise RuntimeError(f"every trial failed ({reasons}); lower the effective batch or raise `memory_limit`.")
+    top = max(completed, key=lambda t: float(t.value))  # type: ignore[arg-type]
+    strategy, options = labels[top.params["strategy"]]
+    plan = Plan(
+        effective_batch=effective_batch,
+        microbatch_size=int(top.params["microbatch_size"]),
+        accumulation_steps=-(-effective_batch // int(top.params["microbatch_size"])),
+        strategy=strategy,
+        options=dict(options),
+        throughput=float(top.value),  # type: ignore[arg-type]
+        device=jax.devices()[0].device_kind,
+        has_aux=has_aux,
+        accumulator_dtype="float32",
+        params=params_signature(params),
+        versions=_versions(),
+    )
+    if best.get("params") == top.params:
+        update_fn = best["update"]  # measured in this process: already compiled
+    else:  # the best trial ran in an earlier or another process: compile it now, on copies
+        update_fn = plan.build(loss_fn, optimizer)
+        copies = jax.tree.map(jnp.array, params)
+        jax.block_until_ready(update_fn(copies, update_fn.init(copies), full_batch))
+    new = len(settled) - resumed
+    if resumed:
+        message = (
+            f"resumed: {resumed} trials from earlier runs, {new} new (study {name}; pass fresh=True to start over)"
+        )
+    else:
+        message = f"new study {name}: {new} trials"
+    return TuneResult(
+        plan=plan,
+        trials=tuple(records),
+        probe=probed,
+        study_name=name,
+        storage=storage_label,
+        fingerprint=key,
+        resumed_trials=resumed,
+        new_trials=new,
+        message=message,
+        update_fn=update_fn,
+        init=update_fn.init,
+    )

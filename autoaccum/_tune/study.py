@@ -1,0 +1,102 @@
+"""The study: where it is stored, and what identifies it (so a result is never another setup's)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import optuna
+
+STORAGE_ATTEMPTS = 5
+
+
+def default_storage() -> str:
+    """The default Optuna storage: a SQLite file, ``$AUTOACCUM_CACHE`` or ``~/.cache/autoaccum``, ``studies.db``."""
+    root = (
+        os.environ.get("AUTOACCUM_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "autoaccum"
+    )
+    Path(root).mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{Path(root) / 'studies.db'}"
+
+
+def raise_unopenable(url: str) -> NoReturn:
+    """Re-raises the error being handled as a ``ValueError`` that names ``storage`` and the fix."""
+    e = sys.exc_info()[1]
+    raise ValueError(
+        f"`storage`={url!r} cannot be opened ({type(e).__name__}: {str(e).splitlines()[0]}); pass an RDB URL "
+        "such as 'sqlite:///studies.db' or 'postgresql://user@host/db', or ':memory:'."
+    ) from e
+
+
+def open_storage(storage: str | optuna.storages.BaseStorage | None) -> tuple[optuna.storages.BaseStorage, str]:
+    """Opens ``storage`` before any trial runs; ``ValueError`` naming it when it cannot be opened.
+
+    An RDB storage gets heartbeats: a trial whose worker died is re-queued once by Optuna's
+    ``RetryHeartbeatStaleTrialCallback``.
+    """
+    if isinstance(storage, optuna.storages.BaseStorage):
+        return storage, type(storage).__name__
+    if storage == ":memory:":
+        return optuna.storages.InMemoryStorage(), ":memory:"
+    url = default_storage() if storage is None else storage
+    if not isinstance(url, str):
+        raise TypeError(f"`storage` must be an RDB URL string, ':memory:' or an optuna storage, got {storage!r}.")
+    import sqlalchemy.exc
+
+    # Workers that open a new database at the same moment race to create its tables (IntegrityError on
+    # alembic_version, or "database is locked"): the loser retries and finds them made.
+    races = (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError)
+    for attempt in range(STORAGE_ATTEMPTS):
+        try:
+            with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna; we rely on them knowingly
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                opened = optuna.storages.RDBStorage(
+                    url,
+                    heartbeat_interval=30,
+                    grace_period=90,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
+                )
+            break
+        except races:
+            if attempt + 1 == STORAGE_ATTEMPTS:
+                raise_unopenable(url)
+            time.sleep(0.2 * (attempt + 1))
+        except (sqlalchemy.exc.SQLAlchemyError, ValueError, ImportError, OSError):
+            raise_unopenable(url)
+    return opened, url
+
+
+def fingerprint(program_text: str, context: dict[str, Any]) -> str:
+    """A short hash of ``program_text`` (the lowered update: the loss's body, the optimizer, shapes, dtypes)
+    and ``context`` (device, memory limit, search space, versions, ...): what determines the timings.
+
+    Example:
+      >>> fingerprint("module @a {}", {"device": "cpu"}) == fingerprint("module @a {}", {"device": "cpu"})
+      True
+      >>> fingerprint("module @a {}", {"device": "cpu"}) == fingerprint("module @b {}", {"device": "cpu"})
+      False
+    """
+    digest = hashlib.sha256(program_text.encode())
+    digest.update(json.dumps(context, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def quiet_optuna() -> Iterator[None]:
+    """Optuna's per-trial INFO lines (``[I ...] Trial 3 finished ...``) are not printed while the tuner runs;
+    the verbosity the user had is restored after. The tuner reports trials through its callbacks."""
+    before = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(max(before, optuna.logging.WARNING))
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(before)

@@ -1,0 +1,73 @@
+"""How the tuner measures one configuration: real update steps, compile and warm-up excluded."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from autoaccum._trial import is_oom
+from autoaccum._update import Update
+from autoaccum.strategies import PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """How long one configuration's update took.
+
+    Attributes:
+      seconds_per_step: the median over the timed steps (compile and warm-up excluded).
+      compile_seconds: the first call (tracing, compiling and one step).
+      steps: timed steps.
+    """
+
+    seconds_per_step: float
+    compile_seconds: float
+    steps: int
+
+
+class TrialFailed(Exception):
+    """A configuration could not be measured (out of memory, over its time budget); the study goes on."""
+
+
+def time_update(
+    update: Update,
+    params: PyTree,
+    batch: PyTree,
+    *,
+    steps: int = 5,
+    warmup: int = 1,
+    time_limit: float | None = None,
+    timer: Callable[[], float] = time.perf_counter,
+) -> Timing:
+    """Times ``update`` on ``batch``: one compiling call, ``warmup`` calls, then ``steps`` timed calls.
+
+    Works on a copy of ``params`` (the update donates its inputs). Each timed call ends with
+    ``jax.block_until_ready`` on everything it returns.
+
+    Raises:
+      TrialFailed: XLA ran out of memory, or the calls so far exceeded ``time_limit`` seconds.
+    """
+    params = jax.tree.map(jnp.array, params)
+    try:
+        opt_state = update.init(params)
+        start = timer()
+        params, opt_state, _ = jax.block_until_ready(update(params, opt_state, batch))
+        compile_seconds = timer() - start
+        times = []
+        for i in range(warmup + steps):
+            if time_limit is not None and timer() - start > time_limit:
+                raise TrialFailed(f"timed out: over {time_limit:g} s after {i} of {warmup + steps} steps")
+            t = timer()
+            params, opt_state, _ = jax.block_until_ready(update(params, opt_state, batch))
+            if i >= warmup:
+                times.append(timer() - t)
+    except (jax.errors.JaxRuntimeError, MemoryError) as e:
+        if is_oom(e):  # the probe's rules: XLA's RESOURCE_EXHAUSTED, the CPU's allocation failures
+            raise TrialFailed(f"out of memory: {(str(e) or type(e).__name__).splitlines()[0][:300]}") from e
+        raise
+    return Timing(statistics.median(times), compile_seconds, steps)
