@@ -19,15 +19,11 @@ import argparse
 import os
 import platform
 import sys
-from pathlib import Path
 
-# This folder holds benchmarks named like packages (strategies.py): keep it off the import path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import jax
 
-import jax  # noqa: E402
-
-import autoaccum  # noqa: E402
-from autoaccum import workloads  # noqa: E402
+import autoaccum
+from autoaccum import workloads
 
 CAPS = {"mlp": "48MiB", "cnn": "96MiB", "transformer": "256MiB"}
 """Per workload, a cap whose boundary lies well inside the probe's range (its max_size is 16384)."""

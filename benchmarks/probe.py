@@ -8,7 +8,7 @@ trial, the real update step, the same memory cap), so only the search differs:
   trial fails, then bisect between the last fit and the failure;
 * halve on OOM (Accelerate's ``find_executable_batch_size``): start at ``max_size``, halve until a trial fits.
 
-Run: ``python benchmarks/probe.py [--workload transformer] [--memory-limit 256MiB] [--max-size 16384]``.
+Run: ``python benchmarks/probe.py [--workload transformer] [--memory-limit 256MiB] [--max-microbatch 16384]``.
 It prints a Markdown table: real runs, wall seconds, and the size found as a fraction of the true boundary
 (the largest size that fits, which the probe finds exactly; checked by two extra capped runs).
 """
@@ -18,17 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-# This folder holds benchmarks named like packages (strategies.py): keep it off the import path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
-import autoaccum  # noqa: E402
-from autoaccum import workloads  # noqa: E402
-from autoaccum.probe import Trial, TrialRunner, prepare  # noqa: E402
+import autoaccum
+from autoaccum import workloads
+from autoaccum._probe import Trial, TrialRunner, prepare
 
 
 def doubling_then_bisect(run: Callable[[int], Trial], max_size: int) -> int:
@@ -59,12 +54,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="transformer", choices=sorted(workloads.BUILTIN))
     parser.add_argument("--memory-limit", default="256MiB")
-    parser.add_argument("--max-size", type=int, default=16384)
+    parser.add_argument("--max-microbatch", type=int, default=16384)
     args = parser.parse_args()
 
     w = workloads.BUILTIN[args.workload]()
     setup = prepare(
-        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit=args.memory_limit, max_size=args.max_size
+        w.loss_fn,
+        w.params,
+        w.batch,
+        optimizer=w.optimizer,
+        memory_limit=args.memory_limit,
+        max_microbatch=args.max_size,
     )
     info = setup.device
     ram = autoaccum.format_bytes(info.total_bytes or 0)
@@ -74,7 +74,12 @@ def main() -> None:
     rows = []
     start = time.perf_counter()
     ours = autoaccum.probe(
-        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit=args.memory_limit, max_size=args.max_size
+        w.loss_fn,
+        w.params,
+        w.batch,
+        optimizer=w.optimizer,
+        memory_limit=args.memory_limit,
+        max_microbatch=args.max_size,
     )
     rows.append(("autoaccum.probe", ours.runs, time.perf_counter() - start, ours.max_microbatch))
     print("autoaccum.probe: " + ", ".join(_describe(t) for t in ours.trials))

@@ -38,11 +38,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# Run as a script, this file's folder comes first on sys.path and its name would shadow the `strategies`
-# package; drop that entry (running it with `python -m benchmarks.strategies` needs no such fix).
-if os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
-
 import flax
 import jax
 import jax.numpy as jnp
@@ -51,8 +46,7 @@ import optax
 from optax import microbatching
 
 import autoaccum
-import strategies
-from autoaccum import workloads
+from autoaccum import strategies, workloads
 
 PyTree = Any
 State = tuple[Any, ...]

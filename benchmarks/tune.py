@@ -21,9 +21,9 @@ import optax
 import optuna
 
 import autoaccum
-import strategies
-from autoaccum import workloads
-from autoaccum.tune import microbatch_candidates, time_update, variants
+from autoaccum import strategies, workloads
+from autoaccum._tune.space import microbatch_candidates, variants
+from autoaccum._tune.timing import time_update
 
 
 def main() -> None:

@@ -11,8 +11,7 @@ import time
 import jax
 
 import autoaccum
-import strategies
-from autoaccum import workloads
+from autoaccum import strategies, workloads
 
 
 def main(steps: int = 5) -> None:

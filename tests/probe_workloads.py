@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from autoaccum.workload import Workload
+from autoaccum import Workload
 
 FEATURES = 4096  # 16 KiB of float32 input per example: a 100 MiB cap bounds the microbatch near 6400
 
@@ -51,3 +51,13 @@ def workload() -> Workload:
 
 def not_a_workload() -> int:
     return 3
+
+
+def hang_past_64(params: Any, batch: Any) -> jax.Array:
+    """Never returns when traced for more than 64 examples (a hung trial)."""
+    if batch["x"].shape[0] > 64:
+        import time
+
+        while True:
+            time.sleep(1)
+    return linear_loss(params, batch)

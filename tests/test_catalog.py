@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from autoaccum import catalog
-from autoaccum.catalog import ACCELERATORS, GiB, Platform, UnknownAcceleratorError, lookup, names, suggest
+from autoaccum import _catalog as catalog
+from autoaccum._catalog import ACCELERATORS, GiB, Platform, UnknownAcceleratorError, lookup, names, suggest
 
 
 def test_the_catalog_covers_the_common_accelerators() -> None:
@@ -36,14 +36,14 @@ def test_lookup_ignores_case_and_punctuation(name: str, expected: str) -> None:
 
 def test_usable_memory_takes_the_reservation_and_the_margin_off() -> None:
     a100 = lookup("A100-40GB")
-    assert a100.usable_bytes() == int(40 * GiB * (0.75 - 0.05))
-    assert a100.usable_bytes(mem_fraction=0.9, safety_margin=0.0) == int(40 * GiB * 0.9)
+    assert a100.memory_limit_bytes() == int(40 * GiB * (0.75 - 0.05))
+    assert a100.memory_limit_bytes(mem_fraction=0.9, safety_margin=0.0) == int(40 * GiB * 0.9)
     tpu = lookup("TPU-v4")  # no preallocated pool on a TPU: the fraction defaults to 1
-    assert tpu.usable_bytes() == int(32 * GiB * 0.95)
+    assert tpu.memory_limit_bytes() == int(32 * GiB * 0.95)
     with pytest.raises(ValueError, match=r"`mem_fraction` must be a fraction in \(0, 1\], got mem_fraction=1.5"):
-        a100.usable_bytes(mem_fraction=1.5)
+        a100.memory_limit_bytes(mem_fraction=1.5)
     with pytest.raises(ValueError, match=r"`safety_margin`=0\.8 leaves nothing"):
-        a100.usable_bytes(safety_margin=0.8)
+        a100.memory_limit_bytes(safety_margin=0.8)
 
 
 def test_peak_flops_follow_the_dtype() -> None:

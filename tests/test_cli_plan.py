@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from autoaccum.catalog import names
+from autoaccum._catalog import names
 from autoaccum.cli import main
 
 WORKLOAD = "autoaccum.workloads:linear"  # tiny: compiles fast
@@ -24,7 +24,7 @@ def check(result: Result, code: int) -> None:
 
 
 def test_human_table_for_gpus_and_a_memory_budget() -> None:
-    result = run(CNN, "--effective-batch", "1024", "--gpu", "A100-40GB", "--gpu", "l4", "--memory", "64MiB")
+    result = run(CNN, "--effective-batch", "1024", "--gpu", "A100-40GB", "--gpu", "l4", "--memory-limit", "64MiB")
     check(result, 0)
     out = result.output
     assert "A100-40GB" in out and "L4" in out and "64.00 MiB" in out
@@ -34,7 +34,7 @@ def test_human_table_for_gpus_and_a_memory_budget() -> None:
 
 
 def test_json_output() -> None:
-    result = run(CNN, "--effective-batch", "1024", "--gpu", "H100", "--memory", "64MiB", "--json")
+    result = run(CNN, "--effective-batch", "1024", "--gpu", "H100", "--memory-limit", "64MiB", "--json")
     check(result, 0)
     data = json.loads(result.stdout)
     h100, budget = data["targets"]
@@ -43,14 +43,14 @@ def test_json_output() -> None:
     assert h100["fits_in_one_step"] and h100["accumulation_steps"] == 1 and h100["step_seconds"] > 0
     assert h100["bound"] in ("compute", "memory")
     assert budget["accelerator"] is None and budget["accumulation_steps"] > 1 and budget["step_seconds"] is None
-    assert budget["peak_bytes"] <= budget["usable_bytes"] == 64 * 2**20
+    assert budget["peak_bytes"] <= budget["memory_limit_bytes"] == 64 * 2**20
     assert data["estimate"]["points"] and data["estimate"]["platform"] == "cpu"
 
 
 def test_mem_fraction_changes_the_usable_memory() -> None:
     result = run(WORKLOAD, "--gpu", "T4", "--mem-fraction", "0.9", "--safety-margin", "0", "--json")
     check(result, 0)
-    assert json.loads(result.stdout)["targets"][0]["usable_bytes"] == int(16 * 2**30 * 0.9)
+    assert json.loads(result.stdout)["targets"][0]["memory_limit_bytes"] == int(16 * 2**30 * 0.9)
 
 
 @pytest.mark.parametrize("args", [["--list-gpus"], ["--gpu", "list"]])
@@ -69,7 +69,7 @@ def test_listing_the_catalog(args: list[str]) -> None:
         (["--gpu", "A100-40"], "Did you mean 'A100-40GB'"),
         (["--gpu", "B300"], "Known: T4, L4"),
         (["--effective-batch", "0", "--gpu", "L4"], "must be >= 1, got --effective-batch 0"),
-        (["--memory", "12XB"], "'12XB' does not parse as a byte size"),
+        (["--memory-limit", "12XB"], "'12XB' does not parse as a byte size"),
         (["--mem-fraction", "1.5", "--gpu", "L4"], "1.5"),
     ],
 )
@@ -85,7 +85,7 @@ def test_a_missing_workload_is_a_usage_error() -> None:
 
 
 def test_nothing_fits_exits_1() -> None:
-    result = run(WORKLOAD, "--memory", "1MiB", "--gpu", "L4")
+    result = run(WORKLOAD, "--memory-limit", "1MiB", "--gpu", "L4")
     check(result, 1)
     assert "nothing fits" in result.output
 
@@ -93,6 +93,6 @@ def test_nothing_fits_exits_1() -> None:
 def test_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     path = tmp_path / "memory.png"
-    result = run(WORKLOAD, "--effective-batch", "2048", "--gpu", "T4", "--memory", "16MiB", "--plot", str(path))
+    result = run(WORKLOAD, "--effective-batch", "2048", "--gpu", "T4", "--memory-limit", "16MiB", "--plot", str(path))
     check(result, 0)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

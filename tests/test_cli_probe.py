@@ -35,7 +35,7 @@ def test_devices_json_and_table() -> None:
 
 
 def test_probe_json_in_process() -> None:
-    result = invoke("probe", WORKLOAD, "--memory-limit", "256MiB", "--max-size", "48", "--no-isolate", "--json")
+    result = invoke("probe", WORKLOAD, "--memory-limit", "256MiB", "--max-microbatch", "48", "--no-isolate", "--json")
     assert result.exit_code == 0
     data = json.loads(result.output)
     assert data["max_microbatch"] == 48 and data["runs"] == len(data["trials"]) <= 3
@@ -43,7 +43,7 @@ def test_probe_json_in_process() -> None:
 
 
 def test_probe_human_output_and_nothing_fits_exits_1() -> None:
-    result = invoke("probe", WORKLOAD, "--memory-limit", "4MiB", "--granularity", "1024", "--max-size", "4096")
+    result = invoke("probe", WORKLOAD, "--memory-limit", "4MiB", "--granularity", "1024", "--max-microbatch", "4096")
     assert result.exit_code == 1
     assert "device:" in result.output and "out of memory" in result.output and "nothing fits" in result.output
 
@@ -57,7 +57,7 @@ def test_probe_human_output_and_nothing_fits_exits_1() -> None:
         (["missing/file.py:f"], "does not exist"),
         ([WORKLOAD, "--memory-limit", "lots"], "does not parse"),
         ([WORKLOAD, "--memory-limit", "1KB"], "alone need"),
-        ([WORKLOAD, "--max-size", "0"], "--max-size"),
+        ([WORKLOAD, "--max-microbatch", "0"], "--max-microbatch"),
         ([WORKLOAD, "--granularity", "0"], "--granularity"),
         ([WORKLOAD, "--demo"], "not both"),
         ([], "give a WORKLOAD"),
@@ -79,6 +79,6 @@ def test_workload_from_a_file(tmp_path: Path) -> None:
         "def make():\n"
         "    return autoaccum.Workload(loss, jnp.ones(4), {'x': jnp.ones((2, 4))}, optax.sgd(0.1))\n"
     )
-    result = invoke("probe", f"{path}:make", "--memory-limit", "64MiB", "--max-size", "16", "--json")
+    result = invoke("probe", f"{path}:make", "--memory-limit", "64MiB", "--max-microbatch", "16", "--json")
     assert result.exit_code == 0  # the child unpickles `loss` by value: its module is not importable there
     assert json.loads(result.output)["max_microbatch"] == 16

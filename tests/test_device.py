@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 import autoaccum
-from autoaccum.device import detect_device, nvml_memory, visible_entry
-from autoaccum.probe import _resolve_limit, child_env
+from autoaccum._device import GPU_CONTEXT_BYTES, detect_device, nvml_memory, resolve_memory_limit, visible_entry
+from autoaccum._isolation import child_env
 
 GiB = 2**30
 UUIDS = ["GPU-aaaa1111-0000", "GPU-bbbb2222-0000", "GPU-bbbc3333-0000"]
@@ -24,8 +24,9 @@ class FakeLibraryNotFound(FakeNVMLError):
     pass
 
 
-def fake_pynvml(*, missing: bool = False) -> types.ModuleType:
-    """A stand-in for ``pynvml`` with three 80 GiB cards (PCI order), card i having i GiB in use."""
+def fake_pynvml(*, missing: bool = False, used: float | None = None) -> types.ModuleType:
+    """A stand-in for ``pynvml`` with three 80 GiB cards (PCI order), card i having i GiB in use (or ``used``
+    GiB on every card)."""
     m = types.ModuleType("pynvml")
     m.NVMLError = FakeNVMLError  # type: ignore[attr-defined]
     m.NVMLError_LibraryNotFound = FakeLibraryNotFound  # type: ignore[attr-defined]
@@ -40,8 +41,9 @@ def fake_pynvml(*, missing: bool = False) -> types.ModuleType:
     m.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)  # type: ignore[attr-defined]
     m.nvmlDeviceGetUUID = lambda h: UUIDS[h[1]]  # type: ignore[attr-defined]
     m.nvmlDeviceGetName = lambda h: b"NVIDIA H100 80GB HBM3" if h[1] == 1 else "NVIDIA A100-SXM4-80GB"  # type: ignore[attr-defined]
+    in_use = (lambda h: h[1] * GiB) if used is None else (lambda h: int(used * GiB))
     m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(  # type: ignore[attr-defined]
-        total=80 * GiB, free=(80 - h[1]) * GiB, used=h[1] * GiB
+        total=80 * GiB, free=80 * GiB - in_use(h), used=in_use(h)
     )
     return m
 
@@ -70,7 +72,10 @@ def test_cpu_figures_come_from_the_os() -> None:
     assert info.platform == "cpu" and info.limit_bytes is None
     assert info.total_bytes and info.free_bytes and 0 < info.free_bytes <= info.total_bytes
     assert info.sources["total_bytes"] in ("/proc/meminfo", "cgroup", "sysconf")
-    assert info.memory_limit_bytes == int(info.free_bytes * 0.5)
+    assert resolve_memory_limit(info, None) == (
+        int(info.free_bytes * 0.5),
+        f"50% of available RAM ({info.sources['free_bytes']})",
+    )
     assert info.to_dict()["platform"] == "cpu"
     with pytest.raises(TypeError, match=r"`device` must be a jax\.Device"):
         detect_device("cuda:0")
@@ -125,11 +130,45 @@ def test_gpu_child_is_capped_through_xla_and_sees_one_card(monkeypatch: pytest.M
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-bbbb2222" and env["JAX_PLATFORMS"] == "gpu"
     assert env["XLA_CLIENT_MEM_FRACTION"] == "0.250000" and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env and "XLA_PYTHON_CLIENT_ALLOCATOR" not in env
-    assert _resolve_limit(info, None, True) == (60 * GiB, "XLA allocator limit (memory_stats bytes_limit)")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    limit, source = resolve_memory_limit(info, None)  # nothing preallocated: JAX's 75% share of the card
+    assert limit == 60 * GiB and source.startswith("JAX's default allocator share")
     with pytest.raises(ValueError, match=r"above the 79\.00 GiB free"):
-        _resolve_limit(info, 79 * GiB + 1, True)
+        resolve_memory_limit(info, 79 * GiB)
     with pytest.raises(ValueError, match="needs isolate=True"):
-        _resolve_limit(info, GiB, False)
+        resolve_memory_limit(info, GiB, isolate=False)
+    assert resolve_memory_limit(info, None, isolate=False)[0] == 60 * GiB
+
+
+def test_gpu_default_limit_when_this_process_has_preallocated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """JAX's default: the process that touched the GPU holds 75% of it (60 GiB of 80) plus its CUDA context;
+    NVML then shows about 19.5 GiB free, and a trial's child can only get that, less its own context."""
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(used=60.5))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    info = detect_device(FakeGpu(0, stats={"bytes_limit": 60 * GiB, "bytes_in_use": GiB, "peak_bytes_in_use": GiB}))
+    assert info.free_bytes == int(19.5 * GiB)
+    limit, source = resolve_memory_limit(info, None)  # runs, instead of refusing
+    assert limit == int(19.5 * GiB) - GPU_CONTEXT_BYTES
+    assert "preallocates" in source and "XLA_PYTHON_CLIENT_PREALLOCATE=false" in source
+    with pytest.raises(ValueError, match=r"above the 19\.50 GiB free .*XLA_PYTHON_CLIENT_PREALLOCATE=false"):
+        resolve_memory_limit(info, 30 * GiB)
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(used=79.9))  # the card is full: say so
+    with pytest.raises(ValueError, match=r"only 102\.40 MiB is free"):
+        resolve_memory_limit(detect_device(FakeGpu(0)), None)
+
+
+def test_every_cli_command_starts_jax_without_preallocation(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from autoaccum.cli import main
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    result = CliRunner().invoke(main, ["devices", "--json"])
+    assert result.exit_code == 0, result.output
+    import os
+
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
 
 
 def test_cpu_child_gets_predictable_malloc() -> None:

@@ -13,11 +13,11 @@ import optax
 import pytest
 
 import autoaccum
-from autoaccum import workloads
-from autoaccum.catalog import UnknownAcceleratorError
-from autoaccum.estimate import CPU_RUNTIME_BYTES, Estimate, Target, conv_patch_bytes
-from autoaccum.memory import step_memory
-from autoaccum.probe import Trial, TrialRunner, prepare
+from autoaccum import Estimate, Target, workloads
+from autoaccum._catalog import UnknownAcceleratorError
+from autoaccum._estimate import CPU_RUNTIME_BYTES, conv_patch_bytes
+from autoaccum._memory import step_memory
+from autoaccum._probe import Trial, TrialRunner, prepare
 
 NO_YNN = "xla_cpu_experimental_ynn_fusion_type"
 """XLA's CPU YNNPACK fusions (on by default) allocate their own workspace, outside XLA's accounting and
@@ -42,8 +42,8 @@ def test_the_fit_is_xla_figure_at_every_compiled_size() -> None:
     assert len(singles) >= 2 and est.platform == "cpu"
     for p in singles:  # exact where compiled; the runtime's needs on top on the CPU
         assert p.runtime_bytes == CPU_RUNTIME_BYTES  # no convolution in an MLP
-        assert est.bytes_at(p.microbatch) == p.peak_bytes + p.runtime_bytes
-        assert est.bytes_at(p.microbatch, runtime=False) == p.peak_bytes
+        assert est.bytes_at(p.microbatch_size) == p.peak_bytes + p.runtime_bytes
+        assert est.bytes_at(p.microbatch_size, runtime=False) == p.peak_bytes
     m = est.max_microbatch
     assert est.bytes_at(m) <= est.memory_limit_bytes < est.bytes_at(m + 1)
     assert est.fixed_bytes > 0 and est.per_example_bytes > 0
@@ -58,42 +58,42 @@ def test_the_fast_analysis_compilations_give_the_default_figures(name: str, limi
     w, est = small_estimate(name, limit, accumulation=False)
     assert est.single_points
     for p in est.single_points:
-        update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=p.microbatch)
-        reference = step_memory(update, w.params, w.batch, p.microbatch)
+        update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=p.microbatch_size)
+        reference = step_memory(update, w.params, w.batch, p.microbatch_size)
         assert 0 <= p.peak_bytes - reference.peak_bytes <= 0.005 * reference.peak_bytes + 16 * 2**10, (p, reference)
         assert p.flops == pytest.approx(reference.flops, rel=1e-4, abs=0), (p, reference)
 
 
 def test_accumulating_steps_match_xla_at_the_planned_microbatch() -> None:
     w, est = small_estimate("cnn", "64MiB")
-    plan = est.plan_for(1000, "24MiB")
+    plan = est.capacity(1000, "24MiB")
     assert plan.fits and not plan.fits_in_one_step and plan.accumulation_steps > 1
-    assert plan.peak_bytes <= plan.usable_bytes
-    assert plan.accumulation_steps == est.accumulation_steps(1000) or est.memory_limit_bytes != plan.usable_bytes
+    assert plan.peak_bytes <= plan.memory_limit_bytes
+    assert plan.accumulation_steps == est.accumulation_steps(1000) or est.memory_limit_bytes != plan.memory_limit_bytes
     update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=plan.microbatch_size)
     truth = step_memory(update, w.params, w.batch, 1000).peak_bytes
     predicted = est.bytes_at(plan.microbatch_size, 1000, runtime=False)
     assert abs(predicted - truth) <= 0.05 * truth, (predicted, truth)
-    accumulating = [p for p in est.points if p.batch_size > p.microbatch]
+    accumulating = [p for p in est.points if p.batch_size > p.microbatch_size]
     assert len(accumulating) == 3
     for p in accumulating:  # compiled with XLA's default emitters: exactly its figure
-        update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=p.microbatch)
+        update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=p.microbatch_size)
         assert p.peak_bytes == step_memory(update, w.params, w.batch, p.batch_size).peak_bytes
 
 
 def test_plans_for_catalogued_accelerators() -> None:
     _, est = small_estimate("cnn", "64MiB")
-    a100 = est.plan_for(1024, "A100-40GB")
+    a100 = est.capacity(1024, "A100-40GB")
     assert a100.fits_in_one_step and (a100.microbatch_size, a100.accumulation_steps) == (1024, 1)
     assert a100.step_seconds is not None and 0 < a100.step_seconds < 1 and a100.bound is not None
     assert a100.peak_bytes == est.bytes_at(1024, runtime=False)  # a GPU's runtime is XLA's accounting
-    t4 = est.plan_for(1024, "T4")
+    t4 = est.capacity(1024, "T4")
     assert t4.step_seconds is not None and t4.step_seconds > a100.step_seconds  # slower card, same work
-    tight = est.plan_for(1024, Target.memory("48MiB"))
+    tight = est.capacity(1024, Target.memory_limit("48MiB"))
     assert tight.fits and tight.accumulation_steps > 1 and tight.step_seconds is None
     assert tight.microbatch_size * tight.accumulation_steps >= 1024 and tight.peak_bytes <= 48 * 2**20
     assert tight.to_dict()["bound"] is None
-    nothing = est.plan_for(64, "4MiB")
+    nothing = est.capacity(64, "4MiB")
     assert not nothing.fits and nothing.accumulation_steps == 0 and nothing.max_microbatch == 0
 
 
@@ -113,11 +113,11 @@ def test_a_speed_up_option_this_jaxlib_lacks_is_dropped_a_users_is_not(monkeypat
 def test_bad_input_names_the_argument() -> None:
     w, est = small_estimate("linear", "16MiB", accumulation=False)
     with pytest.raises(ValueError, match="`effective_batch` must be >= 1, got effective_batch=0"):
-        est.plan_for(0, "L4")
+        est.capacity(0, "L4")
     with pytest.raises(UnknownAcceleratorError, match="Did you mean 'A100-40GB'"):
-        est.plan_for(64, "A100-40")
+        est.capacity(64, "A100-40")
     with pytest.raises(ValueError, match="`memory`='12XB' does not parse"):
-        est.plan_for(64, "12XB")
+        est.capacity(64, "12XB")
     with pytest.raises(ValueError, match="accumulation=True"):
         est.bytes_at(8, 64)
     with pytest.raises(ValueError, match="`memory_limit`='lots' does not parse"):
@@ -146,8 +146,8 @@ def test_the_estimate_never_runs_the_step_nor_allocates_the_model(monkeypatch: p
     assert ran == [] and grown < 2**30, grown
     assert est.fixed_bytes > 4 * 8 * 2**30  # params, gradients and two moments
     assert 1000 < est.max_microbatch < 16384
-    assert est.plan_for(4096, "H100").fits_in_one_step  # 56 GiB usable
-    assert not est.plan_for(4096, "L4").fits  # 16.8 GiB usable: not even the state fits
+    assert est.capacity(4096, "H100").fits_in_one_step  # 56 GiB usable
+    assert not est.capacity(4096, "L4").fits  # 16.8 GiB usable: not even the state fits
 
 
 def test_conv_patch_bytes_reads_the_compiled_convolutions() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import signal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,9 @@ import probe_workloads
 import pytest
 
 import autoaccum
-from autoaccum._trial import classify_exit, is_oom
-from autoaccum.probe import Estimate, ProbeError, Trial, TrialRunner, prepare, search
+from autoaccum._isolation import classify_exit
+from autoaccum._probe import ProbeError, Trial, TrialRunner, prepare, search
+from autoaccum._trial import is_oom
 
 
 def fake_device(fixed: float, per: float, boundary: int, noise: float = 0.0, seed: int = 0, page: int = 1):  # type: ignore[no-untyped-def]
@@ -37,9 +39,10 @@ def fake_device(fixed: float, per: float, boundary: int, noise: float = 0.0, see
     return run, limit, runs
 
 
-def model(fixed: float, per: float, limit: int, max_size: int, g: int = 1) -> Estimate:
-    predicted = max(0, min(max_size // g, math.floor((limit - fixed) / per / g))) * g
-    return Estimate((g,), (int(fixed + per * g),), fixed, per, predicted, 0.0)
+def model(fixed: float, per: float, limit: int, cap: int, g: int = 1) -> dict[str, Any]:
+    """What a compile-only estimate tells the search: its answer and its slope."""
+    predicted = max(0, min(cap // g, math.floor((limit - fixed) / per / g))) * g
+    return dict(predicted=predicted, per_example_bytes=per)
 
 
 BOUNDARIES = [1, 2, 3, 7, 64, 100, 999, 4096, 5000, 12345, 16383, 16384]
@@ -69,7 +72,7 @@ def test_search_is_exact_and_spends_few_runs(
     for boundary in BOUNDARIES:
         run, limit, runs = fake_device(fixed, per, boundary, noise, seed=boundary, page=page)
         estimate = model(fixed * (1 + fixed_error), per * (1 + slope_error), limit, 16384)
-        found = search(run, limit=limit, max_size=16384, estimate=estimate)
+        found = search(run, limit=limit, max_microbatch=16384, **estimate)
         assert found == boundary, (boundary, runs)
         assert len(runs) <= most, (boundary, runs)
         assert boundary in runs and (boundary == 16384 or boundary + 1 in runs), runs
@@ -78,35 +81,35 @@ def test_search_is_exact_and_spends_few_runs(
 def test_search_without_an_estimate_still_finds_the_boundary() -> None:
     for boundary in BOUNDARIES:
         run, limit, runs = fake_device(5e6, 16384.0, boundary)
-        assert search(run, limit=limit, max_size=16384) == boundary, runs
+        assert search(run, limit=limit, max_microbatch=16384) == boundary, runs
         assert len(runs) <= 20
 
 
 def test_search_granularity_max_size_and_nothing_fits() -> None:
     run, limit, runs = fake_device(1e6, 1000.0, 1234)
-    assert search(run, limit=limit, max_size=4096, granularity=8, estimate=model(1e6, 1000.0, limit, 4096, 8)) == 1232
+    assert search(run, limit=limit, max_microbatch=4096, granularity=8, **model(1e6, 1000.0, limit, 4096, 8)) == 1232
     assert all(m % 8 == 0 for m in runs) and {1232, 1240} <= set(runs)
     run, limit, runs = fake_device(1e6, 1000.0, 50_000)
-    assert search(run, limit=limit, max_size=300, estimate=model(1e6, 1000.0, limit, 300)) == 300
+    assert search(run, limit=limit, max_microbatch=300, **model(1e6, 1000.0, limit, 300)) == 300
     assert max(runs) == 300
     run, limit, runs = fake_device(1e6, 1000.0, 5)
-    assert search(run, limit=limit, max_size=4096, granularity=8) == 0
+    assert search(run, limit=limit, max_microbatch=4096, granularity=8) == 0
     assert runs == [8]
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_size=0), "`max_size` must be >= 1"),
+        (dict(max_microbatch=0), "`max_microbatch` must be >= 1"),
         (dict(granularity=0), "`granularity` must be >= 1"),
-        (dict(granularity=64, max_size=8), "below `granularity`"),
+        (dict(granularity=64, max_microbatch=8), "below `granularity`"),
         (dict(memory_limit="lots"), "`memory_limit`='lots' does not parse"),
         (dict(memory_limit=-5), "`memory_limit` must be positive"),
         (dict(memory_limit=1000), r"alone need: .*\(16388 bytes\)"),
         (dict(strategy="nope"), "unknown `strategy`"),
     ],
-    ids=["max_size", "granularity", "granularity-above-max", "unparsable-limit", "negative-limit", "limit-below-state",
-         "strategy"],
+    ids=["max_microbatch", "granularity", "granularity-above-max", "unparsable-limit", "negative-limit",
+         "limit-below-state", "strategy"],
 )  # fmt: skip
 def test_bad_input_is_refused_before_anything_runs(kwargs: dict, match: str) -> None:
     loss_fn, params, batch = probe_workloads.linear()
@@ -156,8 +159,8 @@ def test_an_unlabelled_xla_error_under_the_cpu_cap_counts_only_if_it_runs_withou
 def test_in_process_probe_leaves_the_callers_arrays_alone() -> None:
     loss_fn, params, batch = probe_workloads.linear(features=8)
     before = jax.tree.map(np.array, (params, batch))
-    result = autoaccum.probe(loss_fn, params, batch, memory_limit="512MiB", max_size=48, isolate=False)
-    assert result.max_microbatch == 48 and result.reached_max_size
+    result = autoaccum.probe(loss_fn, params, batch, memory_limit="512MiB", max_microbatch=48, isolate=False)
+    assert result.max_microbatch == 48 and result.reached_cap
     assert result.runs <= 3 and all(t.fits for t in result.trials)
     jax.tree.map(np.testing.assert_array_equal, before, (params, batch))
     assert float(jnp.sum(params["w"])) == 0.0  # still alive: nothing was donated
@@ -178,7 +181,7 @@ def test_probe_finds_the_exact_boundary_under_a_real_cap() -> None:
     # 12 KiB above 100 MiB: each example needs 16 KiB, and at 100 MiB exactly the boundary's step needs 4 KiB
     # more than the cap when run uncapped, so a separate run could land either side; here both sides have 8 KiB.
     limit = 100 * 2**20 + 12 * 2**10
-    kwargs = dict(optimizer=optax.sgd(0.1), memory_limit=limit, max_size=16384)
+    kwargs = dict(optimizer=optax.sgd(0.1), memory_limit=limit, max_microbatch=16384)
     result = autoaccum.probe(loss_fn, params, batch, progress=seen.append, **kwargs)
     m = result.max_microbatch
     assert 5000 < m < 6500, result  # 16 KiB of input per example under 100 MiB (plus slack already mapped)
@@ -196,7 +199,7 @@ def test_probe_with_granularity_and_the_loop_strategy() -> None:
     # when run uncapped and still fit under it, by a hair, so a separate run could land either side.
     limit = 48 * 2**20 + 2**16
     loss_fn, params, batch = probe_workloads.linear()
-    kwargs = dict(optimizer=optax.adam(1e-3), memory_limit=limit, max_size=8192, granularity=8, strategy="loop")
+    kwargs = dict(optimizer=optax.adam(1e-3), memory_limit=limit, max_microbatch=8192, granularity=8, strategy="loop")
     result = autoaccum.probe(loss_fn, params, batch, **kwargs)
     m = result.max_microbatch
     assert m > 0 and m % 8 == 0 and result.runs <= 8, result.trials
@@ -211,7 +214,7 @@ def test_the_caller_survives_a_child_that_aborts() -> None:
     _, params, batch = probe_workloads.linear(features=64)
     with pytest.raises(ProbeError, match="SIGABRT") as info:
         autoaccum.probe(
-            probe_workloads.abort_past_64, params, batch, memory_limit="256MiB", max_size=128, granularity=32
+            probe_workloads.abort_past_64, params, batch, memory_limit="256MiB", max_microbatch=128, granularity=32
         )
     crash = info.value.trial
     assert crash.microbatch_size > 64 and not crash.fits and crash.error is not None
@@ -222,7 +225,7 @@ def test_a_trial_error_is_reported_not_taken_for_too_big() -> None:
     _, params, batch = probe_workloads.linear(features=64)
     with pytest.raises(ProbeError, match="refuses batches above 64"):
         autoaccum.probe(
-            probe_workloads.raise_past_64, params, batch, memory_limit="256MiB", max_size=128, granularity=32
+            probe_workloads.raise_past_64, params, batch, memory_limit="256MiB", max_microbatch=128, granularity=32
         )
 
 
@@ -236,7 +239,7 @@ def test_nothing_fits_returns_zero() -> None:
 @pytest.mark.gpu
 def test_probe_on_a_gpu_under_a_cap() -> None:
     loss_fn, params, batch = probe_workloads.linear()
-    kwargs = dict(optimizer=optax.sgd(0.1), memory_limit="1GiB", max_size=1 << 17)
+    kwargs = dict(optimizer=optax.sgd(0.1), memory_limit="1GiB", max_microbatch=1 << 17)
     result = autoaccum.probe(loss_fn, params, batch, **kwargs)
     m = result.max_microbatch
     assert result.device.platform == "gpu" and 0 < m < 1 << 17 and result.runs <= 8

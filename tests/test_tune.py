@@ -12,10 +12,9 @@ import optax
 import pytest
 
 import autoaccum
-from autoaccum import workloads
-from autoaccum.plan import Plan
-from autoaccum.tune import Timing, TrialFailed, microbatch_candidates, tune, variants
-from autoaccum.update import Update
+from autoaccum import Plan, Update, tune, workloads
+from autoaccum._tune.space import microbatch_candidates, variants
+from autoaccum._tune.timing import Timing, TrialFailed
 
 
 def fake_measure(calls: list[tuple[int, str, tuple[Any, ...]]] | None = None, fail_from: int | None = None) -> Any:

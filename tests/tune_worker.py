@@ -13,9 +13,8 @@ from typing import Any
 
 import jax
 
-from autoaccum import workloads
-from autoaccum.tune import Timing, tune
-from autoaccum.update import Update
+from autoaccum import Update, tune, workloads
+from autoaccum._tune.timing import Timing
 
 
 def main(storage: str, out: str) -> None:
