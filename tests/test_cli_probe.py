@@ -51,7 +51,7 @@ def test_probe_human_output_and_nothing_fits_exits_1() -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["no_such_module_xyz:f"], "cannot be imported"),
+        (["no_such_module_xyz:f"], "cannot be found"),
         (["probe_workloads:nope"], "has no function 'nope'"),
         (["probe_workloads:not_a_workload"], "returned int, not an autoaccum.Workload"),
         (["missing/file.py:f"], "does not exist"),

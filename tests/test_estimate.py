@@ -98,7 +98,7 @@ def test_plans_for_catalogued_accelerators() -> None:
 
 
 def test_a_speed_up_option_this_jaxlib_lacks_is_dropped_a_users_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = importlib.import_module("autoaccum.estimate")
+    module = importlib.import_module("autoaccum._estimate")
     monkeypatch.setitem(module.CPU_SINGLE_STEP_OPTIONS, "xla_cpu_option_from_another_jaxlib", True)
     loss_fn = lambda w, b: jnp.mean(b @ w)  # noqa: E731
     est = autoaccum.estimate(loss_fn, jnp.zeros(64), jnp.ones((4, 64)), optimizer=optax.sgd(0.1), memory_limit="32MiB")
@@ -116,14 +116,16 @@ def test_bad_input_names_the_argument() -> None:
         est.capacity(0, "L4")
     with pytest.raises(UnknownAcceleratorError, match="Did you mean 'A100-40GB'"):
         est.capacity(64, "A100-40")
-    with pytest.raises(ValueError, match="`memory`='12XB' does not parse"):
+    with pytest.raises(ValueError, match="`memory_limit`='12XB' does not parse"):
         est.capacity(64, "12XB")
     with pytest.raises(ValueError, match="accumulation=True"):
         est.bytes_at(8, 64)
     with pytest.raises(ValueError, match="`memory_limit`='lots' does not parse"):
-        autoaccum.estimate(w.loss_fn, w.params, w.batch, memory_limit="lots")
+        autoaccum.estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="lots")
+    with pytest.raises(TypeError, match="`optimizer` is required"):
+        autoaccum.estimate(w.loss_fn, w.params, w.batch, optimizer=None, memory_limit="1GiB")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown `strategy` 'fast'"):
-        autoaccum.estimate(w.loss_fn, w.params, w.batch, memory_limit="1GiB", strategy="fast")
+        autoaccum.estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="1GiB", strategy="fast")
 
 
 def test_the_estimate_never_runs_the_step_nor_allocates_the_model(monkeypatch: pytest.MonkeyPatch) -> None:

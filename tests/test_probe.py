@@ -159,7 +159,9 @@ def test_an_unlabelled_xla_error_under_the_cpu_cap_counts_only_if_it_runs_withou
 def test_in_process_probe_leaves_the_callers_arrays_alone() -> None:
     loss_fn, params, batch = probe_workloads.linear(features=8)
     before = jax.tree.map(np.array, (params, batch))
-    result = autoaccum.probe(loss_fn, params, batch, memory_limit="512MiB", max_microbatch=48, isolate=False)
+    result = autoaccum.probe(
+        loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="512MiB", max_microbatch=48, isolate=False
+    )
     assert result.max_microbatch == 48 and result.reached_cap
     assert result.runs <= 3 and all(t.fits for t in result.trials)
     jax.tree.map(np.testing.assert_array_equal, before, (params, batch))
@@ -214,8 +216,9 @@ def test_the_caller_survives_a_child_that_aborts() -> None:
     _, params, batch = probe_workloads.linear(features=64)
     with pytest.raises(ProbeError, match="SIGABRT") as info:
         autoaccum.probe(
-            probe_workloads.abort_past_64, params, batch, memory_limit="256MiB", max_microbatch=128, granularity=32
-        )
+            probe_workloads.abort_past_64, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB",
+            max_microbatch=128, granularity=32,
+        )  # fmt: skip
     crash = info.value.trial
     assert crash.microbatch_size > 64 and not crash.fits and crash.error is not None
     assert all(t.fits for t in info.value.trials[:-1])
@@ -225,8 +228,9 @@ def test_a_trial_error_is_reported_not_taken_for_too_big() -> None:
     _, params, batch = probe_workloads.linear(features=64)
     with pytest.raises(ProbeError, match="refuses batches above 64"):
         autoaccum.probe(
-            probe_workloads.raise_past_64, params, batch, memory_limit="256MiB", max_microbatch=128, granularity=32
-        )
+            probe_workloads.raise_past_64, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB",
+            max_microbatch=128, granularity=32,
+        )  # fmt: skip
 
 
 def test_nothing_fits_returns_zero() -> None:

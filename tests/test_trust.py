@@ -89,7 +89,7 @@ def test_warm_start_enqueues_the_largest_candidate() -> None:
         max_microbatch=96, strategies=["scan", "loop"], n_trials=3, storage=":memory:",
         measure=constant_measure(calls),
     )  # fmt: skip
-    assert calls[:2] == [(96, "scan"), (96, "loop")]
+    assert [m for m, _ in calls[:3]] == [96, 96, 96]  # scan, scan:unroll=2, loop: each at the largest
 
 
 # 4. Big models: a trial's payload carries shapes, not the parameters' values.

@@ -81,6 +81,7 @@ def test_small_space_is_covered_completely(linear: autoaccum.Workload) -> None:
         linear.loss_fn,
         linear.params,
         linear.batch,
+        optimizer=linear.optimizer,
         max_microbatch=4,
         storage=":memory:",
         measure=fake_measure(calls),
@@ -91,6 +92,7 @@ def test_small_space_is_covered_completely(linear: autoaccum.Workload) -> None:
         linear.loss_fn,
         linear.params,
         linear.batch,
+        optimizer=linear.optimizer,
         max_microbatch=4,
         storage=":memory:",
         n_trials=16,
@@ -110,6 +112,7 @@ def test_never_times_a_size_above_the_bound(linear: autoaccum.Workload) -> None:
         linear.loss_fn,
         linear.params,
         linear.batch,
+        optimizer=linear.optimizer,
         max_microbatch=6,
         n_trials=10,
         storage=":memory:",
@@ -125,6 +128,7 @@ def test_same_seed_same_plan(linear: autoaccum.Workload) -> None:
             linear.loss_fn,
             linear.params,
             linear.batch,
+            optimizer=linear.optimizer,
             max_microbatch=24,
             n_trials=10,
             storage=":memory:",
@@ -145,6 +149,7 @@ def test_failed_trials_do_not_stop_the_study(linear: autoaccum.Workload) -> None
         linear.loss_fn,
         linear.params,
         linear.batch,
+        optimizer=linear.optimizer,
         max_microbatch=12,
         n_trials=12,
         storage=":memory:",
@@ -163,6 +168,7 @@ def test_every_trial_failing_is_an_error(linear: autoaccum.Workload) -> None:
             linear.loss_fn,
             linear.params,
             linear.batch,
+            optimizer=linear.optimizer,
             max_microbatch=2,
             storage=":memory:",
             measure=fake_measure(fail_from=1),
@@ -181,17 +187,21 @@ def test_interrupted_tune_resumes_without_rerunning(linear: autoaccum.Workload, 
 
     kwargs: dict[str, Any] = dict(max_microbatch=4, n_trials=16, storage=storage, study_name="resume")
     with pytest.raises(KeyboardInterrupt):
-        tune(linear.loss_fn, linear.params, linear.batch, measure=interrupting, **kwargs)
+        tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, measure=interrupting, **kwargs)
     assert len(first) == 5
 
     second: list[Any] = []
-    result = tune(linear.loss_fn, linear.params, linear.batch, measure=fake_measure(second), **kwargs)
+    result = tune(
+        linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, measure=fake_measure(second), **kwargs
+    )
     assert not set(first) & set(second)  # nothing measured in the first run is measured again
     assert len(first) + len(second) == 16  # and the whole grid got measured, the interrupted point included
     assert sum(r.state == "COMPLETE" for r in result.trials) == 16
 
     third: list[Any] = []  # a finished study: nothing left to run
-    again = tune(linear.loss_fn, linear.params, linear.batch, measure=fake_measure(third), **kwargs)
+    again = tune(
+        linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, measure=fake_measure(third), **kwargs
+    )
     assert third == []
     assert again.plan == result.plan
 
@@ -207,6 +217,7 @@ def test_effective_batch_larger_than_the_example_batch(linear: autoaccum.Workloa
         linear.loss_fn,
         linear.params,
         linear.batch,
+        optimizer=linear.optimizer,
         effective_batch=50,
         max_microbatch=16,
         n_trials=3,
@@ -223,6 +234,7 @@ def test_plan_round_trip_and_build(linear: autoaccum.Workload, tmp_path: Path) -
         linear.loss_fn,
         linear.params,
         linear.batch,
+        optimizer=linear.optimizer,
         max_microbatch=8,
         n_trials=3,
         storage=":memory:",
@@ -248,7 +260,7 @@ def test_plan_file_errors(linear: autoaccum.Workload, tmp_path: Path) -> None:
         Plan.load(corrupt)
     other = tmp_path / "other.json"
     other.write_text('{"hello": 1}')
-    with pytest.raises(ValueError, match="is not an autoaccum plan"):
+    with pytest.raises(ValueError, match="is not an autoaccum Plan"):
         Plan.load(other)
 
     plan = Plan(10, 4, 3, "scan", params={"['w']": "float32[16]", "['b']": "float32[]"})
@@ -278,6 +290,7 @@ def test_bad_input_fails_before_any_trial(
             linear.loss_fn,
             linear.params,
             linear.batch,
+            optimizer=linear.optimizer,
             max_microbatch=4,
             measure=fake_measure(calls),
             **{"storage": ":memory:", **kwargs},
@@ -288,7 +301,15 @@ def test_bad_input_fails_before_any_trial(
 def test_unopenable_sqlite_path(linear: autoaccum.Workload, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'x.db'}"
     with pytest.raises(ValueError, match="cannot be opened"):
-        tune(linear.loss_fn, linear.params, linear.batch, max_microbatch=4, storage=url, measure=fake_measure())
+        tune(
+            linear.loss_fn,
+            linear.params,
+            linear.batch,
+            optimizer=linear.optimizer,
+            max_microbatch=4,
+            storage=url,
+            measure=fake_measure(),
+        )
 
 
 def test_two_workers_share_one_study(tmp_path: Path) -> None:

@@ -28,8 +28,8 @@ def main(storage: str, out: str) -> None:
         return Timing(seconds_per_step=0.01 * steps + 0.001 * update.microbatch_size, compile_seconds=0.1, steps=5)
 
     result = tune(
-        w.loss_fn, w.params, w.batch, max_microbatch=4, n_trials=16, storage=storage, study_name="shared",
-        measure=measure,
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=4, n_trials=16, storage=storage,
+        study_name="shared", measure=measure,
     )  # fmt: skip
     print(json.dumps({"microbatch_size": result.plan.microbatch_size, "strategy": result.plan.strategy}))
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import click
-import optuna
 
 from autoaccum import strategies as strategies_lib
 from autoaccum.cli._common import resolve_workload, workload_arguments
@@ -38,7 +36,10 @@ params, opt_state, loss = update(params, opt_state, batch)   # batch: {batch} ex
     "--storage",
     help="Optuna storage: an RDB URL, or :memory: [default: sqlite file in ~/.cache/autoaccum/studies.db].",
 )
-@click.option("--study-name", help="Optuna study name [default: derived from the workload, so re-runs resume].")
+@click.option(
+    "--study-name", help="Optuna study name [default: a fingerprint of the update program, so re-runs resume]."
+)
+@click.option("--fresh", is_flag=True, help="Start the study anew, deleting its earlier trials.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed.")
 @click.option("--max-microbatch", type=click.IntRange(min=1), help="Skip the probe; use this bound instead.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Save the best plan as JSON here.")
@@ -54,6 +55,7 @@ def tune(
     timeout: float | None,
     storage: str | None,
     study_name: str | None,
+    fresh: bool,
     seed: int,
     max_microbatch: int | None,
     out: Path | None,
@@ -78,7 +80,6 @@ def tune(
         _require_matplotlib()
     w = resolve_workload(workload, demo)
     console = Console(stderr=as_json, quiet=as_json)
-    optuna.logging.set_verbosity(optuna.logging.ERROR)  # the table below reports every trial
     console.print(f"[bold]workload[/] {w.name}: effective batch {effective_batch or w.batch_size}")
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
@@ -102,6 +103,7 @@ def tune(
                 timeout=timeout,
                 storage=storage,
                 study_name=study_name,
+                fresh=fresh,
                 seed=seed,
                 has_aux=w.has_aux,
                 max_microbatch=max_microbatch,
@@ -120,7 +122,7 @@ def tune(
     if plot is not None:
         _plot(result.trials, plot)
     if as_json:
-        click.echo(json.dumps(_as_dict(result), indent=2, default=str))
+        click.echo(result.to_json())
         return
     _print_table(console, result)
     plan = result.plan
@@ -130,7 +132,7 @@ def tune(
         f"{plan.throughput:,.1f} examples/s on {plan.device}",
         soft_wrap=True,
     )
-    console.print(f"study {result.study_name!r} in {result.storage}")
+    console.print(f"{result.message}; stored in {result.storage}", highlight=False)
     if out is not None:
         console.print(f"plan saved to {out}\n")
         console.print(
@@ -165,27 +167,6 @@ def _print_table(console: Any, result: Any) -> None:
             r.state if r.reason is None else f"{r.state}: {r.reason[:60]}",
         )
     console.print(table)
-
-
-def _as_dict(result: Any) -> dict[str, Any]:
-    return {
-        "plan": json.loads(result.plan.to_json()),
-        "trials": [dataclasses.asdict(r) for r in result.trials],
-        "probe": None if result.probe is None else _jsonable(result.probe),
-        "study_name": result.study_name,
-        "storage": result.storage,
-    }
-
-
-def _jsonable(value: Any) -> Any:
-    to_dict = getattr(value, "to_dict", None)
-    if callable(to_dict):
-        return to_dict()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value if isinstance(value, (str, int, float, bool, type(None), dict)) else str(value)
 
 
 def _require_matplotlib() -> None:
