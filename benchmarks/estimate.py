@@ -26,7 +26,7 @@ import autoaccum
 from autoaccum import workloads
 
 CAPS = {"mlp": "48MiB", "cnn": "96MiB", "transformer": "256MiB"}
-"""Per workload, a cap whose boundary lies well inside the probe's range (its max_size is 16384)."""
+"""Per workload, a cap whose boundary lies well inside the probe's range (its max_microbatch is 16384)."""
 
 NO_YNN = "xla_cpu_experimental_ynn_fusion_type"
 

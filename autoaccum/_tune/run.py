@@ -46,6 +46,7 @@ def _versions() -> dict[str, str]:
     }  # fmt: skip
 
 
+@quiet_optuna()
 def tune(
     loss_fn: Callable[..., Any],
     params: PyTree,
@@ -110,36 +111,6 @@ def tune(
       ValueError, TypeError: bad arguments or an unopenable storage, before any trial runs.
       RuntimeError: nothing fits (the probe found no microbatch) or every trial failed.
     """
-    with quiet_optuna():
-        return _tune(
-            loss_fn, params, batch, optimizer=optimizer, effective_batch=effective_batch, strategies=strategies,
-            memory_limit=memory_limit, n_trials=n_trials, timeout=timeout, storage=storage, study_name=study_name,
-            fresh=fresh, seed=seed, has_aux=has_aux, max_microbatch=max_microbatch, trial_timeout=trial_timeout,
-            measure=measure, callbacks=callbacks,
-        )  # fmt: skip
-
-
-def _tune(
-    loss_fn: Callable[..., Any],
-    params: PyTree,
-    batch: PyTree,
-    *,
-    optimizer: optax.GradientTransformation,
-    effective_batch: int | None,
-    strategies: Sequence[str] | None,
-    memory_limit: int | str | None,
-    n_trials: int | None,
-    timeout: float | None,
-    storage: str | optuna.storages.BaseStorage | None,
-    study_name: str | None,
-    fresh: bool,
-    seed: int,
-    has_aux: bool,
-    max_microbatch: int | None,
-    trial_timeout: float | None,
-    measure: Callable[[Update, PyTree, PyTree], Timing] | None,
-    callbacks: Sequence[Callable[[TrialRecord, int, int], None]],
-) -> TuneResult:
     batch_size = leading_size(batch)
     check_loss_fn(loss_fn)
     check_optimizer(optimizer)

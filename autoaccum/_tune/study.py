@@ -93,7 +93,8 @@ def fingerprint(program_text: str, context: dict[str, Any]) -> str:
 @contextlib.contextmanager
 def quiet_optuna() -> Iterator[None]:
     """Optuna's per-trial INFO lines (``[I ...] Trial 3 finished ...``) are not printed while the tuner runs;
-    the verbosity the user had is restored after. The tuner reports trials through its callbacks."""
+    the verbosity the user had is restored after. The tuner reports trials through its callbacks. Usable as a
+    decorator too (``@quiet_optuna()``)."""
     before = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(max(before, optuna.logging.WARNING))
     try:
