@@ -16,8 +16,9 @@ The measurements are fitted to a model of fixed + per-example bytes:
   resident on the device (with any copy of it the strategy makes).
 
 On the CPU, the prediction for this machine adds what XLA's CPU runtime allocates outside its accounting
-(`runtime_bytes`: a fixed few MiB, and the patches a convolution materialises), so that it compares with
-what `autoaccum.probe` measures; plans for a catalogued GPU or TPU use XLA's figure alone.
+(`runtime_bytes`: a fixed few MiB, and what a convolution materialises: Eigen's patches, or with YNNPACK, XLA:CPU's
+default, the padded input and the packed right-hand side; `conv_patch_bytes` reads which from the compiled HLO),
+so that it compares with what `autoaccum.probe` measures; plans for a catalogued GPU or TPU use XLA's figure alone.
 
 Step times come from ``Compiled.cost_analysis()`` (FLOPs and bytes accessed per microbatch, and for the
 optimizer step) against an accelerator's peak FLOP/s and bandwidth: a roofline *estimate* (a lower bound
@@ -123,7 +124,11 @@ class Estimate(JsonMixin):
       points: every measurement, one-microbatch steps (``batch_size == microbatch_size``) and accumulating ones.
       accumulation_bytes: extra fixed bytes of an accumulating step (the accumulator, the loop's carry).
       per_batch_example_bytes: extra bytes per example of the whole batch in an accumulating step.
-      remainder_bytes_per_example: extra bytes per example of a smaller last microbatch.
+      remainder_bytes_per_example: extra bytes per example of an uneven split's smaller last microbatch.
+      accumulation_runtime_bytes_per_example: what the runtime needs beyond XLA's accounting in an
+        accumulating step, less what it needs in a one-microbatch step, per microbatch example (those three
+        above are XLA's figures alone). On the CPU the convolutions inside the accumulation loop get layouts
+        YNNPACK does not take and run on Eigen, with its patches, where a one-microbatch step's run on YNNPACK.
       cost: XLA's cost analysis fitted per example, for roofline step times (`StepCost`).
       microbatch_cap: microbatch sizes considered are at most this (the ``max_microbatch`` it was given).
       platform: the backend the step was compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
@@ -141,6 +146,7 @@ class Estimate(JsonMixin):
     microbatch_cap: int
     platform: str
     seconds: float
+    accumulation_runtime_bytes_per_example: float = 0.0
 
     json_format = "autoaccum.estimate/1"
     json_properties = ("fixed_bytes", "per_example_bytes", "max_microbatch")
@@ -209,6 +215,8 @@ class Estimate(JsonMixin):
                 )
             peak += self.accumulation_bytes + self.per_batch_example_bytes * total
             peak += (self.remainder_bytes_per_example or 0.0) * (total % m)
+            if runtime:
+                peak += self.accumulation_runtime_bytes_per_example * m
         return math.ceil(peak)
 
     def largest_microbatch(
@@ -313,17 +321,51 @@ thread-local malloc arenas and bookkeeping. Measured once (jax 0.10.2, x86-64 Li
 XLA's figure at the smallest sizes of the MLP, CNN and transformer workloads."""
 
 _SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(\w+)\[([0-9,]*)\]")
-_CONV = re.compile(r"convolution\(%([^\s,)]+),.*?window=\{size=([0-9x]+)[^}]*\}.*?dim_labels=(\w+)_(\w+)->(\w+)")
+_CONV = re.compile(r"convolution\(%([^\s,)]+),\s*%([^\s,)]+)\).*?window=\{([^}]*)\}.*?dim_labels=(\w+)_(\w+)->(\w+)")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
+_CALLS = re.compile(r"calls=%([^\s,)]+)")
+
+YNN_PACK_MIN_ROWS = 61
+"""A YNNPACK dot (a convolution is one over its input's stencil) copies its right-hand side into a packed
+buffer of its own when the product has at least this many rows (output positions): measured on x86-64 with
+jax 0.10.2, a 49 MB right-hand side cost nothing extra at 60 rows and exactly its size from 61 rows up."""
+
+YNN_PACK_MAX_COLUMNS = 128
+"""The packed right-hand side holds at most this many of its columns (output features) at a time: measured,
+``K x min(N, 128)`` elements for N from 16 to 512."""
+
+
+def _ynn_computations(hlo_text: str) -> set[str]:
+    """Names of the computations that XLA:CPU hands to YNNPACK (fusions of kind ``__ynn_fusion``)."""
+    return {m.group(1) for line in hlo_text.splitlines() if "__ynn_fusion" in line for m in _CALLS.finditer(line)}
+
+
+def _window(spec: str, key: str) -> list[str]:
+    """One field of an HLO ``window={...}`` (``size=3x3`` -> ``["3", "3"]``), ``[]`` when absent."""
+    m = re.search(rf"\b{key}=(\S+)", spec)
+    return m.group(1).split("x") if m else []
 
 
 def conv_patch_bytes(hlo_text: str) -> int:
-    """The largest image-patch buffer among the convolutions of a compiled CPU program (0 without any).
+    """The largest buffer a convolution of a compiled CPU program materialises outside XLA's accounting.
 
-    XLA's CPU runtime computes a convolution as a matrix product over its input patches and materialises
-    them (``output positions x window x input features``) outside XLA's buffer assignment; a probe sees it
-    (e.g. 225,792 bytes per example for the CNN's 3x3x32 input-gradient convolution, within 1.5% of the
-    address-space growth measured). With YNNPACK fusions (XLA's CPU default) the real figure varies with
-    the size and is at most about this, so the prediction errs on the safe side.
+    What it is depends on the runtime that computes the convolution, which the compiled HLO text says (0
+    without any convolution):
+
+    * XLA:CPU's Eigen runtime (YNNPACK fusions off, or a convolution YNNPACK does not take, e.g. one with at
+      most 16 input and output features) computes it as a matrix product over its input patches and
+      materialises them: ``output positions x window x input features`` (225,792 bytes per example for the
+      CNN's 3x3x32 input-gradient convolution, within 1.5% of the address-space growth measured);
+    * YNNPACK (a convolution inside a ``__ynn_fusion``, XLA:CPU's default for most float convolutions) reads
+      the patches as a view of its input and materialises only the padded input (when ``pad=`` is not all
+      zero), or else the patches; and its dot packs the right-hand side (the kernel; for a weight gradient,
+      the output gradient, as large as the batch) into ``K x min(N, 128)`` elements when the product has at
+      least `YNN_PACK_MIN_ROWS` rows. Measured per convolution (jax 0.10.2, x86-64): a 3x3 SAME convolution
+      of 1024 x 14x14x64 grew the address space by its 64 MiB padded input beyond XLA's figure, its VALID
+      twin by its 162 MiB of patches, the weight gradient of 1024 x 14x14x32 -> 64 by its 32 MiB padded
+      input plus its 49 MiB output gradient.
+
+    The programs' convolutions run one after the other, so the largest of them counts.
 
     Example:
       >>> text = '''
@@ -331,28 +373,71 @@ def conv_patch_bytes(hlo_text: str) -> int:
       ... %k = f32[3,3,32,16]{3,2,1,0} parameter(1)
       ... %c = f32[8,14,14,16]{3,2,1,0} convolution(%x, %k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
       ... '''
-      >>> conv_patch_bytes(text) == 8 * 14 * 14 * (3 * 3 * 32) * 4
+      >>> conv_patch_bytes(text) == 8 * 14 * 14 * (3 * 3 * 32) * 4  # Eigen: the patches
+      True
+      >>> ynn = '''
+      ... %ynn (p: f32[8,14,14,32], q: f32[3,3,32,64]) -> f32[8,14,14,64] {
+      ...   %p = f32[8,14,14,32] parameter(0)
+      ...   %q = f32[3,3,32,64] parameter(1)
+      ...   ROOT %c = f32[8,14,14,64] convolution(%p, %q), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+      ... }
+      ... ENTRY %main (x: f32[8,14,14,32], k: f32[3,3,32,64]) -> f32[8,14,14,64] {
+      ...   %x = f32[8,14,14,32] parameter(0)
+      ...   %k = f32[3,3,32,64] parameter(1)
+      ...   %f = f32[8,14,14,64] fusion(%x, %k), calls=%ynn, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
+      ... }
+      ... '''
+      >>> conv_patch_bytes(ynn) == 8 * 16 * 16 * 32 * 4 + (3 * 3 * 32) * 64 * 4  # YNNPACK: padded input, packed kernel
       True
     """
+    lines = hlo_text.splitlines()
     shapes: dict[str, tuple[str, list[int]]] = {}
-    for line in hlo_text.splitlines():
+    for line in lines:
         m = _SHAPE.match(line)
         if m:
             shapes[m.group(1)] = (m.group(2), [int(d) for d in m.group(3).split(",") if d])
+    ynn = _ynn_computations(hlo_text)
+    computation = ""
     largest = 0
-    for line in hlo_text.splitlines():
+    for line in lines:
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group(1)
+            continue
         shape, conv = _SHAPE.match(line), _CONV.search(line)
-        if shape is None or conv is None or conv.group(1) not in shapes:
+        if shape is None or conv is None or conv.group(1) not in shapes or conv.group(2) not in shapes:
             continue
         dtype, out_dims = shapes[shape.group(1)]
-        _, lhs_dims = shapes[conv.group(1)]
-        lhs_labels, out_labels = conv.group(3), conv.group(5)
-        if len(lhs_labels) != len(lhs_dims) or len(out_labels) != len(out_dims) or "f" not in lhs_labels:
+        lhs_dtype, lhs_dims = shapes[conv.group(1)]
+        _, rhs_dims = shapes[conv.group(2)]
+        window_spec, lhs_labels, rhs_labels, out_labels = conv.group(3, 4, 5, 6)
+        if (
+            len(lhs_labels) != len(lhs_dims)
+            or len(rhs_labels) != len(rhs_dims)
+            or len(out_labels) != len(out_dims)
+            or "f" not in lhs_labels
+            or "o" not in rhs_labels
+        ):
             continue
         positions = math.prod(d for d, label in zip(out_dims, out_labels, strict=True) if label != "f")
-        window = math.prod(int(w) for w in conv.group(2).split("x"))
-        features = lhs_dims[lhs_labels.index("f")]
-        largest = max(largest, positions * window * features * _itemsize(dtype))
+        window = math.prod(int(w) for w in _window(window_spec, "size"))
+        patches = positions * window * lhs_dims[lhs_labels.index("f")] * _itemsize(dtype)
+        if computation not in ynn:  # Eigen's im2col
+            largest = max(largest, patches)
+            continue
+        pads = [[int(p) for p in pad.split("_")] for pad in _window(window_spec, "pad")]
+        if any(p != 0 for pad in pads for p in pad):
+            padded = [
+                d + (sum(pads[int(label)]) if label.isdigit() and int(label) < len(pads) else 0)
+                for d, label in zip(lhs_dims, lhs_labels, strict=True)
+            ]
+            materialised = math.prod(max(d, 0) for d in padded) * _itemsize(lhs_dtype)
+        else:
+            materialised = patches
+        columns = rhs_dims[rhs_labels.index("o")]
+        depth = math.prod(rhs_dims) // max(columns, 1)
+        packed = depth * min(columns, YNN_PACK_MAX_COLUMNS) * _itemsize(dtype) if positions >= YNN_PACK_MIN_ROWS else 0
+        largest = max(largest, materialised + packed)
     return largest
 
 
@@ -574,16 +659,19 @@ def estimate(
         s2 = _second_size(single1, measurer.state_bytes, limit, largest)
         measurer.measure([(s2, s2)])
         acc_fixed = per_batch = per_remainder = None
+        acc_runtime = 0.0
         if accumulation:
             acc2, acc4, uneven = measurer.measure(sizes[1:])
             # accumulating step at (s1, B) = one-microbatch step at s1 + accumulation_bytes + per_batch * B
+            # (XLA's figures), plus the runtime's difference between the two steps (per microbatch example)
             acc_fixed, per_batch = _affine(
                 [acc2.batch_size, acc4.batch_size],
-                [acc2.total_bytes - single1.total_bytes, acc4.total_bytes - single1.total_bytes],
+                [acc2.peak_bytes - single1.peak_bytes, acc4.peak_bytes - single1.peak_bytes],
             )
-            expected = single1.total_bytes + acc_fixed + per_batch * uneven.batch_size
-            per_remainder = max(0.0, (uneven.total_bytes - expected) / (uneven.batch_size % s1 or 1))
+            expected = single1.peak_bytes + acc_fixed + per_batch * uneven.batch_size
+            per_remainder = max(0.0, (uneven.peak_bytes - expected) / (uneven.batch_size % s1 or 1))
             acc_fixed, per_batch = max(acc_fixed, 0.0), max(per_batch, 0.0)
+            acc_runtime = (max(p.runtime_bytes for p in (acc2, acc4, uneven)) - single1.runtime_bytes) / s1
         opt = opt_future.result()
 
         def current() -> Estimate:
@@ -602,6 +690,7 @@ def estimate(
                 accumulation_bytes=acc_fixed,
                 per_batch_example_bytes=per_batch,
                 remainder_bytes_per_example=per_remainder,
+                accumulation_runtime_bytes_per_example=acc_runtime,
                 cost=StepCost(
                     flops_fixed=flops_fixed,
                     flops_per_example=flops_slope,

@@ -102,6 +102,28 @@ def cnn(batch_size: int = 64, seed: int = 0) -> Workload:
     return _image_classifier(CNN(rngs=nnx.Rngs(seed)), "cnn", batch_size, seed)
 
 
+class MnistCNN(nnx.Module):
+    """flax's examples/mnist CNN: Conv 32 3x3, ReLU, 2x2 average pool, Conv 64 3x3, ReLU, 2x2 average pool,
+    Dense 256, ReLU, Dense 10."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
+        self.dense1 = nnx.Linear(7 * 7 * 64, 256, rngs=rngs)
+        self.dense2 = nnx.Linear(256, 10, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nnx.avg_pool(nnx.relu(self.conv1(x)), window_shape=(2, 2), strides=(2, 2))
+        x = nnx.avg_pool(nnx.relu(self.conv2(x)), window_shape=(2, 2), strides=(2, 2))
+        x = nnx.relu(self.dense1(x.reshape(x.shape[0], -1)))
+        return self.dense2(x)
+
+
+def mnist(batch_size: int = 64, seed: int = 0) -> Workload:
+    """flax's MNIST CNN on 28x28x1 images with 10 classes, Adam(1e-3)."""
+    return _image_classifier(MnistCNN(rngs=nnx.Rngs(seed)), "mnist", batch_size, seed)
+
+
 class Block(nnx.Module):
     """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x)), causal."""
 
@@ -166,5 +188,6 @@ BUILTIN: dict[str, Callable[..., Workload]] = {
     "mlp": mlp,
     "linear": linear,
     "cnn": cnn,
+    "mnist": mnist,
     "transformer": transformer,
 }

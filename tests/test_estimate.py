@@ -20,14 +20,13 @@ from autoaccum._memory import step_memory
 from autoaccum._probe import Trial, TrialRunner, prepare
 
 NO_YNN = "xla_cpu_experimental_ynn_fusion_type"
-"""XLA's CPU YNNPACK fusions (on by default) allocate their own workspace, outside XLA's accounting and
-concurrently: for convolutions it jumps irregularly with the batch (the CNN's measured peaks are not even
-monotone: 512 examples used less than 384), and for the transformer's large dots a capped run's peak varies
-from run to run (the probe's docs: 188 to 267 MB for one size). The CNN and transformer comparisons turn them
-off, in the estimate's compilations and in the probe's trials alike; XLA:CPU's own runtime is then regular
-(and materialises convolution patches, which the estimate models). The MLP's small dots are stable with them."""
+"""XLA's CPU YNNPACK fusions (on by default) allocate their own workspace outside XLA's accounting. For
+convolutions the estimate models it from the compiled HLO (`conv_patch_bytes`), so the CNN is compared with
+XLA's default flags, as users run. For the transformer's large dots a capped run's peak varies from run to run
+(the probe's docs: 188 to 267 MB for one size), so that comparison turns them off, in the estimate's
+compilations and in the probe's trials alike. The MLP's small dots are stable with them."""
 
-WITHOUT_YNN = {"cnn", "transformer"}
+WITHOUT_YNN = {"transformer"}
 
 
 def small_estimate(name: str, limit: str, **kwargs: object) -> tuple[autoaccum.Workload, Estimate]:
@@ -161,6 +160,33 @@ def test_conv_patch_bytes_reads_the_compiled_convolutions() -> None:
     text = conv.lower(x, k).compile().as_text()
     assert conv_patch_bytes(text) == 8 * 28 * 28 * 3 * 3 * 3 * 4
     assert conv_patch_bytes("") == 0
+
+
+def _conv(x: jax.Array, k: jax.Array, padding: str = "SAME") -> jax.Array:
+    return jax.lax.conv_general_dilated(x, k, (1, 1), padding, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def test_conv_patch_bytes_counts_what_ynnpack_materialises_not_the_patches() -> None:
+    """With XLA's default flags, a convolution with more than 16 features runs in a YNNPACK fusion, which
+    materialises its padded input (or, unpadded, its patches) and packs its right-hand side, not Eigen's
+    patches; with YNNPACK off the same convolution counts its patches again (read from the HLO text)."""
+    x = jax.ShapeDtypeStruct((8, 14, 14, 32), jnp.float32)
+    k = jax.ShapeDtypeStruct((3, 3, 32, 64), jnp.float32)
+    same, valid = jax.jit(_conv), jax.jit(lambda x, k: _conv(x, k, "VALID"))
+    text = same.lower(x, k).compile().as_text()
+    if "__ynn_fusion" not in text:
+        pytest.skip("this jaxlib's XLA:CPU does not hand the convolution to YNNPACK")
+    kernel = 3 * 3 * 32 * 64 * 4  # packed: 8 x 14 x 14 output rows >= YNN_PACK_MIN_ROWS
+    assert conv_patch_bytes(text) == 8 * 16 * 16 * 32 * 4 + kernel  # the padded input, not the patches
+    assert conv_patch_bytes(valid.lower(x, k).compile().as_text()) == 8 * 12 * 12 * 3 * 3 * 32 * 4 + kernel
+    off = same.lower(x, k).compile(compiler_options={NO_YNN: ""}).as_text()
+    assert "__ynn_fusion" not in off and conv_patch_bytes(off) == 8 * 14 * 14 * 3 * 3 * 32 * 4
+    # the weight gradient: the output gradient [14, 14, 64 examples, 64] is the dot's packed right-hand side
+    x64 = jax.ShapeDtypeStruct((64, 14, 14, 32), jnp.float32)
+    dy = jax.ShapeDtypeStruct((64, 14, 14, 64), jnp.float32)
+    grad = jax.jit(lambda x, k, dy: jax.vjp(lambda k: _conv(x, k), k)[1](dy)[0])
+    text = grad.lower(x64, k, dy).compile().as_text()
+    assert conv_patch_bytes(text) == 32 * 16 * 16 * 64 * 4 + 14 * 14 * 64 * 64 * 4
 
 
 # -- against the probe: the estimate's answer within 20% of what real capped runs find -------------------------
