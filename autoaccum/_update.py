@@ -16,8 +16,7 @@ import optax
 
 from autoaccum import strategies
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
-from autoaccum.strategies import Program, PyTree, Spec, Strategy, check_params, leading_size
-from autoaccum.strategies._base import LossReduction
+from autoaccum.strategies import LossReduction, Program, PyTree, Spec, Strategy, check_params, leading_size
 
 
 class _Missing:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from autoaccum.strategies._base import (
     Accum,
+    LossReduction,
     OutDtypes,
     Program,
     PyTree,
@@ -100,6 +101,7 @@ del _cls
 __all__ = [
     "Accum",
     "Loop",
+    "LossReduction",
     "MultiSteps",
     "OutDtypes",
     "Program",

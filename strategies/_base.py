@@ -180,10 +180,12 @@ def _is_pair(out: Any) -> bool:
 def _check_same_state(state: PyTree, new_state: PyTree) -> None:
     """The state ``loss_fn`` returns must look like the one it was given: it is the next microbatch's input."""
     fix = "return the new state with the same structure, shapes and dtypes as the state loss_fn receives"
-    if jax.tree.structure(state) != jax.tree.structure(new_state):
+    given: Any = jax.tree.structure(state)
+    returned: Any = jax.tree.structure(new_state)
+    if returned != given:
         raise TypeError(
-            f"`loss_fn` returned a state of structure {jax.tree.structure(new_state)} but was given "
-            f"{jax.tree.structure(state)}; {fix} (it is the next microbatch's input)."
+            f"`loss_fn` returned a state of structure {returned} but was given {given}; {fix} (it is the next "
+            "microbatch's input)."
         )
     for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(new_state), strict=True):
         if (np.shape(old), dtype_of(old)) != (np.shape(new), dtype_of(new)):
@@ -318,7 +320,8 @@ def accumulate_in_scan(
 
         first = jax.tree.map(lambda x: x[0], stacked)
         init = (zeros_like_accum(spec, params, first, state), state)
-        (acc, state), _ = jax.lax.scan(body, init, stacked, unroll=unroll)
+        (scanned, state), _ = jax.lax.scan(body, init, stacked, unroll=unroll)
+        acc = scanned
     if rest:
         last, state = grad_fn(params, jax.tree.map(lambda x: x[full * m :], batch), state)
         acc = last if acc is None else add(acc, last)
