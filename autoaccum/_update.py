@@ -1,9 +1,13 @@
-"""The emitted update step: ``update(params, opt_state, batch) -> (params, opt_state, loss)``."""
+"""The emitted update step: ``update(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+With a model state (``has_state=True``): ``update(params, opt_state, batch, state) -> (params, opt_state, loss,
+state)``; from a data loader: ``update.stream(params, opt_state, microbatches[, state])``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax.numpy as jnp
@@ -12,17 +16,27 @@ import optax
 
 from autoaccum import strategies
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
-from autoaccum.strategies import Program, PyTree, Spec, Strategy, leading_size
+from autoaccum.strategies import LossReduction, Program, PyTree, Spec, Strategy, check_params, leading_size
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<no state>"
+
+
+_MISSING: Any = _Missing()
 
 
 @dataclasses.dataclass(frozen=True)
 class Update:
     """A gradient-accumulating update whose result equals one optimizer step on the whole batch.
 
-    Call it as ``params, opt_state, loss = update(params, opt_state, batch)``; ``update.init(params)`` gives
-    the optimizer state it expects. With ``donate=True`` (the default) the ``params`` and ``opt_state`` you
-    pass are donated to the computation: their buffers are reused for the results and must not be used
-    afterwards (rebind them, as above). ``batch`` is never donated.
+    Call it as ``params, opt_state, loss = update(params, opt_state, batch)``, or, built with
+    ``has_state=True``, as ``params, opt_state, loss, state = update(params, opt_state, batch, state)``;
+    ``update.init(params)`` gives the optimizer state it expects. ``update.stream(...)`` takes the microbatches
+    from an iterable instead of one batch. With ``donate=True`` (the default) the ``params``, ``opt_state`` and
+    ``state`` you pass are donated to the computation: their buffers are reused for the results and must not be
+    used afterwards (rebind them, as above). ``batch`` is never donated.
 
     Attributes:
       microbatch_size: examples per microbatch; the last one may be smaller.
@@ -36,22 +50,91 @@ class Update:
     options: dict[str, Any]
     accumulation: Strategy = dataclasses.field(repr=False, compare=False)
 
+    @property
+    def has_state(self) -> bool:
+        """Whether ``loss_fn`` threads a model state (the update then takes and returns ``state``)."""
+        return self.accumulation.spec.has_state
+
+    @property
+    def loss_reduction(self) -> str:
+        """``"mean"`` (``loss_fn`` returns the mean loss) or ``"sum"`` (it returns ``(loss_sum, weight)``)."""
+        return self.accumulation.spec.loss_reduction
+
     def init(self, params: PyTree) -> PyTree:
         """The optimizer state for ``params``: ``optimizer.init(params)``, the same for every strategy."""
         return self.accumulation.init(params)
 
-    def __call__(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree, Any]:
-        leading_size(batch)  # clear errors for a malformed batch before anything is traced
-        return self.accumulation(params, opt_state, batch)
+    def _state(self, state: PyTree, call: str) -> PyTree:
+        if self.has_state and state is _MISSING:
+            raise TypeError(
+                f"the update was built with has_state=True, so pass the model state: `{call}(params, opt_state, "
+                f"{'microbatches' if call == 'update.stream' else 'batch'}, state)`."
+            )
+        if not self.has_state and state is not _MISSING:
+            raise TypeError(
+                f"`state` was passed to {call} but the update was built with has_state=False; build it with "
+                "build_update(..., has_state=True) and loss_fn(params, batch, state) -> (loss, state)."
+            )
+        return state if self.has_state else ()
+
+    def __call__(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = _MISSING) -> tuple[Any, ...]:
+        """``(params, opt_state, loss)``, or ``(params, opt_state, loss, state)`` with ``has_state``."""
+        state = self._state(state, "update")
+        leading_size(batch)  # clear errors for a malformed batch or params before anything is traced
+        check_params(params)
+        params, opt_state, loss, state = self.accumulation(params, opt_state, batch, state)
+        return (params, opt_state, loss, state) if self.has_state else (params, opt_state, loss)
+
+    def stream(
+        self, params: PyTree, opt_state: PyTree, microbatches: Iterable[PyTree], state: PyTree = _MISSING
+    ) -> tuple[Any, ...]:
+        """One update on microbatches that arrive one at a time (e.g. from a data loader).
+
+        The result equals one full-batch step on the concatenation of the microbatches, whose sizes may differ:
+        with ``loss_reduction="mean"`` microbatch ``i`` of ``n_i`` examples weighs ``n_i / N`` (``N`` all the
+        examples seen), with ``"sum"`` the gradient is that of the summed ``loss_sum`` over the summed weights.
+        The sums are accumulated unnormalised and divided once at the end. One program is compiled per distinct
+        microbatch size, plus one for the optimizer step. ``microbatch_size`` plays no part here.
+
+        Args:
+          params: the parameters (donated with ``donate=True``).
+          opt_state: the optimizer state (donated with ``donate=True``).
+          microbatches: any iterable of batch pytrees (host or device arrays), consumed once.
+          state: the model state, only and always with ``has_state=True``.
+
+        Returns:
+          ``(params, opt_state, loss)``, or ``(params, opt_state, loss, state)`` with ``has_state``.
+
+        Raises:
+          ValueError: ``microbatches`` is empty, or a microbatch is malformed.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, autoaccum
+          >>> loss_fn = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+          >>> update = autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=4)
+          >>> loader = ({"x": jnp.ones((n, 3)), "y": jnp.zeros((n,))} for n in (4, 4, 2))
+          >>> params, opt_state, loss = update.stream(jnp.ones(3), update.init(jnp.ones(3)), loader)
+          >>> float(loss)
+          9.0
+        """
+        state = self._state(state, "update.stream")
+        check_params(params)
+        params, opt_state, loss, state = self.accumulation.stream(params, opt_state, microbatches, state)
+        return (params, opt_state, loss, state) if self.has_state else (params, opt_state, loss)
 
     def accumulation_steps(self, batch_size: int) -> int:
         """Microbatches per call for a batch of ``batch_size`` examples (``ceil(B / microbatch_size)``)."""
         return -(-batch_size // self.microbatch_size)
 
-    def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> list[Program]:
-        """The compiled programs one call runs, lowered for these shapes (``jax.ShapeDtypeStruct`` work)."""
+    def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = _MISSING) -> list[Program]:
+        """The compiled programs one call runs, lowered for these shapes (``jax.ShapeDtypeStruct`` work).
+
+        ``state`` (shapes suffice) is passed only and always with ``has_state``.
+        """
+        state = self._state(state, "update.programs")
         leading_size(batch)
-        return self.accumulation.programs(params, opt_state, batch)
+        check_params(params)
+        return self.accumulation.programs(params, opt_state, batch, state)
 
 
 def build_update(
@@ -61,6 +144,8 @@ def build_update(
     microbatch_size: int,
     strategy: str = "scan",
     has_aux: bool = False,
+    has_state: bool = False,
+    loss_reduction: LossReduction = "mean",
     accumulator_dtype: Any = jnp.float32,
     donate: bool = True,
     **options: Any,
@@ -72,25 +157,43 @@ def build_update(
     then smaller), the returned loss equals ``loss_fn(params, batch)`` and aux is the example-weighted mean.
     The optimizer, schedules included, advances once per call.
 
+    The three ways of calling ``loss_fn`` compose: wherever ``loss`` stands below, ``has_aux`` puts
+    ``(loss, aux)``, and ``loss_reduction="sum"`` makes ``loss`` the pair ``(loss_sum, weight)``.
+
+    * ``has_state=True``: ``loss_fn(params, batch, state) -> (loss, state)`` and ``update(params, opt_state,
+      batch, state) -> (params, opt_state, loss, state)``. ``state`` is any pytree (BatchNorm statistics, a PRNG
+      key, typed ``jax.random.key`` or raw ``uint32``, counters); microbatch ``i`` sees the state microbatch
+      ``i - 1`` returned, the update returns the last one, and it is never differentiated. Split a key inside
+      ``loss_fn`` and return the new one, so each microbatch and each update draws fresh randomness.
+    * ``loss_reduction="sum"``: ``loss_fn`` returns ``(loss_sum, weight)``, e.g. the summed token losses and the
+      number of real tokens. The gradient is ``grad(sum of loss_sum) / (sum of weight)`` over all microbatches:
+      exactly the full-batch token mean, also over padded, uneven microbatches; the returned loss is
+      ``sum of loss_sum / sum of weight`` and aux is the weight-weighted mean of the microbatches' aux.
+
     Args:
-      loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the batch's examples; with
-        ``has_aux``, ``-> (scalar, aux)``. ``batch`` is any pytree whose leaves share a leading example axis.
+      loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the batch's examples; see above for
+        ``has_aux``, ``has_state`` and ``loss_reduction``. ``batch`` is any pytree whose leaves share a leading
+        example axis. Every leaf of ``params`` must be floating (counters and keys belong in ``state``).
       optimizer: an ``optax.GradientTransformation``.
       microbatch_size: examples per microbatch (a positive int).
       strategy: how to accumulate, one of ``autoaccum.strategies.available()``.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      accumulator_dtype: floating dtype for accumulating gradients, loss and aux (float32 by default, also
-        for bf16 models); gradients are cast back like ``params`` before the optimizer.
-      donate: donate ``params`` and ``opt_state`` to the update (saves a copy of each; the caller must not
-        reuse the arrays it passed).
+      has_state: whether ``loss_fn`` takes and returns a model state (then the update does too).
+      loss_reduction: ``"mean"`` (``loss_fn`` returns the mean loss) or ``"sum"`` (it returns
+        ``(loss_sum, weight)``).
+      accumulator_dtype: floating dtype for accumulating gradients, loss, aux and weights (float32 by default,
+        also for bf16 models); gradients are cast back like ``params`` before the optimizer.
+      donate: donate ``params``, ``opt_state`` and ``state`` to the update (saves a copy of each; the caller
+        must not reuse the arrays it passed).
       **options: the strategy's options (``autoaccum.strategies.get(strategy).options``), e.g. ``unroll=2`` for scan.
 
     Returns:
       An `Update`; ``update.init(params)`` makes the optimizer state.
 
     Raises:
-      TypeError, ValueError: for bad arguments, before anything is compiled. A malformed batch or a loss
-        that is not a scalar is reported at the first call, also before compiling.
+      TypeError, ValueError: for bad arguments, before anything is compiled. A malformed batch, a
+        non-floating ``params`` leaf, or a ``loss_fn`` whose output does not match ``has_aux``, ``has_state``
+        and ``loss_reduction`` is reported at the first call, also before compiling.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, autoaccum
@@ -100,12 +203,28 @@ def build_update(
       >>> params, opt_state, loss = update(jnp.ones(3), update.init(jnp.ones(3)), batch)
       >>> float(loss)
       9.0
+
+      With a model state (a PRNG key for dropout) and a token-weighted loss over padded sequences:
+
+      >>> def loss_fn(w, b, key):
+      ...     key, sub = jax.random.split(key)
+      ...     keep = jax.random.bernoulli(sub, 0.9, b["mask"].shape)
+      ...     token_losses = (b["x"] @ w - b["y"]) ** 2 * keep / 0.9
+      ...     return (jnp.sum(token_losses * b["mask"]), jnp.sum(b["mask"])), key
+      >>> batch = {"x": jnp.ones((10, 5, 3)), "y": jnp.zeros((10, 5)), "mask": jnp.ones((10, 5))}
+      >>> update = autoaccum.build_update(
+      ...     loss_fn, optax.sgd(0.1), microbatch_size=4, has_state=True, loss_reduction="sum"
+      ... )
+      >>> params, opt_state, loss, key = update(jnp.ones(3), update.init(jnp.ones(3)), batch, jax.random.key(0))
+      >>> loss.shape
+      ()
     """
     check_loss_fn(loss_fn)
     check_optimizer(optimizer)
     check_positive_int(microbatch_size, "microbatch_size")
     cls = strategies.get(strategy)
     check_bool(has_aux, "has_aux")
+    check_bool(has_state, "has_state")
     check_bool(donate, "donate")
     try:
         dtype = np.dtype(accumulator_dtype)
@@ -113,6 +232,6 @@ def build_update(
         dtype = None
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"`accumulator_dtype` must be a floating dtype such as jnp.float32, got {accumulator_dtype!r}.")
-    spec = Spec(loss_fn, optimizer, microbatch_size, has_aux, dtype, donate)
+    spec = Spec(loss_fn, optimizer, microbatch_size, has_aux, dtype, donate, has_state, loss_reduction)
     accumulation = cls(spec, **options)
     return Update(microbatch_size, strategy, dict(accumulation.config), accumulation)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from autoaccum.strategies._base import (
     Accum,
+    LossReduction,
     OutDtypes,
     Program,
     PyTree,
@@ -23,6 +24,7 @@ from autoaccum.strategies._base import (
     accumulate_in_scan,
     add,
     apply_optimizer,
+    check_params,
     finish_loss,
     leading_size,
     output_dtypes,
@@ -99,6 +101,7 @@ del _cls
 __all__ = [
     "Accum",
     "Loop",
+    "LossReduction",
     "MultiSteps",
     "OutDtypes",
     "Program",
@@ -110,6 +113,7 @@ __all__ = [
     "add",
     "apply_optimizer",
     "available",
+    "check_params",
     "finish_loss",
     "get",
     "leading_size",

@@ -1,22 +1,26 @@
 """The common interface every accumulation strategy implements, and the pieces they share.
 
 A strategy turns a `Spec` (the user's loss, optimizer and microbatch size) into an update step
-``(params, opt_state, batch) -> (params, opt_state, loss)`` whose result equals one optimizer step on the
-gradient of the whole batch. Every strategy computes the same thing, in the same order of summation:
+``(params, opt_state, batch, state) -> (params, opt_state, loss, state)`` whose result equals one optimizer
+step on the gradient of the whole batch. Every strategy computes the same thing, in the same order:
 
 * the batch of ``B`` examples is cut into ``k = B // m`` microbatches of ``m`` examples, then one of
   ``r = B % m`` examples if ``r > 0``;
-* microbatch ``i`` of ``n_i`` examples contributes ``(n_i / B) * grad(mean loss over it)`` to an accumulator
-  held in ``accumulator_dtype``; every example therefore weighs ``1 / B``, uneven splits included;
-* the accumulated gradient is cast back like the parameters and the optimizer runs once.
+* microbatch ``i`` runs ``loss_fn`` on the model state that microbatch ``i - 1`` returned (the caller's state
+  for the first) and contributes unnormalised sums to an `Accum` held in ``accumulator_dtype``: with
+  ``loss_reduction="mean"``, ``n_i`` times its mean loss's gradient, loss and aux, and the weight ``n_i``; with
+  ``"sum"``, the gradient of its ``loss_sum``, ``loss_sum``, ``weight_i`` times its aux, and ``weight_i``;
+* the sums are divided once, by the total weight (``B`` for ``"mean"``: every example weighs ``1 / B``, uneven
+  splits included; for ``"sum"``, e.g. the number of real tokens: every token weighs ``1 / W``), the gradient
+  is cast back like the parameters and the optimizer runs once. The state is never differentiated.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +28,9 @@ import numpy as np
 import optax
 
 PyTree = Any
-LossFn = Callable[[PyTree, PyTree], Any]
+LossFn = Callable[..., Any]
+LossReduction = Literal["mean", "sum"]
+LOSS_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,13 +38,17 @@ class Spec:
     """What every strategy is built from.
 
     Attributes:
-      loss_fn: ``loss_fn(params, batch) -> scalar`` (the mean over the batch's examples), or
-        ``-> (scalar, aux)`` when ``has_aux``.
+      loss_fn: ``loss_fn(params, batch) -> loss``, ``loss_fn(params, batch, state) -> (loss, state)`` when
+        ``has_state``; ``loss`` is ``(loss, aux)`` when ``has_aux``, and in it the scalar is the mean over the
+        batch's examples (``loss_reduction="mean"``) or the pair ``(loss_sum, weight)`` (``"sum"``).
       optimizer: the optax optimizer; it advances once per update call.
       microbatch_size: examples per microbatch (the last one may be smaller).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      accumulator_dtype: dtype in which gradients, loss and aux are accumulated.
-      donate: whether the update donates ``params`` and ``opt_state`` (the caller must not reuse them).
+      accumulator_dtype: dtype in which gradients, loss, aux and weights are accumulated.
+      donate: whether the update donates ``params``, ``opt_state`` and ``state`` (the caller must not reuse
+        them).
+      has_state: whether ``loss_fn`` takes and returns a model state, threaded through the microbatches.
+      loss_reduction: ``"mean"`` or ``"sum"`` (see ``loss_fn``).
     """
 
     loss_fn: LossFn
@@ -47,14 +57,28 @@ class Spec:
     has_aux: bool = False
     accumulator_dtype: Any = jnp.float32
     donate: bool = True
+    has_state: bool = False
+    loss_reduction: LossReduction = "mean"
+
+    def __post_init__(self) -> None:
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(
+                f"`loss_reduction` must be 'mean' or 'sum', got loss_reduction={self.loss_reduction!r}; use 'sum' "
+                "when loss_fn returns (loss_sum, weight), e.g. summed token losses and the number of real tokens."
+            )
 
 
 class Accum(NamedTuple):
-    """Example-weighted sums carried across microbatches, all in the accumulator dtype."""
+    """Unnormalised weighted sums carried across microbatches, all in the accumulator dtype.
+
+    Dividing ``grads``, ``loss`` and ``aux`` by ``weight`` (`apply_optimizer`, `finish_loss`) gives the
+    full-batch values.
+    """
 
     grads: PyTree
     loss: jax.Array
     aux: PyTree
+    weight: jax.Array
 
 
 class Program(NamedTuple):
@@ -72,7 +96,29 @@ class Program(NamedTuple):
 
 def tree_bytes(tree: PyTree) -> int:
     """Bytes held by the leaves of ``tree`` (arrays or ``jax.ShapeDtypeStruct``)."""
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def dtype_of(x: Any) -> Any:
+    """The dtype of an array, a ``ShapeDtypeStruct`` or a Python scalar; extended dtypes (PRNG keys) as they are."""
+    return x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+
+
+def check_params(params: PyTree) -> None:
+    """Raises ``TypeError`` naming the first ``params`` leaf that ``jax.grad`` cannot differentiate.
+
+    Integer counters, booleans and PRNG keys belong in the model state, which flows through the microbatches
+    without being differentiated.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dtype = dtype_of(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            name = jax.tree_util.keystr(path) or "<root>"
+            raise TypeError(
+                f"`params` leaf {name} has dtype {dtype}, which cannot be differentiated (gradients are taken with "
+                "respect to every leaf of `params`). Move it into `state`: build_update(..., has_state=True) with "
+                "loss_fn(params, batch, state) -> (loss, state), or close over it in loss_fn if it is a constant."
+            )
 
 
 def split(batch_size: int, microbatch_size: int) -> tuple[int, int]:
@@ -119,50 +165,123 @@ def leading_size(batch: PyTree) -> int:
     return size
 
 
-def checked_loss(loss_fn: LossFn, has_aux: bool) -> Callable[[PyTree, PyTree], tuple[jax.Array, PyTree]]:
-    """Wraps ``loss_fn`` to always return ``(loss, aux)``, checking its output while it is traced."""
+class LossOutputs(NamedTuple):
+    """What `checked_loss` returns beside the differentiated scalar."""
 
-    def wrapped(params: PyTree, batch: PyTree) -> tuple[jax.Array, PyTree]:
-        out = loss_fn(params, batch)
-        is_pair = isinstance(out, tuple) and len(out) == 2
-        if has_aux and not is_pair:
+    aux: PyTree
+    weight: jax.Array
+    state: PyTree
+
+
+def _is_pair(out: Any) -> bool:
+    return isinstance(out, tuple) and len(out) == 2
+
+
+def _check_same_state(state: PyTree, new_state: PyTree) -> None:
+    """The state ``loss_fn`` returns must look like the one it was given: it is the next microbatch's input."""
+    fix = "return the new state with the same structure, shapes and dtypes as the state loss_fn receives"
+    given: Any = jax.tree.structure(state)
+    returned: Any = jax.tree.structure(new_state)
+    if returned != given:
+        raise TypeError(
+            f"`loss_fn` returned a state of structure {returned} but was given {given}; {fix} (it is the next "
+            "microbatch's input)."
+        )
+    for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(new_state), strict=True):
+        if (np.shape(old), dtype_of(old)) != (np.shape(new), dtype_of(new)):
             raise TypeError(
-                f"has_aux=True but `loss_fn` returned {type(out).__name__}, not a (loss, aux) pair; "
+                f"`loss_fn` returned state leaf {jax.tree_util.keystr(path) or '<root>'} with shape {np.shape(new)} "
+                f"and dtype {dtype_of(new)}, but was given shape {np.shape(old)} and dtype {dtype_of(old)}; {fix}."
+            )
+
+
+def checked_loss(spec: Spec) -> Callable[[PyTree, PyTree, PyTree], tuple[jax.Array, LossOutputs]]:
+    """Wraps ``spec.loss_fn`` as ``f(params, batch, state) -> (loss, LossOutputs(aux, weight, state))``.
+
+    ``loss`` is the scalar to differentiate: the mean loss (``loss_reduction="mean"``, and ``weight`` is the
+    number of examples ``n``) or ``loss_sum`` (``"sum"``, and ``weight`` is the one ``loss_fn`` returned).
+    Without ``has_aux`` aux is ``()``; without ``has_state`` the state passes through unchanged. The output is
+    checked while it is traced, so mistakes are reported before anything compiles.
+    """
+    is_sum = spec.loss_reduction == "sum"
+    value_name = "(loss_sum, weight)" if is_sum else "loss"
+
+    def wrapped(params: PyTree, batch: PyTree, state: PyTree) -> tuple[jax.Array, LossOutputs]:
+        out = spec.loss_fn(params, batch, state) if spec.has_state else spec.loss_fn(params, batch)
+        if spec.has_state:
+            if not _is_pair(out):
+                raise TypeError(
+                    f"has_state=True but `loss_fn` returned {type(out).__name__}, not a ({value_name}, state) pair; "
+                    f"return the new state after the {'(loss, aux)' if spec.has_aux else value_name}, or pass "
+                    "has_state=False."
+                )
+            out, new_state = out
+            _check_same_state(state, new_state)
+        else:
+            new_state = state
+        if spec.has_aux and not _is_pair(out):
+            raise TypeError(
+                f"has_aux=True but `loss_fn` returned {type(out).__name__}, not a ({value_name}, aux) pair; "
                 "return (loss, aux) or pass has_aux=False."
             )
-        if not has_aux and isinstance(out, tuple):
+        if not spec.has_aux and not is_sum and isinstance(out, tuple):
             raise TypeError(
                 f"`loss_fn` returned a tuple of {len(out)} but has_aux=False; pass has_aux=True if it "
                 "returns (loss, aux), or return only the scalar loss."
             )
-        loss, aux = out if has_aux else (out, ())
+        value, aux = out if spec.has_aux else (out, ())
+        if is_sum:
+            if not _is_pair(value):
+                raise TypeError(
+                    f"loss_reduction='sum' but `loss_fn` returned {type(value).__name__} where the pair "
+                    "(loss_sum, weight) belongs; return e.g. (jnp.sum(token_losses * mask), jnp.sum(mask)), or "
+                    "pass loss_reduction='mean' for a mean loss."
+                )
+            loss, weight = value
+            weight = jnp.asarray(weight)
+            if weight.shape != () or not (
+                jnp.issubdtype(weight.dtype, jnp.floating) or jnp.issubdtype(weight.dtype, jnp.integer)
+            ):
+                raise TypeError(
+                    f"loss_reduction='sum': the weight `loss_fn` returns must be a real scalar (e.g. the number of "
+                    f"real tokens, jnp.sum(mask)), got shape {weight.shape} and dtype {weight.dtype}."
+                )
+        else:
+            loss, weight = value, jnp.asarray(leading_size(batch), spec.accumulator_dtype)
         loss = jnp.asarray(loss)
+        what = "the summed loss over the batch's examples" if is_sum else "the mean loss over the batch's examples"
         if loss.shape != ():
             raise ValueError(
-                f"`loss_fn` must return a scalar (the mean loss over the batch's examples) but returned "
-                f"shape {loss.shape}; reduce it, e.g. with `.mean()`."
+                f"`loss_fn` must return a scalar ({what}) but returned shape {loss.shape}; reduce it, e.g. with "
+                f"`{'.sum()' if is_sum else '.mean()'}`."
             )
         if not jnp.issubdtype(loss.dtype, jnp.floating):
             raise TypeError(f"`loss_fn` must return a floating-point loss but returned dtype {loss.dtype}.")
-        return loss, aux
+        return loss, LossOutputs(aux, weight, new_state)
 
     return wrapped
 
 
-def weighted_grad(spec: Spec) -> Callable[[PyTree, PyTree, Any], Accum]:
-    """``f(params, microbatch, weight) -> Accum`` of ``weight`` times loss, aux and gradient.
+def weighted_grad(spec: Spec) -> Callable[[PyTree, PyTree, PyTree], tuple[Accum, PyTree]]:
+    """``f(params, microbatch, state) -> (Accum, state)``: one microbatch's unnormalised sums and its new state.
 
-    The products are formed in ``spec.accumulator_dtype``; ``weight`` is ``n_i / B``.
+    With ``loss_reduction="mean"`` the sums are ``n`` times the mean loss's gradient, loss and aux, with weight
+    ``n`` (the microbatch's examples); with ``"sum"``, the gradient of ``loss_sum``, ``loss_sum``, ``weight``
+    times aux, and ``weight``. The products are formed in ``spec.accumulator_dtype``. ``state`` is not
+    differentiated.
     """
-    value_and_grad = jax.value_and_grad(checked_loss(spec.loss_fn, spec.has_aux), has_aux=True)
+    value_and_grad = jax.value_and_grad(checked_loss(spec), has_aux=True)
     acc_dtype = spec.accumulator_dtype
+    is_sum = spec.loss_reduction == "sum"
 
-    def scale(tree: PyTree, weight: Any) -> PyTree:
-        return jax.tree.map(lambda x: jnp.asarray(x, acc_dtype) * jnp.asarray(weight, acc_dtype), tree)
+    def scale(tree: PyTree, factor: Any) -> PyTree:
+        return jax.tree.map(lambda x: jnp.asarray(x, acc_dtype) * jnp.asarray(factor, acc_dtype), tree)
 
-    def f(params: PyTree, microbatch: PyTree, weight: Any) -> Accum:
-        (loss, aux), grads = value_and_grad(params, microbatch)
-        return Accum(scale(grads, weight), scale(loss, weight), scale(aux, weight))
+    def f(params: PyTree, microbatch: PyTree, state: PyTree) -> tuple[Accum, PyTree]:
+        (loss, out), grads = value_and_grad(params, microbatch, state)
+        weight = jnp.asarray(out.weight, acc_dtype)
+        factor = 1.0 if is_sum else weight
+        return Accum(scale(grads, factor), scale(loss, factor), scale(out.aux, weight), weight), out.state
 
     return f
 
@@ -171,34 +290,43 @@ def add(a: Accum, b: Accum) -> Accum:
     return jax.tree.map(jnp.add, a, b)
 
 
-def zeros_like_accum(spec: Spec, params: PyTree, microbatch: PyTree) -> Accum:
+def zeros_like_accum(spec: Spec, params: PyTree, microbatch: PyTree, state: PyTree = ()) -> Accum:
     """Zeros shaped like one microbatch's `Accum`, in the accumulator dtype (abstract trace; runs nothing)."""
-    shapes = jax.eval_shape(weighted_grad(spec), params, microbatch, 1.0)
+    shapes = jax.eval_shape(lambda p, b, s: weighted_grad(spec)(p, b, s)[0], params, microbatch, state)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def accumulate_in_scan(spec: Spec, params: PyTree, batch: PyTree, *, unroll: int = 1) -> Accum:
-    """The whole batch's `Accum`, all microbatches inside one traced program (``lax.scan``)."""
+def accumulate_in_scan(
+    spec: Spec, params: PyTree, batch: PyTree, state: PyTree = (), *, unroll: int | bool = 1
+) -> tuple[Accum, PyTree]:
+    """The whole batch's `Accum` and the last state, all microbatches inside one traced program (``lax.scan``).
+
+    The state is carried through the scan with the sums, so microbatch ``i`` sees the state of ``i - 1``.
+    """
     total = leading_size(batch)
     m = spec.microbatch_size
     full, rest = split(total, m)
     grad_fn = weighted_grad(spec)
     if full <= 1 and rest == 0:  # one microbatch: the plain full-batch step
-        return grad_fn(params, batch, 1.0)
+        return grad_fn(params, batch, state)
     acc: Accum | None = None
     if full:
         stacked = jax.tree.map(lambda x: x[: full * m].reshape(full, m, *x.shape[1:]), batch)
 
-        def body(carry: Accum, microbatch: PyTree) -> tuple[Accum, None]:
-            return add(carry, grad_fn(params, microbatch, m / total)), None
+        def body(carry: tuple[Accum, PyTree], microbatch: PyTree) -> tuple[tuple[Accum, PyTree], None]:
+            acc, state = carry
+            new, state = grad_fn(params, microbatch, state)
+            return (add(acc, new), state), None
 
         first = jax.tree.map(lambda x: x[0], stacked)
-        acc, _ = jax.lax.scan(body, zeros_like_accum(spec, params, first), stacked, unroll=unroll)  # type: ignore[arg-type]
+        init = (zeros_like_accum(spec, params, first, state), state)
+        (scanned, state), _ = jax.lax.scan(body, init, stacked, unroll=unroll)
+        acc = scanned
     if rest:
-        last = grad_fn(params, jax.tree.map(lambda x: x[full * m :], batch), rest / total)
+        last, state = grad_fn(params, jax.tree.map(lambda x: x[full * m :], batch), state)
         acc = last if acc is None else add(acc, last)
     assert acc is not None
-    return acc
+    return acc, state
 
 
 class OutDtypes(NamedTuple):
@@ -213,13 +341,14 @@ class OutDtypes(NamedTuple):
     aux_treedef: Any = None
 
     def zero_sums(self, accumulator_dtype: Any) -> Accum:
-        """Zero loss and aux sums (no gradients) in ``accumulator_dtype``, to start accumulating from."""
+        """Zero loss, aux and weight sums (no gradients) in ``accumulator_dtype``, to start accumulating from."""
         aux = [jnp.zeros(shape, accumulator_dtype) for shape in self.aux_shapes]
         treedef = self.aux_treedef if self.aux_treedef is not None else jax.tree.structure(())
-        return Accum((), jnp.zeros((), accumulator_dtype), jax.tree.unflatten(treedef, aux))
+        loss, weight = jnp.zeros((), accumulator_dtype), jnp.zeros((), accumulator_dtype)  # two buffers: both donated
+        return Accum((), loss, jax.tree.unflatten(treedef, aux), weight)
 
 
-def output_dtypes(spec: Spec, params: PyTree, batch: PyTree) -> OutDtypes:
+def output_dtypes(spec: Spec, params: PyTree, batch: PyTree, state: PyTree = ()) -> OutDtypes:
     """The dtypes of ``loss_fn``'s loss and aux on one microbatch of ``batch``.
 
     Traces ``loss_fn`` abstractly (``jax.eval_shape``); runs nothing.
@@ -227,14 +356,9 @@ def output_dtypes(spec: Spec, params: PyTree, batch: PyTree) -> OutDtypes:
     microbatch = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((min(spec.microbatch_size, x.shape[0]), *x.shape[1:]), x.dtype), batch
     )
-    loss, aux = jax.eval_shape(checked_loss(spec.loss_fn, spec.has_aux), params, microbatch)
-    leaves, treedef = jax.tree.flatten(aux)
-    return OutDtypes(
-        np.dtype(loss.dtype),
-        tuple(np.dtype(x.dtype) for x in leaves),
-        tuple(tuple(x.shape) for x in leaves),
-        treedef,
-    )
+    loss, out = jax.eval_shape(checked_loss(spec), params, microbatch, state)
+    leaves, treedef = jax.tree.flatten(out.aux)
+    return OutDtypes(loss.dtype, tuple(x.dtype for x in leaves), tuple(tuple(x.shape) for x in leaves), treedef)
 
 
 def apply_optimizer(
@@ -242,25 +366,32 @@ def apply_optimizer(
 ) -> tuple[PyTree, PyTree, Any]:
     """One optimizer step on the accumulated gradient; returns ``(params, opt_state, loss)``.
 
-    The gradient is cast back like ``params``; loss and floating aux leaves back to ``dtypes``.
+    The sums are divided by the total weight; the gradient is cast back like ``params``, the loss and floating
+    aux leaves back to ``dtypes`` (`finish_loss`).
     """
-    grads = optax.tree.cast_like(acc.grads, params)
+    grads = optax.tree.cast_like(jax.tree.map(lambda g: g / acc.weight, acc.grads), params)
     updates, opt_state = spec.optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, finish_loss(spec, acc, dtypes)
 
 
 def finish_loss(spec: Spec, acc: Accum, dtypes: OutDtypes) -> Any:
-    """The accumulated loss, or ``(loss, aux)``, cast back to the dtypes ``loss_fn`` returns."""
-    loss = acc.loss.astype(dtypes.loss)
+    """The accumulated loss, or ``(loss, aux)``, divided by the total weight and cast back to ``dtypes``."""
+    loss = (acc.loss / acc.weight).astype(dtypes.loss)
     if not spec.has_aux:
         return loss
     leaves, treedef = jax.tree.flatten(acc.aux)
-    aux = [x.astype(d) if jnp.issubdtype(d, jnp.floating) else x for x, d in zip(leaves, dtypes.aux, strict=True)]
+    aux = [
+        (x / acc.weight).astype(d) if jnp.issubdtype(d, jnp.floating) else x / acc.weight
+        for x, d in zip(leaves, dtypes.aux, strict=True)
+    ]
     return loss, jax.tree.unflatten(treedef, aux)
 
 
 class Strategy(abc.ABC):
     """One way to accumulate gradients; subclasses are small and registered by `name`.
+
+    A subclass implements ``__call__`` and ``programs``; ``stream`` (microbatches from a data loader) is shared.
+    ``state`` is the model state (``()`` when ``spec.has_state`` is False).
 
     Attributes:
       name: the registry key (``strategies.available()``).
@@ -279,30 +410,73 @@ class Strategy(abc.ABC):
         self.spec = spec
         self.config = {k: options.get(k, v[0]) for k, v in self.options.items()}
         self._dtypes: dict[Any, OutDtypes] = {}
+        self._grad = weighted_grad(spec)
+        # Shared by the host-loop strategies and `stream`: the optimizer step on accumulated sums.
+        self._apply = jax.jit(self._apply_fn, donate_argnums=self.donate_argnums(0, 1), static_argnames=("dtypes",))
+        self._add = jax.jit(self._add_fn, donate_argnums=(0, *self.donate_argnums(3)))
 
     def init(self, params: PyTree) -> PyTree:
         """The optimizer's own state (``optimizer.init(params)``): the same type for every strategy."""
         return self.spec.optimizer.init(params)
 
     @abc.abstractmethod
-    def __call__(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree, Any]:
-        """One full-batch-equivalent update: ``(params, opt_state, loss)`` (loss is ``(loss, aux)`` with aux)."""
+    def __call__(
+        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
+    ) -> tuple[PyTree, PyTree, Any, PyTree]:
+        """One full-batch-equivalent update: ``(params, opt_state, loss, state)`` (loss is ``(loss, aux)`` with
+        aux; state is the one the last microbatch returned)."""
 
     @abc.abstractmethod
-    def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> list[Program]:
+    def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
         """The programs one call at these shapes runs, lowered (arguments may be ``ShapeDtypeStruct``)."""
+
+    def stream(
+        self, params: PyTree, opt_state: PyTree, microbatches: Iterable[PyTree], state: PyTree = ()
+    ) -> tuple[PyTree, PyTree, Any, PyTree]:
+        """One update on microbatches that arrive one at a time: ``(params, opt_state, loss, state)``.
+
+        Equals one full-batch step on their concatenation. Each microbatch is added to the sums by one jitted
+        call (one compiled program per distinct microbatch size), then one jitted call divides by the total
+        weight and runs the optimizer. The sums start from host zeros, so the first call compiles nothing extra.
+
+        Raises:
+          ValueError: ``microbatches`` is empty, or one of them is malformed.
+        """
+        acc: Accum | None = None
+        dtypes: OutDtypes | None = None
+        for microbatch in microbatches:
+            leading_size(microbatch)
+            if acc is None:
+                dtypes = self.out_dtypes(params, microbatch, state)
+                shapes = jax.eval_shape(lambda p, b, s: self._grad(p, b, s)[0], params, microbatch, state)
+                acc = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+            acc, state = self._add(acc, params, microbatch, state)
+        if acc is None or dtypes is None:
+            raise ValueError(
+                "`microbatches` is empty: it yielded no microbatch, so there is no gradient to apply; pass an "
+                "iterable of at least one batch pytree."
+            )
+        params, opt_state, loss = self._apply(params, opt_state, acc, dtypes=dtypes)
+        return params, opt_state, loss, state
+
+    def _add_fn(self, acc: Accum, params: PyTree, microbatch: PyTree, state: PyTree) -> tuple[Accum, PyTree]:
+        new, state = self._grad(params, microbatch, state)
+        return add(acc, new), state
+
+    def _apply_fn(
+        self, params: PyTree, opt_state: PyTree, acc: Accum, *, dtypes: OutDtypes
+    ) -> tuple[PyTree, PyTree, Any]:
+        return apply_optimizer(self.spec, params, opt_state, acc, dtypes)
 
     def donate_argnums(self, *argnums: int) -> tuple[int, ...]:
         return argnums if self.spec.donate else ()
 
-    def out_dtypes(self, params: PyTree, batch: PyTree) -> OutDtypes:
+    def out_dtypes(self, params: PyTree, batch: PyTree, state: PyTree = ()) -> OutDtypes:
         """`output_dtypes`, remembered per argument shapes so a host loop traces ``loss_fn`` once."""
-        key = (
-            jax.tree.structure((params, batch)),
-            tuple((np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves((params, batch))),
-        )
+        leaves = jax.tree.leaves((params, batch, state))
+        key = (jax.tree.structure((params, batch, state)), tuple((np.shape(x), dtype_of(x)) for x in leaves))
         if key not in self._dtypes:
-            self._dtypes[key] = output_dtypes(self.spec, params, batch)
+            self._dtypes[key] = output_dtypes(self.spec, params, batch, state)
         return self._dtypes[key]
 
     def microbatches(self, batch: PyTree) -> list[tuple[int, int]]:

@@ -9,26 +9,27 @@ import jax.numpy as jnp
 import optax
 from autoaccum.strategies._base import (
     Accum,
-    OutDtypes,
     Program,
     PyTree,
     Spec,
     Strategy,
     add,
     finish_loss,
-    leading_size,
     take,
     tree_bytes,
-    weighted_grad,
 )
 
 
 class MultiSteps(Strategy):
     """Accumulation by `optax.MultiSteps` (``every_k_schedule`` = the number of microbatches).
 
-    ``MultiSteps`` averages the k gradients it is given with equal weights; to keep every example at weight
-    ``1 / B`` when the last microbatch is smaller, microbatch ``i`` of ``n_i`` examples hands it
-    ``k * n_i / B`` times its mean gradient. Accumulation happens in ``MultiSteps``'s ``accumulator_dtype``.
+    ``MultiSteps`` averages the k gradients it is given with equal weights, while every strategy divides the
+    summed gradients by the total weight (``B`` examples, or the weights ``loss_fn`` returns with
+    ``loss_reduction="sum"``), which is only known once the last microbatch has run. So microbatch ``i`` hands
+    it ``k`` times its unnormalised gradient sum, and at the last microbatch, where the total weight ``W`` is
+    known, both that gradient and ``MultiSteps``'s running mean are divided by ``W`` (the mean is linear, so
+    the inner optimizer sees exactly the summed gradients over ``W``). Accumulation happens in
+    ``MultiSteps``'s ``accumulator_dtype``. The model state goes through each per-microbatch call.
 
     The optimizer state it takes and returns is the optimizer's own, as for every strategy (a checkpoint
     saved under one plan restores under another): each call wraps it in an ``optax.MultiStepsState`` with a
@@ -39,11 +40,10 @@ class MultiSteps(Strategy):
 
     def __init__(self, spec: Spec, **options: Any) -> None:
         super().__init__(spec, **options)
-        self._grad = weighted_grad(spec)
         self._step = jax.jit(
             self._step_fn,
-            donate_argnums=(2, *self.donate_argnums(0, 1)),
-            static_argnames=("size", "total", "k", "dtypes"),
+            donate_argnums=(2, *self.donate_argnums(0, 1, 5)),
+            static_argnames=("size", "k"),
         )
         self._wrap = jax.jit(self._wrap_fn, donate_argnums=self.donate_argnums(0))
 
@@ -57,41 +57,44 @@ class MultiSteps(Strategy):
     def _step_fn(
         self,
         params: PyTree,
-        opt_state: PyTree,
+        opt_state: optax.MultiStepsState,
         sums: Accum,
         batch: PyTree,
         start: Any,
+        state: PyTree,
         *,
         size: int,
-        total: int,
         k: int,
-        dtypes: OutDtypes,
-    ) -> tuple[PyTree, PyTree, Accum]:
-        new = self._grad(params, take(batch, start, size), size / total)
-        grads = jax.tree.map(lambda g: g * jnp.asarray(k, g.dtype), new.grads)  # MultiSteps divides by k
-        updates, opt_state = self._wrapped(k).update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, add(sums, new._replace(grads=()))
+    ) -> tuple[PyTree, optax.MultiStepsState, Accum, PyTree]:
+        new, state = self._grad(params, take(batch, start, size), state)
+        sums = add(sums, new._replace(grads=()))
+        # 1 before the last microbatch; the total weight at the last (a traced condition: one program per size).
+        divisor = jnp.where(opt_state.mini_step == k - 1, sums.weight, jnp.ones_like(sums.weight))
+        grads = jax.tree.map(lambda g: g * jnp.asarray(k, g.dtype) / divisor.astype(g.dtype), new.grads)
+        acc_grads = jax.tree.map(lambda a: a / divisor.astype(a.dtype), opt_state.acc_grads)
+        updates, opt_state = self._wrapped(k).update(grads, opt_state._replace(acc_grads=acc_grads), params)
+        return optax.apply_updates(params, updates), opt_state, sums, state
 
-    def __call__(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree, Any]:
-        total = leading_size(batch)
+    def __call__(
+        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
+    ) -> tuple[PyTree, PyTree, Any, PyTree]:
         calls = self.microbatches(batch)
-        dtypes = self.out_dtypes(params, batch)
+        dtypes = self.out_dtypes(params, batch, state)
         sums = dtypes.zero_sums(self.spec.accumulator_dtype)  # the same step program for every microbatch
-        state = self._wrap(opt_state, params)
+        wrapped = self._wrap(opt_state, params)
         for start, size in calls:
-            params, state, sums = self._step(
-                params, state, sums, batch, start, size=size, total=total, k=len(calls), dtypes=dtypes
+            params, wrapped, sums, state = self._step(
+                params, wrapped, sums, batch, start, state, size=size, k=len(calls)
             )
-        return params, state.inner_opt_state, finish_loss(self.spec, sums, dtypes)
+        return params, wrapped.inner_opt_state, finish_loss(self.spec, sums, dtypes), state
 
-    def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> list[Program]:
-        total = leading_size(batch)
+    def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
         calls = self.microbatches(batch)
-        dtypes = self.out_dtypes(params, batch)
+        dtypes = self.out_dtypes(params, batch, state)
         sums = jax.eval_shape(lambda: dtypes.zero_sums(self.spec.accumulator_dtype))
-        state = jax.eval_shape(self._wrap_fn, opt_state, params)
-        kw: dict[str, Any] = dict(total=total, k=len(calls), dtypes=dtypes)
+        wrapped = jax.eval_shape(self._wrap_fn, opt_state, params)
         sizes = sorted({n for _, n in calls})
-        steps = [Program(self._step.lower(params, state, sums, batch, 0, size=n, **kw), 0) for n in sizes]
+        steps = [
+            Program(self._step.lower(params, wrapped, sums, batch, 0, state, size=n, k=len(calls)), 0) for n in sizes
+        ]
         return [Program(self._wrap.lower(opt_state, params), tree_bytes(batch)), *steps]

@@ -29,14 +29,20 @@ class Scan(Strategy):
 
     def __init__(self, spec: Spec, **options: Any) -> None:
         super().__init__(spec, **options)
-        self._step = jax.jit(self._update, donate_argnums=self.donate_argnums(0, 1))
+        self._step = jax.jit(self._update, donate_argnums=self.donate_argnums(0, 1, 3))
 
-    def _update(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree, Any]:
-        acc = accumulate_in_scan(self.spec, params, batch, unroll=self.config["unroll"])
-        return apply_optimizer(self.spec, params, opt_state, acc, output_dtypes(self.spec, params, batch))
+    def _update(
+        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree
+    ) -> tuple[PyTree, PyTree, Any, PyTree]:
+        dtypes = output_dtypes(self.spec, params, batch, state)
+        acc, state = accumulate_in_scan(self.spec, params, batch, state, unroll=self.config["unroll"])
+        params, opt_state, loss = apply_optimizer(self.spec, params, opt_state, acc, dtypes)
+        return params, opt_state, loss, state
 
-    def __call__(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree, Any]:
-        return self._step(params, opt_state, batch)
+    def __call__(
+        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
+    ) -> tuple[PyTree, PyTree, Any, PyTree]:
+        return self._step(params, opt_state, batch, state)
 
-    def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree) -> list[Program]:
-        return [Program(self._step.lower(params, opt_state, batch), resident_bytes=0)]
+    def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
+        return [Program(self._step.lower(params, opt_state, batch, state), resident_bytes=0)]
