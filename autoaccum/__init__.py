@@ -2,13 +2,17 @@
 
 This module only re-exports; each concern lives in a private module named for it, and the data flows one
 way: workload -> estimate (compile-only) -> probe (real runs, isolated) -> tune (search, timing) -> plan ->
-update. Public submodules: `autoaccum.strategies` (the accumulation strategies, `register` your own),
+update. Public submodules: `autoaccum.nnx` (flax nnx models and optimizers, the nnx way), `autoaccum.strategies`
+(the accumulation strategies, `register` your own),
 `autoaccum.workloads` (the built-in demo workloads) and `autoaccum.cli` (the command line).
 """
 
 from __future__ import annotations
 
-from autoaccum import strategies
+from autoaccum import (
+    nnx,
+    strategies,
+)
 from autoaccum._capacity import Capacity, Target
 from autoaccum._device import DeviceInfo, detect_device
 from autoaccum._estimate import Estimate, estimate
@@ -42,6 +46,7 @@ __all__ = [
     "estimate",
     "format_bytes",
     "load_workload",
+    "nnx",
     "parse_bytes",
     "probe",
     "strategies",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from autoaccum.strategies import PyTree, leading_size
 
@@ -41,8 +43,38 @@ def resize_batch(batch: PyTree, size: int) -> PyTree:
     return jax.tree.map(lambda x: jnp.take(x, index, axis=0), batch)
 
 
-def host_copy(tree: PyTree) -> Any:
-    """Copies of ``tree``'s leaves in host memory (numpy), so the caller's arrays are never donated or changed."""
-    import numpy as np
+@dataclasses.dataclass(frozen=True)
+class HostKey:
+    """A typed PRNG key array (``jax.random.key``) in host memory: its key data and its implementation."""
 
-    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+    data: np.ndarray
+    impl: str
+
+
+def host_copy(tree: PyTree) -> Any:
+    """Copies of ``tree``'s leaves in host memory (numpy; typed PRNG keys as `HostKey`), so that the caller's
+    arrays are never donated or changed and the copy pickles. `device_copy` is the inverse.
+
+    Example:
+      >>> tree = host_copy({"x": jnp.ones(2), "key": jax.random.key(0)})
+      >>> type(tree["x"]).__name__, type(tree["key"]).__name__
+      ('ndarray', 'HostKey')
+    """
+
+    def copy(x: Any) -> Any:
+        if jnp.issubdtype(getattr(x, "dtype", None) or np.float32, jax.dtypes.prng_key):
+            return HostKey(np.array(jax.random.key_data(x), copy=True), str(jax.random.key_impl(x)))
+        return np.array(x, copy=True)
+
+    return jax.tree.map(copy, tree)
+
+
+def device_copy(tree: PyTree) -> PyTree:
+    """`host_copy`'s inverse: jax arrays, typed PRNG keys rebuilt from their `HostKey`."""
+
+    def put(x: Any) -> Any:
+        if isinstance(x, HostKey):
+            return jax.random.wrap_key_data(jnp.asarray(x.data), impl=x.impl)
+        return jnp.asarray(x)
+
+    return jax.tree.map(put, tree, is_leaf=lambda x: isinstance(x, HostKey))

@@ -59,7 +59,7 @@ from autoaccum._memory import analyse
 from autoaccum._step_time import StepCost
 from autoaccum._units import parse_bytes
 from autoaccum._update import Update, build_update
-from autoaccum.strategies import Program, PyTree, leading_size, tree_bytes
+from autoaccum.strategies import Program, PyTree, check_params, leading_size, tree_bytes
 
 DEFAULT_MAX_MICROBATCH = 16384
 """The largest microbatch the estimate and the probe consider when the caller gives no ``max_microbatch``."""
@@ -499,25 +499,25 @@ class _Measurer:
         params: PyTree,
         batch: PyTree,
         optimizer: optax.GradientTransformation,
-        strategy: str,
-        has_aux: bool,
-        options: dict[str, Any],
+        state: PyTree | None,
+        build: dict[str, Any],
         compiler_options: dict[str, Any],
         workers: int,
     ) -> None:
         self.params = abstract(params)
         self.batch = batch
+        self.state = () if state is None else (abstract(state),)
         self.optimizer = optimizer
         self.compiler_options = compiler_options
         fast = CPU_SINGLE_STEP_OPTIONS if jax.default_backend() == "cpu" else {}
         self.single_step_options = {**fast, **compiler_options}  # compiler_options holds COMPILER_OPTIONS
         self._build: Callable[[int], Update] = lambda m: build_update(
-            loss_fn, optimizer, microbatch_size=m, strategy=strategy, has_aux=has_aux, **options
+            loss_fn, optimizer, microbatch_size=m, has_state=state is not None, **build
         )
         first = self._build(1)
         self.options = dict(first.options)
         self.opt_state = jax.eval_shape(first.init, self.params)
-        self.state_bytes = tree_bytes(self.params) + tree_bytes(self.opt_state)
+        self.state_bytes = tree_bytes(self.params) + tree_bytes(self.opt_state) + tree_bytes(self.state)
         self._pool = ThreadPoolExecutor(workers)
         self._pending: dict[tuple[int, int], Future[_Analysis]] = {}
         self.points: dict[tuple[int, int], Point] = {}
@@ -532,7 +532,8 @@ class _Measurer:
         """Lowers the step for each ``(microbatch, batch_size)`` not measured yet and queues its compilation."""
         for m, total in sizes:
             if (m, total) not in self.points and (m, total) not in self._pending:
-                programs = self._build(m).programs(self.params, self.opt_state, abstract_batch(self.batch, total))
+                batch = abstract_batch(self.batch, total)
+                programs = self._build(m).programs(self.params, self.opt_state, batch, *self.state)
                 options = self.single_step_options if m == total else self.compiler_options
                 self._pending[m, total] = self._pool.submit(_analyse, programs, options)
 
@@ -572,6 +573,8 @@ def estimate(
     strategy: str = "scan",
     memory_limit: int | str | None = None,
     has_aux: bool = False,
+    state: PyTree | None = None,
+    loss_reduction: str = "mean",
     max_microbatch: int | None = None,
     accumulation: bool = True,
     effective_batch: int | None = None,
@@ -599,6 +602,9 @@ def estimate(
       memory_limit: the limit `Estimate.max_microbatch` answers for: bytes or ``"16GiB"``; default: what
         this machine's default device offers a step (the same policy as the probe's).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      state: the model state, when ``loss_fn(params, batch, state) -> (loss, state)`` takes one (arrays or
+        ``jax.ShapeDtypeStruct``), as `autoaccum.build_update`'s ``has_state``.
+      loss_reduction: ``"mean"`` or ``"sum"``, as for `autoaccum.build_update`.
       max_microbatch: `Estimate.max_microbatch` is at most this (default `DEFAULT_MAX_MICROBATCH`, as the
         probe's).
       accumulation: also measure accumulating steps (needed by `Estimate.capacity` and by ``bytes_at`` with a
@@ -629,6 +635,7 @@ def estimate(
     start = time.perf_counter()
     check_loss_fn(loss_fn)
     check_optimizer(optimizer)
+    check_params(params)
     leading_size(batch)
     cap = DEFAULT_MAX_MICROBATCH if max_microbatch is None else check_positive_int(max_microbatch, "max_microbatch")
     if effective_batch is not None:
@@ -645,7 +652,14 @@ def estimate(
     compile_options = {**COMPILER_OPTIONS, **(compiler_options or {})}
     top = max(cap, effective_batch or 0)
     with _Measurer(
-        loss_fn, params, batch, optimizer, strategy, has_aux, dict(options), compile_options, workers
+        loss_fn,
+        params,
+        batch,
+        optimizer,
+        state,
+        dict(strategy=strategy, has_aux=has_aux, loss_reduction=loss_reduction, **options),
+        compile_options,
+        workers,
     ) as measurer:
         s1 = min(FIRST_SIZE, cap)
         sizes = [(s1, s1)]

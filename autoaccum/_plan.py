@@ -48,6 +48,8 @@ class Plan(JsonMixin):
       throughput: measured examples per second of the whole update (0.0 if not measured).
       device: the device it was measured on, e.g. ``"NVIDIA H100 80GB HBM3"`` or ``"cpu"``.
       has_aux: whether the loss returns ``(loss, aux)``.
+      has_state: whether the loss threads a model state (``loss_fn(params, batch, state)``).
+      loss_reduction: ``"mean"`` or ``"sum"`` (`autoaccum.build_update`).
       accumulator_dtype: the accumulator dtype's name.
       params: the parameters it was tuned for, as `params_signature`.
       versions: autoaccum and jax versions at tuning time.
@@ -67,6 +69,8 @@ class Plan(JsonMixin):
     throughput: float = 0.0
     device: str = ""
     has_aux: bool = False
+    has_state: bool = False
+    loss_reduction: str = "mean"
     accumulator_dtype: str = "float32"
     params: dict[str, str] = dataclasses.field(default_factory=dict)
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -130,6 +134,8 @@ class Plan(JsonMixin):
             microbatch_size=self.microbatch_size,
             strategy=self.strategy,
             has_aux=self.has_aux,
+            has_state=self.has_state,
+            loss_reduction=self.loss_reduction,  # type: ignore[arg-type]
             accumulator_dtype=np.dtype(self.accumulator_dtype),
             donate=donate,
             **self.options,

@@ -50,8 +50,7 @@ from autoaccum._json import JsonMixin
 from autoaccum._memory import state_bytes
 from autoaccum._trial import Job, compile_trial, estimate_for_search, is_oom, measured, oom_outcome
 from autoaccum._units import format_bytes
-from autoaccum._update import build_update
-from autoaccum.strategies import PyTree, leading_size
+from autoaccum.strategies import PyTree, check_params, leading_size, tree_bytes
 
 FIRST_MARGIN = 0.9
 """The first real trial runs at this fraction of the compile-only prediction (XLA's estimate omits the
@@ -180,6 +179,8 @@ def prepare(
     max_microbatch: int | None = None,
     granularity: int = 1,
     has_aux: bool = False,
+    state: PyTree | None = None,
+    loss_reduction: str = "mean",
     isolate: bool = True,
     device: Any = None,
     options: Mapping[str, Any] | None = None,
@@ -188,6 +189,7 @@ def prepare(
     """Checks a probe request and resolves its device and limit; runs nothing. See `probe` for arguments."""
     check_loss_fn(loss_fn)
     check_optimizer(optimizer)
+    check_params(params)
     granularity = check_positive_int(granularity, "granularity")
     cap = DEFAULT_MAX_MICROBATCH if max_microbatch is None else check_positive_int(max_microbatch, "max_microbatch")
     if cap < granularity:
@@ -198,20 +200,20 @@ def prepare(
     check_bool(isolate, "isolate")
     if trial_timeout is not None and not (isinstance(trial_timeout, (int, float)) and trial_timeout > 0):
         raise ValueError(f"`trial_timeout` must be a positive number of seconds or None, got {trial_timeout!r}.")
-    options = dict(options or {})
     leading_size(batch)
-    update = build_update(
-        loss_fn, optimizer, microbatch_size=granularity, strategy=strategy, has_aux=has_aux, **options
+    build = dict(strategy=strategy, has_aux=has_aux, loss_reduction=loss_reduction, **dict(options or {}))
+    job = Job(
+        loss_fn, optimizer, abstract(params), host_copy(batch), None if state is None else host_copy(state), build
     )
+    update = job.update(granularity)
     info = detect_device(device)
     limit, source = resolve_memory_limit(info, memory_limit, isolate=isolate)
-    needed = state_bytes(update, params)
+    needed = state_bytes(update, params) + (0 if state is None else tree_bytes(abstract(state)))
     if limit <= needed:
         raise ValueError(
-            f"`memory_limit`={format_bytes(limit)} ({limit} bytes) is below what the parameters and optimizer "
-            f"state alone need: {format_bytes(needed)} ({needed} bytes); give a limit above that."
+            f"`memory_limit`={format_bytes(limit)} ({limit} bytes) is below what the parameters, optimizer state "
+            f"and model state alone need: {format_bytes(needed)} ({needed} bytes); give a limit above that."
         )
-    job = Job(loss_fn, optimizer, abstract(params), host_copy(batch), has_aux, strategy, options)
     return Setup(job, info, limit, source, needed, cap, granularity, isolate, trial_timeout)
 
 
@@ -398,6 +400,8 @@ def probe(
     max_microbatch: int | None = None,
     granularity: int = 1,
     has_aux: bool = False,
+    state: PyTree | None = None,
+    loss_reduction: str = "mean",
     isolate: bool = True,
     device: Any = None,
     options: Mapping[str, Any] | None = None,
@@ -421,6 +425,10 @@ def probe(
       max_microbatch: the largest microbatch to try (default 16384).
       granularity: trial sizes are multiples of it (e.g. 8 for tensor cores).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      state: the model state, when ``loss_fn(params, batch, state) -> (loss, state)`` takes one (BatchNorm
+        statistics, a PRNG key, ...), as `autoaccum.build_update`'s ``has_state``; trials get a copy.
+      loss_reduction: ``"mean"`` or ``"sum"`` (``loss_fn`` returns ``(loss_sum, weight)``), as for
+        `autoaccum.build_update`.
       isolate: run each trial in a fresh child process (default). ``False`` runs them here, catching only
         out-of-memory errors: faster, but an abort or a segfault in a trial kills this process, memory
         fragmentation and leaked buffers carry from one trial to the next, and on the CPU this process's
@@ -452,8 +460,8 @@ def probe(
     start = time.perf_counter()
     setup = prepare(
         loss_fn, params, batch, optimizer=optimizer, strategy=strategy, memory_limit=memory_limit,
-        max_microbatch=max_microbatch, granularity=granularity, has_aux=has_aux, isolate=isolate, device=device,
-        options=options, trial_timeout=trial_timeout,
+        max_microbatch=max_microbatch, granularity=granularity, has_aux=has_aux, state=state,
+        loss_reduction=loss_reduction, isolate=isolate, device=device, options=options, trial_timeout=trial_timeout,
     )  # fmt: skip
     with TrialRunner(setup, progress) as runner:
         model, why = runner.estimate()
@@ -482,7 +490,7 @@ def probe(
         granularity=setup.granularity,
         microbatch_cap=setup.microbatch_cap,
         strategy=strategy,
-        options=dict(setup.job.options),
+        options={k: v for k, v in setup.job.build.items() if k not in ("strategy", "has_aux", "loss_reduction")},
         state_bytes=setup.state_bytes,
         estimate=model,
         isolate=setup.isolate,

@@ -34,12 +34,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from autoaccum._batch import abstract, abstract_batch, resize_batch
+from autoaccum._batch import abstract, abstract_batch, device_copy, resize_batch
 from autoaccum._isolation import Outcome, load_payload, write_result
-from autoaccum.strategies import PyTree
+from autoaccum.strategies import Program, PyTree
 
 if TYPE_CHECKING:
     from autoaccum._estimate import Estimate
+    from autoaccum._update import Update
 
 _CPU_OOM_MESSAGE = "Out of memory allocating"
 
@@ -47,16 +48,47 @@ _CPU_OOM_MESSAGE = "Out of memory allocating"
 @dataclasses.dataclass(frozen=True)
 class Job:
     """Everything a trial needs, host-side only, so that it pickles and nothing device-side crosses a process
-    boundary: the parameters as ``jax.ShapeDtypeStruct`` (`materialize` makes them), the example batch as
-    numpy arrays."""
+    boundary: the parameters as ``jax.ShapeDtypeStruct`` (`materialize` makes them), the example batch and the
+    model state (None: the loss takes none) as `autoaccum._batch.host_copy` makes them.
+
+    Attributes:
+      build: `autoaccum.build_update`'s other arguments (``strategy``, ``has_aux``, ``loss_reduction`` and the
+        strategy's options).
+    """
 
     loss_fn: Callable[..., Any]
     optimizer: optax.GradientTransformation
     params: PyTree
     batch: PyTree
-    has_aux: bool
-    strategy: str
-    options: Mapping[str, Any]
+    state: PyTree | None
+    build: Mapping[str, Any]
+
+    @property
+    def strategy(self) -> str:
+        return str(self.build.get("strategy", "scan"))
+
+    def update(self, microbatch_size: int, donate: bool = True) -> Update:
+        """The update `autoaccum.build_update` makes for this job at ``microbatch_size``."""
+        from autoaccum._update import build_update
+
+        return build_update(
+            self.loss_fn, self.optimizer, microbatch_size=microbatch_size, has_state=self.state is not None,
+            donate=donate, **dict(self.build),
+        )  # fmt: skip
+
+    def programs(self, update: Update, batch_size: int) -> list[Program]:
+        """``update``'s programs for a batch of ``batch_size`` rows, lowered from shapes alone."""
+        params = abstract(self.params)
+        opt_state = jax.eval_shape(update.init, params)
+        state = () if self.state is None else (abstract(device_copy(self.state)),)
+        return update.programs(params, opt_state, abstract_batch(self.batch, batch_size), *state)
+
+
+def step(update: Update, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree | None) -> tuple[Any, ...]:
+    """One call of ``update``, with or without a model state: always ``(params, opt_state, loss, state)``."""
+    if state is None:
+        return (*update(params, opt_state, batch), None)
+    return tuple(update(params, opt_state, batch, state))
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -119,26 +151,15 @@ def compile_trial(job: Job, size: int, device: Any) -> Compiled:
     Compiling works from abstract shapes and allocates no device buffer, so the memory measured (and, on
     the CPU, capped) afterwards is the step's: parameters, optimizer state, batch and temporaries.
     """
-    from autoaccum._update import build_update
-
     start = time.perf_counter()
-    update = build_update(
-        job.loss_fn,
-        job.optimizer,
-        microbatch_size=size,
-        strategy=job.strategy,
-        has_aux=job.has_aux,
-        donate=True,
-        **dict(job.options),
-    )
+    update = job.update(size)
     with jax.default_device(device):
         params_s = abstract(job.params)
         make_params = jax.jit(functools.partial(materialize, params_s)).lower().compile()
         init = jax.jit(update.init)
         init.lower(params_s).compile()  # the jit keeps it: the call in run_trial does not compile again
-        opt_state_s = jax.eval_shape(update.init, params_s)
-        resize = jax.jit(functools.partial(resize_batch, size=size)).lower(abstract(job.batch)).compile()
-        for program in update.programs(params_s, opt_state_s, abstract_batch(job.batch, size)):
+        resize = jax.jit(functools.partial(resize_batch, size=size)).lower(abstract(device_copy(job.batch))).compile()
+        for program in job.programs(update, size):
             program.lowered.compile()  # likewise kept by the strategy's jitted functions
     return Compiled(job, size, device, update, make_params, init, resize, time.perf_counter() - start)
 
@@ -152,19 +173,18 @@ def run_trial(compiled: Compiled, peak: Callable[[], int | None]) -> Outcome:
     with jax.default_device(device):
         params = compiled.make_params()
         opt_state = compiled.init(params)
-        batch = compiled.resize(jax.device_put(job.batch, device))
+        batch = compiled.resize(device_copy(job.batch))
+        state = None if job.state is None else device_copy(job.state)
         before = proc_status("VmSize")
         start = time.perf_counter()
-        params, opt_state, loss = update(params, opt_state, batch)
-        jax.block_until_ready((params, opt_state, loss))
+        params, opt_state, loss, state = jax.block_until_ready(step(update, params, opt_state, batch, state))
         middle = time.perf_counter()
         settle(before)
         resume = time.perf_counter()
-        params, opt_state, loss = update(params, opt_state, batch)
-        jax.block_until_ready((params, opt_state, loss))
+        params, opt_state, loss, state = jax.block_until_ready(step(update, params, opt_state, batch, state))
         end = time.perf_counter()
     used = peak()
-    del params, opt_state, loss, batch
+    del params, opt_state, loss, batch, state
     return Outcome(
         "fits", seconds=end - resume, first_seconds=middle - start, peak_bytes=used, compile_seconds=compiled.seconds
     )
@@ -290,9 +310,10 @@ def estimate_for_search(job: Job, *, limit: int, max_microbatch: int) -> Estimat
     from autoaccum._estimate import estimate
 
     try:
+        state = None if job.state is None else device_copy(job.state)
         return estimate(
-            job.loss_fn, job.params, job.batch, optimizer=job.optimizer, strategy=job.strategy, memory_limit=limit,
-            has_aux=job.has_aux, max_microbatch=max_microbatch, accumulation=False, **dict(job.options),
+            job.loss_fn, job.params, device_copy(job.batch), optimizer=job.optimizer, state=state, memory_limit=limit,
+            max_microbatch=max_microbatch, accumulation=False, **dict(job.build),
         )  # fmt: skip
     except jax.errors.JaxRuntimeError as e:
         if is_oom(e):

@@ -30,6 +30,8 @@ class Workload:
       batch: an example batch; its leading size is the default effective batch.
       optimizer: the optax optimizer to step.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      state: the model state, when ``loss_fn(params, batch, state) -> (loss, state)`` takes one.
+      loss_reduction: ``"mean"`` or ``"sum"`` (`autoaccum.build_update`).
       name: a short name for reports.
     """
 
@@ -38,6 +40,8 @@ class Workload:
     batch: PyTree
     optimizer: optax.GradientTransformation
     has_aux: bool = False
+    state: PyTree | None = None
+    loss_reduction: str = "mean"
     name: str = "workload"
 
     def __post_init__(self) -> None:

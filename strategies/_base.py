@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
 
@@ -104,12 +105,23 @@ def dtype_of(x: Any) -> Any:
     return x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
 
 
+def _is_nnx_object(value: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")  # not imported: not an nnx object
+    return nnx is not None and isinstance(value, (nnx.Module, nnx.Optimizer))
+
+
 def check_params(params: PyTree) -> None:
     """Raises ``TypeError`` naming the first ``params`` leaf that ``jax.grad`` cannot differentiate.
 
     Integer counters, booleans and PRNG keys belong in the model state, which flows through the microbatches
-    without being differentiated.
+    without being differentiated. A flax nnx module is pointed at `autoaccum.nnx`.
     """
+    if _is_nnx_object(params):
+        raise TypeError(
+            f"`params` is a {type(params).__name__} from flax.nnx; this function takes a pytree of arrays. For nnx "
+            "models use autoaccum.nnx (build_update, probe, estimate, tune), which differentiate what "
+            "nnx.Optimizer's `wrt` selects and thread the rest (RNG streams, BatchStat) as model state."
+        )
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         dtype = dtype_of(leaf)
         if not jnp.issubdtype(dtype, jnp.inexact):

@@ -57,6 +57,8 @@ class TuneResult(JsonMixin):
       message: a one-line summary for people ("resumed: 12 trials from earlier runs, 0 new").
       update_fn: the plan's update, already compiled for the effective batch's shapes (not in the JSON).
       init: ``init(params) -> opt_state`` for ``update_fn`` (not in the JSON).
+      step: from `autoaccum.nnx.tune`, the plan as an nnx step, ``loss = step(model, optimizer, batch)``
+        (not in the JSON; None otherwise).
     """
 
     plan: Plan
@@ -72,6 +74,7 @@ class TuneResult(JsonMixin):
     init: Callable[[PyTree], PyTree] | None = dataclasses.field(
         metadata=NOT_JSON, default=None, repr=False, compare=False
     )
+    step: Any = dataclasses.field(metadata=NOT_JSON, default=None, repr=False, compare=False)
 
     json_format = "autoaccum.tune/1"
 

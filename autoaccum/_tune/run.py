@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
 from autoaccum._tune.timing import Timing, TrialFailed, time_update
 from autoaccum._units import parse_bytes
 from autoaccum._update import Update, build_update
-from autoaccum.strategies import PyTree, leading_size
+from autoaccum.strategies import PyTree, check_params, leading_size
 
 DEFAULT_TRIALS = 12
 """Trials the tuner runs when ``n_trials`` is not given and the search space is larger than this."""
@@ -63,6 +64,8 @@ def tune(
     fresh: bool = False,
     seed: int = 0,
     has_aux: bool = False,
+    state: PyTree | None = None,
+    loss_reduction: str = "mean",
     max_microbatch: int | None = None,
     trial_timeout: float | None = 120.0,
     measure: Callable[[Update, PyTree, PyTree], Timing] | None = None,
@@ -97,9 +100,14 @@ def tune(
       fresh: start the study anew, deleting earlier trials of the same name.
       seed: the sampler's seed.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      state: the model state, when ``loss_fn(params, batch, state) -> (loss, state)`` takes one, as
+        `autoaccum.build_update`'s ``has_state`` (trials and the returned update start from copies of it).
+      loss_reduction: ``"mean"`` or ``"sum"`` (``loss_fn`` returns ``(loss_sum, weight)``), as for
+        `autoaccum.build_update`.
       max_microbatch: skip the probe and use this bound instead.
       trial_timeout: seconds a trial may take (its compile included) before it is recorded as failed.
-      measure: how a configuration is timed, ``measure(update, params, batch) -> Timing``; default
+      measure: how a configuration is timed, ``measure(update, params, batch) -> Timing`` (with ``state``
+        given: ``measure(update, params, batch, state=state)``); default
         `autoaccum._tune.timing.time_update` (tests inject a deterministic one).
       callbacks: called as ``callback(record, done, total)`` after each trial: its `TrialRecord`, the distinct
         configurations settled so far and the number the study aims for (the CLI's progress bar).
@@ -114,6 +122,7 @@ def tune(
     batch_size = leading_size(batch)
     check_loss_fn(loss_fn)
     check_optimizer(optimizer)
+    check_params(params)
     check_bool(fresh, "fresh")
     effective_batch = batch_size if effective_batch is None else check_positive_int(effective_batch, "effective_batch")
     if n_trials is not None:
@@ -128,9 +137,10 @@ def tune(
     if timeout is not None and not timeout > 0:
         raise ValueError(f"`timeout` must be a positive number of seconds, got timeout={timeout!r}.")
     limit_bytes = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
+    loss_kw: dict[str, Any] = dict(has_aux=has_aux, has_state=state is not None, loss_reduction=loss_reduction)
     # Build one update per strategy so bad input (optimizer, loss, options) fails here, not in trial 0.
     for name in names:
-        build_update(loss_fn, optimizer, microbatch_size=1, strategy=name, has_aux=has_aux)
+        build_update(loss_fn, optimizer, microbatch_size=1, strategy=name, **loss_kw)
     opened, storage_label = open_storage(storage)
 
     probed = None
@@ -144,6 +154,8 @@ def tune(
             memory_limit=memory_limit,
             max_microbatch=effective_batch,
             has_aux=has_aux,
+            state=state,
+            loss_reduction=loss_reduction,
         )
         max_microbatch = probed.max_microbatch
         if max_microbatch < 1:
@@ -156,9 +168,12 @@ def tune(
     sizes = microbatch_candidates(effective_batch, max_microbatch)
     space: dict[str, list[Any]] = {"microbatch_size": sizes, "strategy": list(labels)}
     grid_points = len(sizes) * len(labels)
-    plain = build_update(loss_fn, optimizer, microbatch_size=effective_batch, strategy=names[0], has_aux=has_aux)
+    plain = build_update(loss_fn, optimizer, microbatch_size=effective_batch, strategy=names[0], **loss_kw)
     params_s = abstract(params)
-    programs = plain.programs(params_s, jax.eval_shape(plain.init, params_s), abstract_batch(batch, effective_batch))
+    state_s = () if state is None else (abstract(state),)
+    programs = plain.programs(
+        params_s, jax.eval_shape(plain.init, params_s), abstract_batch(batch, effective_batch), *state_s
+    )
     key = fingerprint(
         "\n".join(p.lowered.as_text() for p in programs),
         {
@@ -197,7 +212,8 @@ def tune(
             study.enqueue_trial({"microbatch_size": max(sizes), "strategy": label})
 
     full_batch = batch if effective_batch == batch_size else resize_batch(batch, effective_batch)
-    timer = measure or (lambda u, p, b: time_update(u, p, b, time_limit=trial_timeout))
+    timer = measure or functools.partial(time_update, time_limit=trial_timeout)
+    with_state: dict[str, Any] = {} if state is None else {"state": state}
     best: dict[str, Any] = {}
 
     def objective(trial: optuna.Trial) -> float:
@@ -208,9 +224,9 @@ def tune(
             if other.params == trial.params:  # TPE may propose a measured point again: reuse, don't re-run
                 trial.set_user_attr("duplicate_of", other.number)
                 return float(other.value)  # type: ignore[arg-type]
-        update = build_update(loss_fn, optimizer, microbatch_size=m, strategy=strategy, has_aux=has_aux, **options)
+        update = build_update(loss_fn, optimizer, microbatch_size=m, strategy=strategy, **loss_kw, **options)
         try:
-            timing = timer(update, params, full_batch)
+            timing = timer(update, params, full_batch, **with_state)
         except TrialFailed as e:
             trial.set_user_attr("reason", str(e))
             raise
@@ -261,6 +277,8 @@ def tune(
         throughput=float(top.value),  # type: ignore[arg-type]
         device=jax.devices()[0].device_kind,
         has_aux=has_aux,
+        has_state=state is not None,
+        loss_reduction=loss_reduction,
         accumulator_dtype="float32",
         params=params_signature(params),
         versions=_versions(),
@@ -270,7 +288,8 @@ def tune(
     else:  # the best trial ran in an earlier or another process: compile it now, on copies
         update_fn = plan.build(loss_fn, optimizer)
         copies = jax.tree.map(jnp.array, params)
-        jax.block_until_ready(update_fn(copies, update_fn.init(copies), full_batch))
+        state_copy = () if state is None else (jax.tree.map(jnp.array, state),)
+        jax.block_until_ready(update_fn(copies, update_fn.init(copies), full_batch, *state_copy))
     new = len(settled) - resumed
     if resumed:
         message = (

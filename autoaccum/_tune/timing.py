@@ -41,29 +41,38 @@ def time_update(
     *,
     steps: int = 5,
     warmup: int = 1,
+    state: PyTree | None = None,
     time_limit: float | None = None,
     timer: Callable[[], float] = time.perf_counter,
 ) -> Timing:
     """Times ``update`` on ``batch``: one compiling call, ``warmup`` calls, then ``steps`` timed calls.
 
-    Works on a copy of ``params`` (the update donates its inputs). Each timed call ends with
-    ``jax.block_until_ready`` on everything it returns.
+    Works on copies of ``params`` and ``state`` (the update donates its inputs); ``state`` is given exactly
+    when the update was built with ``has_state``. Each timed call ends with ``jax.block_until_ready`` on
+    everything it returns.
 
     Raises:
       TrialFailed: XLA ran out of memory, or the calls so far exceeded ``time_limit`` seconds.
     """
     params = jax.tree.map(jnp.array, params)
+    carry = () if state is None else (jax.tree.map(jnp.array, state),)
+
+    def call(params: PyTree, opt_state: PyTree) -> tuple[PyTree, PyTree]:
+        nonlocal carry
+        params, opt_state, _, *carry = jax.block_until_ready(update(params, opt_state, batch, *carry))
+        return params, opt_state
+
     try:
         opt_state = update.init(params)
         start = timer()
-        params, opt_state, _ = jax.block_until_ready(update(params, opt_state, batch))
+        params, opt_state = call(params, opt_state)
         compile_seconds = timer() - start
         times = []
         for i in range(warmup + steps):
             if time_limit is not None and timer() - start > time_limit:
                 raise TrialFailed(f"timed out: over {time_limit:g} s after {i} of {warmup + steps} steps")
             t = timer()
-            params, opt_state, _ = jax.block_until_ready(update(params, opt_state, batch))
+            params, opt_state = call(params, opt_state)
             if i >= warmup:
                 times.append(timer() - t)
     except (jax.errors.JaxRuntimeError, MemoryError) as e:

@@ -130,6 +130,8 @@ def plan(
             strategy=strategy,
             memory_limit=targets[0].memory_limit_bytes,
             has_aux=w.has_aux,
+            state=w.state,
+            loss_reduction=w.loss_reduction,
             refine_for=[t.memory_limit_bytes for t in targets],
             effective_batch=total,
         )

@@ -82,7 +82,8 @@ def probe(
     console.print(f"probing [bold]{w.name}[/] ({strategy}) ...")
     kwargs = dict(
         optimizer=w.optimizer, strategy=strategy, memory_limit=memory_limit, max_microbatch=max_microbatch,
-        granularity=granularity, has_aux=w.has_aux, isolate=not no_isolate,
+        granularity=granularity, has_aux=w.has_aux, state=w.state, loss_reduction=w.loss_reduction,
+        isolate=not no_isolate,
     )  # fmt: skip
     try:
         prepare(w.loss_fn, w.params, w.batch, **kwargs)  # bad input is exit 2; errors in trials are exit 1

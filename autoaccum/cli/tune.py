@@ -106,6 +106,8 @@ def tune(
                 fresh=fresh,
                 seed=seed,
                 has_aux=w.has_aux,
+                state=w.state,
+                loss_reduction=w.loss_reduction,
                 max_microbatch=max_microbatch,
                 callbacks=[on_trial],
             )

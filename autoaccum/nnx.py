@@ -1,0 +1,231 @@
+"""The flax nnx front door: gradient accumulation for an ``nnx.Module`` trained with ``nnx.Optimizer``.
+
+Write the loss the nnx way, ``loss_fn(model, batch) -> loss``, and step the model and its optimizer in place::
+
+    model = Net(rngs=nnx.Rngs(0, dropout=1))                        # with nnx.Dropout and nnx.BatchNorm
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    step = autoaccum.nnx.build_update(loss_fn, microbatch_size=16)  # loss_fn(model, batch) -> loss
+    loss = step(model, optimizer, batch)                            # updates model and optimizer in place
+
+Only what the optimizer's ``wrt`` selects is differentiated. Everything else the model holds (``nnx.BatchStat``
+running statistics, the ``nnx.Rngs`` streams' keys and counters, any other ``nnx.Variable``) is model state:
+it flows through the microbatches in order, as `autoaccum.build_update`'s ``has_state`` does, so each
+microbatch of each update draws its own dropout mask and BatchNorm statistics advance once per microbatch,
+as they would over the same examples fed one microbatch at a time. One program is compiled per shape; the
+second call does not retrace.
+
+`probe`, `estimate` and `tune` take the same ``(loss_fn, model, optimizer, batch)`` and answer for the model as
+`autoaccum.probe`, `autoaccum.estimate` and `autoaccum.tune` do for a function of a parameters pytree (they
+never change the model); `functional` gives that pure view, and `workload` makes an `autoaccum.Workload` of it
+for the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from autoaccum import _estimate, _probe
+from autoaccum._checks import check_loss_fn
+from autoaccum._tune import run as _run
+from autoaccum._update import Update as _Update
+from autoaccum._update import build_update as _build_update
+from autoaccum._workload import Workload
+from autoaccum.strategies import PyTree
+
+
+def _check(model: Any, optimizer: Any) -> None:
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"`model` must be an nnx.Module, got {type(model).__name__}: {model!r}.")
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            f"`optimizer` must be an nnx.Optimizer(model, tx, wrt=...), got {type(optimizer).__name__}; for an optax "
+            "optimizer and a parameters pytree use autoaccum.build_update instead."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Functional:
+    """The pure view of an nnx model and optimizer that autoaccum's functions work with.
+
+    Attributes:
+      loss_fn: ``loss_fn(params, batch, state) -> (loss, state)`` (``has_state=True`` form).
+      params: what the optimizer's ``wrt`` selects, as plain arrays (an ``nnx.State``).
+      state: everything else the model holds, as plain arrays (an ``nnx.State``).
+      tx: the optax optimizer inside the ``nnx.Optimizer``.
+      opt_state: its state, as plain arrays.
+      graphdef: the model's structure.
+    """
+
+    loss_fn: Callable[..., Any]
+    params: PyTree
+    state: PyTree
+    tx: Any
+    opt_state: PyTree
+    graphdef: Any
+
+
+def functional(loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Optimizer) -> Functional:
+    """The pure view of ``loss_fn(model, batch)`` over ``model`` and ``optimizer`` (nothing is changed).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+      >>> f = functional(lambda m, b: jnp.mean(m(b)), model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
+      >>> sorted(f.params.keys())
+      ['bias', 'kernel']
+    """
+    check_loss_fn(loss_fn)
+    _check(model, optimizer)
+    wrt = optimizer.wrt
+    graphdef, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]
+
+    def pure_loss(params: PyTree, batch: PyTree, state: PyTree) -> tuple[Any, PyTree]:
+        local = nnx.merge(graphdef, params, state)
+        out = loss_fn(local, batch)
+        _, _, new_state = nnx.split(local, wrt, ...)  # type: ignore[misc]
+        return out, nnx.as_pure(new_state)
+
+    return Functional(
+        pure_loss, nnx.as_pure(params), nnx.as_pure(rest), optimizer.tx, nnx.as_pure(optimizer.opt_state), graphdef
+    )
+
+
+class Update:
+    """An accumulating step for an nnx model: ``loss = step(model, optimizer, batch)``, in place.
+
+    The result equals one ``optimizer.update(model, grads)`` with the gradient of the whole batch (see
+    `autoaccum.build_update` for the exact semantics, ``loss_reduction`` included); the model's other state
+    (batch statistics, RNG counters) is threaded through the microbatches in order. ``optimizer.step`` advances
+    by one per call. Programs are built per model structure and cached.
+    """
+
+    def __init__(self, loss_fn: Callable[..., Any], options: dict[str, Any]) -> None:
+        self.loss_fn = loss_fn
+        self.options = options
+        self._cache: dict[Any, _Update] = {}
+
+    def _prepare(self, model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Functional, _Update]:
+        f = functional(self.loss_fn, model, optimizer)
+        key = (f.graphdef, id(f.tx))
+        if key not in self._cache:
+            self._cache[key] = _build_update(f.loss_fn, f.tx, has_state=True, **self.options)
+        return f, self._cache[key]
+
+    @staticmethod
+    def _write_back(model: nnx.Module, optimizer: nnx.Optimizer, out: tuple[Any, ...]) -> Any:
+        params, opt_state, loss, state = out
+        nnx.update(model, params, state)
+        nnx.update(optimizer.opt_state, nnx.state(opt_state))
+        optimizer.step[...] += 1
+        return loss
+
+    def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
+        """One update on ``batch``; returns the loss (``(loss, aux)`` with ``has_aux``)."""
+        f, update = self._prepare(model, optimizer)
+        return self._write_back(model, optimizer, update(f.params, f.opt_state, batch, f.state))
+
+    def stream(self, model: nnx.Module, optimizer: nnx.Optimizer, microbatches: Iterable[PyTree]) -> Any:
+        """One update on microbatches that arrive one at a time (`autoaccum.Update.stream`); returns the loss."""
+        f, update = self._prepare(model, optimizer)
+        return self._write_back(model, optimizer, update.stream(f.params, f.opt_state, microbatches, f.state))
+
+    def compiled_for(self, model: nnx.Module, optimizer: nnx.Optimizer) -> _Update:
+        """The functional `autoaccum.Update` this step runs for ``model`` (e.g. for its ``programs``)."""
+        return self._prepare(model, optimizer)[1]
+
+
+def build_update(
+    loss_fn: Callable[..., Any],
+    *,
+    microbatch_size: int,
+    strategy: str = "scan",
+    has_aux: bool = False,
+    loss_reduction: str = "mean",
+    accumulator_dtype: Any = jnp.float32,
+    donate: bool = True,
+    **options: Any,
+) -> Update:
+    """An accumulating step for nnx models: ``loss = step(model, optimizer, batch)`` updates both in place.
+
+    Args:
+      loss_fn: ``loss_fn(model, batch) -> loss`` (the mean over the batch's examples); with ``has_aux``,
+        ``-> (loss, aux)``; with ``loss_reduction="sum"``, ``loss`` is ``(loss_sum, weight)``.
+      microbatch_size, strategy, has_aux, loss_reduction, accumulator_dtype, donate, **options: as for
+        `autoaccum.build_update`. With ``donate`` the model's and optimizer's arrays are reused for the results
+        (the model and optimizer are updated in place either way).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, autoaccum
+      >>> from flax import nnx
+      >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+      >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> step = autoaccum.nnx.build_update(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2), microbatch_size=4)
+      >>> loss = step(model, optimizer, {"x": jnp.ones((10, 3)), "y": jnp.zeros((10, 1))})
+      >>> int(optimizer.step[...])
+      1
+    """
+    check_loss_fn(loss_fn)
+    options = dict(
+        microbatch_size=microbatch_size, strategy=strategy, has_aux=has_aux, loss_reduction=loss_reduction,
+        accumulator_dtype=accumulator_dtype, donate=donate, **options,
+    )  # fmt: skip
+    _build_update(lambda p, b, s: (0.0, s), _NoOptimizer(), has_state=True, **options)  # bad arguments raise now
+    return Update(loss_fn, options)
+
+
+class _NoOptimizer:
+    """Stands in for the optimizer while `build_update` checks its other arguments."""
+
+    def init(self, params: PyTree) -> PyTree:
+        return ()
+
+    def update(self, updates: PyTree, state: PyTree, params: PyTree | None = None) -> tuple[PyTree, PyTree]:
+        return updates, state
+
+
+def probe(
+    loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, **kwargs: Any
+) -> Any:
+    """`autoaccum.probe` for ``loss_fn(model, batch)``; the model and optimizer are not changed."""
+    f = functional(loss_fn, model, optimizer)
+    return _probe.probe(f.loss_fn, f.params, batch, optimizer=f.tx, state=f.state, **kwargs)
+
+
+def estimate(
+    loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, **kwargs: Any
+) -> Any:
+    """`autoaccum.estimate` for ``loss_fn(model, batch)``; nothing is run, the model is not changed."""
+    f = functional(loss_fn, model, optimizer)
+    return _estimate.estimate(f.loss_fn, f.params, batch, optimizer=f.tx, state=f.state, **kwargs)
+
+
+def tune(loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, **kwargs: Any) -> Any:
+    """`autoaccum.tune` for ``loss_fn(model, batch)``; the model and optimizer are not changed.
+
+    The result's ``step`` is the tuned plan as an nnx step: ``loss = result.step(model, optimizer, batch)``.
+    """
+    f = functional(loss_fn, model, optimizer)
+    result = _run.tune(f.loss_fn, f.params, batch, optimizer=f.tx, state=f.state, **kwargs)
+    plan = result.plan
+    step = build_update(
+        loss_fn, microbatch_size=plan.microbatch_size, strategy=plan.strategy, has_aux=plan.has_aux,
+        loss_reduction=plan.loss_reduction, accumulator_dtype=jnp.dtype(plan.accumulator_dtype), **plan.options,
+    )  # fmt: skip
+    return dataclasses.replace(result, step=step)
+
+
+def workload(
+    loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, name: str = "nnx"
+) -> Workload:
+    """An `autoaccum.Workload` of ``loss_fn(model, batch)``, for the command line (``autoaccum probe FILE:fn``)."""
+    f = functional(loss_fn, model, optimizer)
+    return Workload(f.loss_fn, f.params, batch, f.tx, state=f.state, name=name)
+
+
+__all__ = ["Functional", "Update", "build_update", "estimate", "functional", "probe", "tune", "workload"]
