@@ -2,7 +2,8 @@
 
 This module only re-exports; each concern lives in a private module named for it, and the data flows one
 way: workload -> estimate (compile-only) -> probe (real runs, isolated) -> tune (search, timing) -> plan ->
-update. Public submodules: `autoaccum.nnx` (flax nnx models and optimizers, the nnx way), `autoaccum.strategies`
+update. Public submodules: `autoaccum.nnx` (flax nnx models and optimizers, the nnx way), `autoaccum.linen` (flax
+linen's mutable collections and dropout keys as model state), `autoaccum.strategies`
 (the accumulation strategies, `register` your own),
 `autoaccum.workloads` (the built-in demo workloads) and `autoaccum.cli` (the command line).
 """
@@ -10,6 +11,7 @@ update. Public submodules: `autoaccum.nnx` (flax nnx models and optimizers, the 
 from __future__ import annotations
 
 from autoaccum import (
+    linen,
     nnx,
     strategies,
 )
@@ -45,6 +47,7 @@ __all__ = [
     "detect_device",
     "estimate",
     "format_bytes",
+    "linen",
     "load_workload",
     "nnx",
     "parse_bytes",

@@ -12,6 +12,13 @@ The baselines are the three options of optax's "Gradient accumulation and microb
 * ``optax.microbatching``: ``optax.microbatching.microbatch(value_and_grad(loss), MEAN)`` and the optimizer
   update in one jitted step over the whole batch.
 
+Two more rows are autoaccum's own: every strategy again with ``has_state=True``, its loss taking a typed
+PRNG key, splitting it and returning the new one (a dropout-like pattern whose draw is added times zero, so the
+math and the one-step check are unchanged): the cost of threading a model state through the accumulation, as
+the stateless / stateful throughput ratio of the same strategy (goal: at most ``--state-goal`` overhead).
+These rows are not candidates for "our best". A second, smaller table (``--convnet``, off with ``none``) times
+the plain full-batch step against our strategies on a built-in convnet.
+
 Every method does the same work: ``B`` examples per step in ``k = B // m`` microbatches of ``m``, the
 workload's optimizer (AdamW) stepping once per ``B`` examples, ``params`` and ``opt_state`` donated. A cheap
 check first asserts that one step of every method from the same start matches the full-batch step.
@@ -50,6 +57,7 @@ from autoaccum import strategies, workloads
 
 PyTree = Any
 State = tuple[Any, ...]
+STATEFUL = "autoaccum, has_state"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +66,8 @@ class Method:
 
     Attributes:
       name: the row label.
-      by: ``"autoaccum"`` (one of our strategies), ``"hand-written"`` (a baseline) or ``"reference"``.
+      by: ``"autoaccum"`` (one of our strategies), ``STATEFUL`` (one of ours with a PRNG-key model state),
+        ``"hand-written"`` (a baseline) or ``"reference"``.
       init: ``init(params) -> state``; the state's first item is always ``params``.
       step: ``step(state) -> state``, one step on the benchmark's batch (captured), donating ``state``.
     """
@@ -103,6 +112,34 @@ def ours(
         lambda params: (params, update.init(params)),
         lambda state: update(state[0], state[1], batch)[:2],
     )
+
+
+def ours_stateful(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    batch: PyTree,
+    m: int,
+    name: str,
+    **options: Any,
+) -> Method:
+    """``autoaccum.build_update(..., has_state=True)`` on ``loss_fn`` with a PRNG key as the model state.
+
+    The loss splits the key, draws one number and adds it times zero (a dropout-like use that leaves the loss
+    and gradient unchanged), and returns the new key: what a user threading dropout randomness writes.
+    """
+
+    def keyed_loss(params: PyTree, batch: PyTree, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        key, sub = jax.random.split(key)
+        return loss_fn(params, batch) + 0.0 * jax.random.uniform(sub), key
+
+    update = autoaccum.build_update(keyed_loss, optimizer, microbatch_size=m, strategy=name, has_state=True, **options)
+    label = name + "".join(f" {k}={v}" for k, v in options.items()) + " (has_state: PRNG key)"
+
+    def step(state: State) -> State:
+        params, opt_state, _, key = update(state[0], state[1], batch, state[2])
+        return params, opt_state, key
+
+    return Method(label, STATEFUL, lambda params: (params, update.init(params), jax.random.key(0)), step)
 
 
 def manual(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, microbatches: list[PyTree]) -> Method:
@@ -221,6 +258,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     scan_unroll = list(strategies.get("scan").options["unroll"])
     p.add_argument("--unroll", type=int, nargs="+", default=scan_unroll, help="scan unroll values to time")
     p.add_argument("--goal", type=float, default=0.97, help="required ratio of our best to their best")
+    p.add_argument(
+        "--state-goal", type=float, default=0.03, help="largest has_state overhead (stateful/stateless time - 1)"
+    )
+    p.add_argument(
+        "--convnet",
+        default="cnn",
+        choices=["cnn", "mnist", "none"],
+        help="built-in convnet for the second table (full batch vs our strategies, same B and m); none: skip it",
+    )
     p.add_argument("--atol", type=float, default=1e-4, help="one-step check: params tolerance (~0.1 lr)")
     p.add_argument("--grad-atol", type=float, default=1e-6, help="one-step check: Adam first-moment tolerance")
     args = p.parse_args(argv)
@@ -231,46 +277,36 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    b, m = args.batch, args.microbatch
-    k = b // m
-    w = workloads.transformer(batch_size=b, seq_len=args.seq_len, dim=args.dim, layers=args.layers)
-    loss_fn, opt, batch = w.loss_fn, w.optimizer, w.batch
-    microbatches = [jax.tree.map(lambda x, i=i: x[i * m : (i + 1) * m], batch) for i in range(k)]
-    jax.block_until_ready(microbatches)
-
-    methods = [full_batch(loss_fn, opt, batch)]
+def our_methods(
+    loss_fn: Callable[..., Any], opt: optax.GradientTransformation, batch: PyTree, m: int, unroll: Sequence[int]
+) -> list[Method]:
+    """Every strategy (scan once per unroll value)."""
+    methods = []
     for name in strategies.available():
         if name == "scan":
-            methods += [ours(loss_fn, opt, batch, m, name, unroll=u) for u in args.unroll]
+            methods += [ours(loss_fn, opt, batch, m, name, unroll=u) for u in unroll]
         else:
             methods.append(ours(loss_fn, opt, batch, m, name))
-    methods += [
-        manual(loss_fn, opt, microbatches),
-        multisteps(loss_fn, opt, microbatches),
-        microbatch(loss_fn, opt, batch, m),
-    ]
+    return methods
 
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(w.params))
-    print(f"machine: {machine()}")
-    print(
-        f"workload: transformer LM, {n_params:,} params, seq_len={args.seq_len}, dim={args.dim}, "
-        f"layers={args.layers}, the workload's optimizer (AdamW 1e-3)"
-    )
-    print(f"batch B={b}, microbatch m={m} (k={k} microbatches), {args.rounds} rounds x {args.steps} steps\n")
 
-    # One step from the same start: every method must match the full-batch step (equal work). Adam's first
-    # step is -lr * g / (|g| + eps) elementwise, so params can differ by up to ~lr where a gradient entry is
-    # ~0 and rounding flips its sign; its first moment after one step is exactly (1 - b1) * g, so the gradient
-    # itself (scale included) is checked there. The step also compiles; the warm-up continues from it.
+def check_and_warm(
+    methods: list[Method], params: PyTree, args: argparse.Namespace
+) -> tuple[dict[str, State], dict[str, float], list[str], list[float]]:
+    """One step from the same start: every method must match the first (the full-batch reference).
+
+    Adam's first step is -lr * g / (|g| + eps) elementwise, so params can differ by up to ~lr where a gradient
+    entry is ~0 and rounding flips its sign; its first moment after one step is exactly (1 - b1) * g, so the
+    gradient itself (scale included) is checked there. The step also compiles; the warm-up continues from it.
+    Returns the warmed states, the first-call seconds, the failures and the worst (params, mu) differences.
+    """
     states, first_call = {}, {}
     reference: State = ()
     failed, worst = [], [0.0, 0.0]
     for method in methods:
-        params = jax.block_until_ready(copy(w.params))
+        start_params = jax.block_until_ready(copy(params))
         start = time.perf_counter()  # first call: init, trace, compile and one step
-        state = jax.block_until_ready(method.step(method.init(params)))
+        state = jax.block_until_ready(method.step(method.init(start_params)))
         first_call[method.name] = time.perf_counter() - start
         if not reference:  # the first method is the full-batch reference
             reference = jax.tree.map(np.asarray, state[:2])
@@ -287,14 +323,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for _ in range(args.warmup - 1):
             state = method.step(state)
         states[method.name] = jax.block_until_ready(state)
-    if failed:
-        print("one-step check FAILED:\n  " + "\n  ".join(failed), file=sys.stderr)
-        return 1
-    print(
-        f"one-step check vs full batch passed: max |params diff| = {worst[0]:.1e} (atol {args.atol:g}), "
-        f"max |Adam first-moment diff| = {worst[1]:.1e} (atol {args.grad_atol:g})\n"
-    )
+    return states, first_call, failed, worst
 
+
+def time_rounds(methods: list[Method], states: dict[str, State], args: argparse.Namespace) -> dict[str, list[float]]:
+    """Per-step seconds of every method in every round (the order rotating from round to round)."""
     times: dict[str, list[float]] = {method.name: [] for method in methods}
     for r in range(args.rounds):
         shift = r % len(methods)
@@ -306,26 +339,129 @@ def main(argv: Sequence[str] | None = None) -> int:
             state = jax.block_until_ready(state)
             times[method.name].append((time.perf_counter() - start) / args.steps)
             states[method.name] = state
+    return times
 
+
+def print_table(methods: list[Method], times: dict[str, list[float]], first_call: dict[str, float], b: int) -> None:
     print("| method | by | examples/s | ms/step (median) | ms/step (min) | first call (s) |")
     print("|---|---|---:|---:|---:|---:|")
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
     for method in methods:
-        t = medians[method.name]
+        t = statistics.median(times[method.name])
         print(
             f"| {method.name} | {method.by} | {b / t:,.0f} | {1e3 * t:.2f} | {1e3 * min(times[method.name]):.2f} "
             f"| {first_call[method.name]:.2f} |"
         )
+
+
+def check_line(worst: list[float], args: argparse.Namespace) -> str:
+    return (
+        f"one-step check vs full batch passed: max |params diff| = {worst[0]:.1e} (atol {args.atol:g}), "
+        f"max |Adam first-moment diff| = {worst[1]:.1e} (atol {args.grad_atol:g})\n"
+    )
+
+
+def convnet_table(args: argparse.Namespace) -> int:
+    """The second table: the plain full-batch step vs our strategies on a built-in convnet (same B and m)."""
+    b, m = args.batch, args.microbatch
+    w = workloads.BUILTIN[args.convnet](batch_size=b)
+    methods = [
+        full_batch(w.loss_fn, w.optimizer, w.batch),
+        *our_methods(w.loss_fn, w.optimizer, w.batch, m, args.unroll),
+    ]
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(w.params))
+    print(
+        f"\nconvnet table: workloads.{args.convnet}, {n_params:,} params, 28x28x1 images, the workload's optimizer "
+        f"(Adam 1e-3); B={b}, m={m} (k={b // m}), {args.rounds} rounds x {args.steps} steps\n"
+    )
+    states, first_call, failed, worst = check_and_warm(methods, w.params, args)
+    if failed:
+        print("convnet one-step check FAILED:\n  " + "\n  ".join(failed), file=sys.stderr)
+        return 1
+    print(check_line(worst, args))
+    times = time_rounds(methods, states, args)
+    print_table(methods, times, first_call, b)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    best = min(methods[1:], key=lambda x: medians[x.name])
+    full = medians[methods[0].name]
+    print(
+        f"\nconvnet: our best {best.name} ({b / medians[best.name]:,.0f} ex/s) / full batch "
+        f"({b / full:,.0f} ex/s) = {full / medians[best.name]:.3f} (throughput ratio; no goal)\n"
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    b, m = args.batch, args.microbatch
+    k = b // m
+    w = workloads.transformer(batch_size=b, seq_len=args.seq_len, dim=args.dim, layers=args.layers)
+    loss_fn, opt, batch = w.loss_fn, w.optimizer, w.batch
+    microbatches = [jax.tree.map(lambda x, i=i: x[i * m : (i + 1) * m], batch) for i in range(k)]
+    jax.block_until_ready(microbatches)
+
+    stateless = our_methods(loss_fn, opt, batch, m, args.unroll)
+    # The stateful twin of each strategy at its default options (scan: unroll=1, the default strategy).
+    default_unroll = strategies.get("scan").options["unroll"][0]
+    pairs = [
+        (
+            next(x for x in stateless if x.name == name + (f" unroll={default_unroll}" if name == "scan" else "")),
+            ours_stateful(loss_fn, opt, batch, m, name, **({"unroll": default_unroll} if name == "scan" else {})),
+        )
+        for name in strategies.available()
+    ]
+    methods = [full_batch(loss_fn, opt, batch), *stateless, *(s for _, s in pairs)]
+    methods += [
+        manual(loss_fn, opt, microbatches),
+        multisteps(loss_fn, opt, microbatches),
+        microbatch(loss_fn, opt, batch, m),
+    ]
+
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(w.params))
+    print(f"machine: {machine()}")
+    print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} (empty: XLA:CPU defaults, YNNPACK on)")
+    print(
+        f"workload: transformer LM, {n_params:,} params, seq_len={args.seq_len}, dim={args.dim}, "
+        f"layers={args.layers}, the workload's optimizer (AdamW 1e-3)"
+    )
+    print(f"batch B={b}, microbatch m={m} (k={k} microbatches), {args.rounds} rounds x {args.steps} steps\n")
+
+    states, first_call, failed, worst = check_and_warm(methods, w.params, args)
+    if failed:
+        print("one-step check FAILED:\n  " + "\n  ".join(failed), file=sys.stderr)
+        return 1
+    print(check_line(worst, args))
+
+    times = time_rounds(methods, states, args)
+    print_table(methods, times, first_call, b)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    best = {name: min(ts) for name, ts in times.items()}
+
+    print()
+    for plain, keyed in pairs:
+        ratio_state = medians[keyed.name] / medians[plain.name]  # = stateless / stateful throughput
+        floor_state = best[keyed.name] / best[plain.name]
+        verdict_state = "met" if ratio_state - 1 <= args.state_goal else "NOT met"
+        print(
+            f"has_state overhead, {plain.name}: stateless / stateful throughput = {ratio_state:.3f} "
+            f"(overhead {100 * (ratio_state - 1):+.1f}%, goal <= {100 * args.state_goal:g}%: {verdict_state}); "
+            f"at the least-disturbed round {floor_state:.3f}"
+        )
+
+    status = 0
+    if args.convnet != "none":
+        status = convnet_table(args)
+        if status:
+            return status
+
     our_best = min((x for x in methods if x.by == "autoaccum"), key=lambda x: medians[x.name])
     their_best = min((x for x in methods if x.by == "hand-written"), key=lambda x: medians[x.name])
     ours_t, theirs_t = medians[our_best.name], medians[their_best.name]
     ratio = theirs_t / ours_t
     print(
-        f"\nour best: {our_best.name} ({b / ours_t:,.0f} ex/s); "
+        f"\ntransformer: our best: {our_best.name} ({b / ours_t:,.0f} ex/s); "
         f"their best: {their_best.name} ({b / theirs_t:,.0f} ex/s)"
     )
     verdict = "met" if ratio >= args.goal else "NOT met"
-    best = {name: min(ts) for name, ts in times.items()}
     floor = min(best[x.name] for x in methods if x.by == "hand-written") / min(
         best[x.name] for x in methods if x.by == "autoaccum"
     )

@@ -9,15 +9,15 @@ import types
 import autoaccum
 from autoaccum import strategies
 
-PUBLIC_MODULES = {"autoaccum.cli", "autoaccum.nnx", "autoaccum.strategies", "autoaccum.workloads"}
+PUBLIC_MODULES = {"autoaccum.cli", "autoaccum.linen", "autoaccum.nnx", "autoaccum.strategies", "autoaccum.workloads"}
 
 
 def test_autoaccum_exports() -> None:
     assert set(autoaccum.__all__) == {
         "Capacity", "DeviceInfo", "Estimate", "Plan", "ProbeError", "ProbeResult", "Target", "Trial",
         "TrialRecord", "TuneResult", "Update", "Workload", "WorkloadError", "__version__", "build_update",
-        "detect_device", "estimate", "format_bytes", "load_workload", "nnx", "parse_bytes", "probe", "strategies",
-        "tune",
+        "detect_device", "estimate", "format_bytes", "linen", "load_workload", "nnx", "parse_bytes", "probe",
+        "strategies", "tune",
     }  # fmt: skip
     for name in autoaccum.__all__:
         assert hasattr(autoaccum, name), name
