@@ -81,7 +81,7 @@ class Job:
         params = abstract(self.params)
         opt_state = jax.eval_shape(update.init, params)
         state = () if self.state is None else (abstract(device_copy(self.state)),)
-        return update.programs(params, opt_state, abstract_batch(self.batch, batch_size), *state)
+        return update.programs(params, opt_state, abstract_batch(device_copy(self.batch), batch_size), *state)
 
 
 def step(update: Update, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree | None) -> tuple[Any, ...]:

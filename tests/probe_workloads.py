@@ -61,3 +61,12 @@ def hang_past_64(params: Any, batch: Any) -> jax.Array:
         while True:
             time.sleep(1)
     return linear_loss(params, batch)
+
+
+def keyed_loss(params: Any, batch: Any, state: Any) -> tuple[jax.Array, Any]:
+    """A dropout-like loss with a typed PRNG key in the state and one per example in the batch."""
+    key, sub = jax.random.split(state["key"])
+    noise = jax.vmap(lambda k: jax.random.normal(k, ()))(batch["key"])
+    keep = jax.random.bernoulli(sub, 0.9, batch["x"].shape)
+    loss = jnp.mean(((batch["x"] * keep) @ params["w"] + params["b"] + 0.01 * noise - batch["y"]) ** 2)
+    return loss, {"key": key, "count": state["count"] + 1}

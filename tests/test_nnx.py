@@ -151,3 +151,12 @@ def test_nnx_probe_estimate_and_tune_leave_the_model_alone() -> None:
     assert_states_close(nnx.state(model), before, atol=0.0)
     loss = result.step(model, optimizer, batch)  # the plan, the nnx way
     assert jnp.isfinite(loss) and int(optimizer.step[...]) == 1
+
+
+def test_nnx_probe_in_child_processes() -> None:
+    """The model's state (BatchNorm statistics, the dropout stream's typed key) crosses to the trials."""
+    model, optimizer = make()
+    result = autoaccum.nnx.probe(
+        loss_fn, model, optimizer, batches(1, 8)[0], memory_limit="256MiB", max_microbatch=64, granularity=32
+    )
+    assert result.max_microbatch == 64 and all(t.fits for t in result.trials)

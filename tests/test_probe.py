@@ -248,3 +248,15 @@ def test_probe_on_a_gpu_under_a_cap() -> None:
     m = result.max_microbatch
     assert result.device.platform == "gpu" and 0 < m < 1 << 17 and result.runs <= 8
     assert verify(kwargs, [m, m + 1]) == [True, False]
+
+
+def test_isolated_probe_with_typed_keys_in_the_batch_and_the_state() -> None:
+    _, params, batch = probe_workloads.linear(features=256)
+    batch = {**batch, "key": jax.random.split(jax.random.key(3), 4)}
+    state = {"key": jax.random.key(0), "count": jnp.zeros((), jnp.int32)}
+    result = autoaccum.probe(
+        probe_workloads.keyed_loss, params, batch, optimizer=optax.adam(1e-3), state=state, memory_limit="64MiB",
+        max_microbatch=256, granularity=64,
+    )  # fmt: skip
+    assert result.max_microbatch == 256 and all(t.fits for t in result.trials)
+    assert int(state["count"]) == 0  # the caller's state is untouched
