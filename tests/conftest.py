@@ -6,8 +6,12 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
+from collections.abc import Iterator
+
 import jax
 import pytest
+
+from autoaccum import strategies
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -26,3 +30,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class Unrolled(strategies.Scan):
+    """A strategy of a user's own, built on the toolkit and registered: ``scan`` fully unrolled."""
+
+    name = "unrolled"
+    options = {"unroll": (True,)}  # noqa: RUF012
+
+
+# The conformance suites (test_strategies, test_state) run over every registered strategy, a user's own included
+# (registered for the test).
+@pytest.fixture(params=[*strategies.available(), Unrolled.name], ids=lambda name: f"strategy={name}")
+def strategy(request: pytest.FixtureRequest) -> Iterator[str]:
+    added = request.param not in strategies.available()
+    if added:
+        strategies.register(Unrolled)
+    try:
+        yield request.param
+    finally:
+        if added:
+            strategies.unregister(Unrolled.name)

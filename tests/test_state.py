@@ -17,23 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_strategies import Unrolled, assert_trees_close, copy, count_backend_compiles
+from test_strategies import assert_trees_close, copy, count_backend_compiles
 
 import autoaccum
-from autoaccum import strategies
-
-
-@pytest.fixture(params=[*strategies.available(), Unrolled.name], ids=lambda name: f"strategy={name}")
-def strategy(request: pytest.FixtureRequest) -> Iterator[str]:
-    added = request.param not in strategies.available()
-    if added:
-        strategies.register(Unrolled)
-    try:
-        yield request.param
-    finally:
-        if added:
-            strategies.unregister(Unrolled.name)
-
 
 FEATURES = 4
 

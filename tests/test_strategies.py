@@ -20,26 +20,6 @@ import autoaccum
 from autoaccum import strategies, workloads
 
 
-class Unrolled(strategies.Scan):
-    """A strategy of a user's own, built on the toolkit and registered: ``scan`` fully unrolled."""
-
-    name = "unrolled"
-    options = {"unroll": (True,)}  # noqa: RUF012
-
-
-# The conformance suite runs over every registered strategy, a user's own included (registered for the test).
-@pytest.fixture(params=[*strategies.available(), Unrolled.name], ids=lambda name: f"strategy={name}")
-def strategy(request: pytest.FixtureRequest) -> Iterator[str]:
-    added = request.param not in strategies.available()
-    if added:
-        strategies.register(Unrolled)
-    try:
-        yield request.param
-    finally:
-        if added:
-            strategies.unregister(Unrolled.name)
-
-
 def full_batch_step(loss_fn: Any, optimizer: Any, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
