@@ -46,6 +46,8 @@ class Plan(JsonMixin):
       strategy: the accumulation strategy (``autoaccum.strategies.available()``).
       options: the strategy's options, e.g. ``{"unroll": 2}``.
       throughput: measured examples per second of the whole update (0.0 if not measured).
+      source: ``"measured"`` (by `autoaccum.tune`) or ``"predicted"`` (by ``autoaccum plan --out``, from the
+        compile-only estimate for ``device``; nothing was run).
       device: the device it was measured on, e.g. ``"NVIDIA H100 80GB HBM3"`` or ``"cpu"``.
       has_aux: whether the loss returns ``(loss, aux)``.
       has_state: whether the loss threads a model state (``loss_fn(params, batch, state)``).
@@ -67,6 +69,7 @@ class Plan(JsonMixin):
     strategy: str
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     throughput: float = 0.0
+    source: str = "measured"
     device: str = ""
     has_aux: bool = False
     has_state: bool = False

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
+import autoaccum
 from autoaccum._catalog import names
 from autoaccum.cli import main
 
@@ -96,3 +97,13 @@ def test_plot(tmp_path: Path) -> None:
     result = run(WORKLOAD, "--effective-batch", "2048", "--gpu", "T4", "--memory-limit", "16MiB", "--plot", str(path))
     check(result, 0)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_out_writes_a_predicted_plan_that_builds(tmp_path: Path) -> None:
+    """`autoaccum plan` makes a `Plan` too: the first target's, marked predicted, buildable like a tuned one."""
+    path = tmp_path / "plan.json"
+    check(run(CNN, "--effective-batch", "1024", "--memory-limit", "64MiB", "--out", str(path)), 0)
+    plan = autoaccum.Plan.load(path)
+    assert plan.source == "predicted" and plan.effective_batch == 1024 and plan.accumulation_steps > 1
+    w = autoaccum.load_workload(CNN)
+    assert plan.build(w.loss_fn, w.optimizer, params=w.params).microbatch_size == plan.microbatch_size

@@ -63,6 +63,11 @@ NOTE = (
     show_default=True,
     help="Fraction of an accelerator's memory kept free on top.",
 )
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Save the first target's plan (predicted, not measured) as JSON, for Plan.load(...).build(...).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Save memory vs microbatch (PNG).")
 def plan(
@@ -75,6 +80,7 @@ def plan(
     strategy: str,
     mem_fraction: float | None,
     safety_margin: float,
+    out: Path | None,
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -138,6 +144,8 @@ def plan(
     except (ValueError, TypeError) as e:
         raise click.UsageError(str(e)) from e
     plans = [est.capacity(total, t) for t in targets]
+    if out is not None and plans[0].fits:
+        _predicted_plan(w, est, plans[0]).save(out)
     if plot is not None:
         _plot(est, plans, total, plot)
     if as_json:
@@ -149,8 +157,28 @@ def plan(
         console.print(f"{len(est.points)} compilations in {est.seconds:.1f} s.", highlight=False)
         if plot is not None:
             console.print(f"plot saved to {plot}")
+        if out is not None and plans[0].fits:
+            console.print(f"plan for {plans[0].target} (predicted) saved to {out}")
     if not all(p.fits for p in plans):
         raise SystemExit(1)
+
+
+def _predicted_plan(w: Any, est: Any, capacity: Any) -> Any:
+    from autoaccum._plan import Plan, params_signature
+
+    return Plan(
+        effective_batch=capacity.effective_batch,
+        microbatch_size=capacity.microbatch_size,
+        accumulation_steps=capacity.accumulation_steps,
+        strategy=est.strategy,
+        options=dict(est.options),
+        source="predicted",
+        device=capacity.target,
+        has_aux=w.has_aux,
+        has_state=w.state is not None,
+        loss_reduction=w.loss_reduction,
+        params=params_signature(w.params),
+    )
 
 
 def _print_catalog(as_json: bool) -> None:
