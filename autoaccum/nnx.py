@@ -38,6 +38,9 @@ from autoaccum._workload import Workload
 from autoaccum.strategies import PyTree
 
 
+_as_pure: Callable[[Any], Any] = getattr(nnx, "as_pure", None) or nnx.pure  # flax < 0.12.7 calls it `pure`
+
+
 def _check(model: Any, optimizer: Any) -> None:
     if not isinstance(model, nnx.Module):
         raise TypeError(f"`model` must be an nnx.Module, got {type(model).__name__}: {model!r}.")
@@ -89,10 +92,10 @@ def functional(loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Op
         local = nnx.merge(graphdef, params, state)
         out = loss_fn(local, batch)
         _, _, new_state = nnx.split(local, wrt, ...)  # type: ignore[misc]
-        return out, nnx.as_pure(new_state)
+        return out, _as_pure(new_state)
 
     return Functional(
-        pure_loss, nnx.as_pure(params), nnx.as_pure(rest), optimizer.tx, nnx.as_pure(optimizer.opt_state), graphdef
+        pure_loss, _as_pure(params), _as_pure(rest), optimizer.tx, _as_pure(optimizer.opt_state), graphdef
     )
 
 

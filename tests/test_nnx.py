@@ -15,6 +15,9 @@ from test_strategies import count_backend_compiles
 import autoaccum
 
 
+as_pure = getattr(nnx, "as_pure", None) or nnx.pure  # flax < 0.12.7 calls it `pure`
+
+
 class Net(nnx.Module):
     """Linear, BatchNorm, ReLU, Dropout, Linear: every kind of state nnx training code has."""
 
@@ -49,12 +52,12 @@ def reference_update(model: Net, optimizer: nnx.Optimizer, batch: Any, m: int) -
     """Without autoaccum: microbatches in order, the model's other state threaded, (n_i / B) * grad_i summed,
     one optax step; written back to the model and optimizer."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-    params, rest = nnx.as_pure(params), nnx.as_pure(rest)
+    params, rest = as_pure(params), as_pure(rest)
 
     def pure(p: Any, b: Any, r: Any) -> tuple[jax.Array, Any]:
         local = nnx.merge(graphdef, p, r)
         loss = loss_fn(local, b)
-        return loss, nnx.as_pure(nnx.split(local, nnx.Param, ...)[2])  # type: ignore[misc]
+        return loss, as_pure(nnx.split(local, nnx.Param, ...)[2])  # type: ignore[misc]
 
     total = batch["x"].shape[0]
     grads = jax.tree.map(jnp.zeros_like, params)
@@ -65,7 +68,7 @@ def reference_update(model: Net, optimizer: nnx.Optimizer, batch: Any, m: int) -
         (loss, rest), g = jax.value_and_grad(pure, has_aux=True)(params, micro, rest)
         grads = jax.tree.map(lambda a, b: a + (n / total) * b, grads, g)  # noqa: B023
         loss_sum += (n / total) * loss
-    opt_state = nnx.as_pure(optimizer.opt_state)
+    opt_state = as_pure(optimizer.opt_state)
     updates, opt_state = optimizer.tx.update(grads, opt_state, params)
     nnx.update(model, optax.apply_updates(params, updates), rest)
     nnx.update(optimizer.opt_state, nnx.state(opt_state))
