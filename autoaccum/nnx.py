@@ -37,7 +37,6 @@ from autoaccum._update import build_update as _build_update
 from autoaccum._workload import Workload
 from autoaccum.strategies import PyTree
 
-
 _as_pure: Callable[[Any], Any] = getattr(nnx, "as_pure", None) or nnx.pure  # flax < 0.12.7 calls it `pure`
 
 

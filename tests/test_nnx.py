@@ -14,7 +14,6 @@ from test_strategies import count_backend_compiles
 
 import autoaccum
 
-
 as_pure = getattr(nnx, "as_pure", None) or nnx.pure  # flax < 0.12.7 calls it `pure`
 
 
