@@ -337,3 +337,17 @@ def test_two_workers_share_one_study(tmp_path: Path) -> None:
     assert all(log.exists() for log in logs), "both workers measured something"
     plans = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     assert plans[0] == plans[1]
+
+
+def test_one_step_configurations_are_timed_once(linear: autoaccum.Workload) -> None:
+    """With one accumulation step every strategy runs the same plain step: it is timed once, not once per
+    strategy (four timings of one program would let noise pick the plan)."""
+    calls: list[Any] = []
+    result = tune(
+        linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, effective_batch=8, max_microbatch=8,
+        storage=":memory:", measure=fake_measure(calls),
+    )  # fmt: skip
+    assert [m for m, _, _ in calls].count(8) == 1
+    at_full = [r for r in result.trials if r.microbatch_size == 8]
+    assert len(at_full) == len(variants(autoaccum.strategies.available()))  # every configuration is reported
+    assert sum(r.same_program_as is None for r in at_full) == 1

@@ -26,6 +26,8 @@ class TrialRecord(JsonMixin):
       compile_seconds: the first (compiling) call's duration (``None`` if unknown).
       state: Optuna's trial state name (``COMPLETE``, ``FAIL``, ``RUNNING``, ...).
       reason: why it failed, if it did.
+      same_program_as: the trial whose timing this one reuses: with one accumulation step every strategy runs
+        the same plain step, which is timed once.
     """
 
     number: int
@@ -37,6 +39,7 @@ class TrialRecord(JsonMixin):
     compile_seconds: float | None
     state: str
     reason: str | None = None
+    same_program_as: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,4 +97,5 @@ def record(trial: optuna.trial.FrozenTrial, effective_batch: int, labels: dict[s
         compile_seconds=trial.user_attrs.get("compile_seconds"),
         state=trial.state.name,
         reason=trial.user_attrs.get("reason"),
+        same_program_as=trial.user_attrs.get("same_program_as"),
     )

@@ -220,9 +220,16 @@ def tune(
         m = trial.suggest_categorical("microbatch_size", sizes)
         label = trial.suggest_categorical("strategy", list(labels))
         strategy, options = labels[label]
-        for other in study.get_trials(deepcopy=False, states=(_COMPLETE,)):
+        done = study.get_trials(deepcopy=False, states=(_COMPLETE,))
+        for other in done:
             if other.params == trial.params:  # TPE may propose a measured point again: reuse, don't re-run
                 trial.set_user_attr("duplicate_of", other.number)
+                return float(other.value)  # type: ignore[arg-type]
+        for other in done:
+            if m >= effective_batch and other.params["microbatch_size"] >= effective_batch:
+                # One accumulation step: every strategy and option runs the same plain step. Timing it again
+                # would only let noise pick between identical programs.
+                trial.set_user_attr("same_program_as", other.number)
                 return float(other.value)  # type: ignore[arg-type]
         update = build_update(loss_fn, optimizer, microbatch_size=m, strategy=strategy, **loss_kw, **options)
         try:

@@ -166,7 +166,8 @@ def _print_table(console: Any, result: Any) -> None:
             r.strategy + options,
             "" if r.throughput is None else f"{r.throughput:,.1f}",
             "" if r.compile_seconds is None else f"{r.compile_seconds:.2f}",
-            r.state if r.reason is None else f"{r.state}: {r.reason[:60]}",
+            (r.state if r.reason is None else f"{r.state}: {r.reason[:60]}")
+            + ("" if r.same_program_as is None else f" (same program as #{r.same_program_as}, timed once)"),
         )
     console.print(table)
 
