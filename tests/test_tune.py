@@ -351,3 +351,12 @@ def test_one_step_configurations_are_timed_once(linear: autoaccum.Workload) -> N
     at_full = [r for r in result.trials if r.microbatch_size == 8]
     assert len(at_full) == len(variants(autoaccum.strategies.available()))  # every configuration is reported
     assert sum(r.same_program_as is None for r in at_full) == 1
+
+
+def test_the_plan_records_the_accumulator_dtype_it_was_tuned_with(linear: autoaccum.Workload) -> None:
+    result = tune(
+        linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, max_microbatch=4, n_trials=2,
+        strategies=["scan"], accumulator_dtype=jnp.bfloat16, storage=":memory:", measure=fake_measure(),
+    )  # fmt: skip
+    assert result.plan.accumulator_dtype == "bfloat16"
+    assert result.plan.build(linear.loss_fn, linear.optimizer).accumulation.spec.accumulator_dtype == jnp.bfloat16

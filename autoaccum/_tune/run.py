@@ -66,6 +66,7 @@ def tune(
     has_aux: bool = False,
     state: PyTree | None = None,
     loss_reduction: str = "mean",
+    accumulator_dtype: Any = jnp.float32,
     max_microbatch: int | None = None,
     trial_timeout: float | None = 120.0,
     measure: Callable[[Update, PyTree, PyTree], Timing] | None = None,
@@ -104,6 +105,7 @@ def tune(
         `autoaccum.build_update`'s ``has_state`` (trials and the returned update start from copies of it).
       loss_reduction: ``"mean"`` or ``"sum"`` (``loss_fn`` returns ``(loss_sum, weight)``), as for
         `autoaccum.build_update`.
+      accumulator_dtype: the dtype gradients accumulate in, as for `autoaccum.build_update` (recorded in the plan).
       max_microbatch: skip the probe and use this bound instead.
       trial_timeout: seconds a trial may take (its compile included) before it is recorded as failed.
       measure: how a configuration is timed, ``measure(update, params, batch) -> Timing`` (with ``state``
@@ -137,7 +139,9 @@ def tune(
     if timeout is not None and not timeout > 0:
         raise ValueError(f"`timeout` must be a positive number of seconds, got timeout={timeout!r}.")
     limit_bytes = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
-    loss_kw: dict[str, Any] = dict(has_aux=has_aux, has_state=state is not None, loss_reduction=loss_reduction)
+    loss_kw: dict[str, Any] = dict(
+        has_aux=has_aux, has_state=state is not None, loss_reduction=loss_reduction, accumulator_dtype=accumulator_dtype
+    )
     # Build one update per strategy so bad input (optimizer, loss, options) fails here, not in trial 0.
     for name in names:
         build_update(loss_fn, optimizer, microbatch_size=1, strategy=name, **loss_kw)
@@ -286,7 +290,7 @@ def tune(
         has_aux=has_aux,
         has_state=state is not None,
         loss_reduction=loss_reduction,
-        accumulator_dtype="float32",
+        accumulator_dtype=jnp.dtype(accumulator_dtype).name,
         params=params_signature(params),
         versions=_versions(),
     )
