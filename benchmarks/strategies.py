@@ -27,7 +27,7 @@ Timing excludes compilation: each method runs ``--warmup`` steps first. Then ``-
 method for ``--steps`` steps each (the order rotating from round to round, so that drifting load on a shared
 machine hits every method alike); a method's time is its median per-step time over the rounds.
 
-Run it as ``python benchmarks/strategies.py`` (about two minutes on two CPU cores); ``--help`` lists the
+Run it as ``python benchmarks/strategies.py`` (4 to 4.5 minutes on two shared, loaded CPU cores); ``--help`` lists the
 options. Exit status: 0 when it ran (whether or not the goal is met; the last line says), 1 when a method's
 step disagrees with the full-batch step, 2 for bad arguments.
 """
