@@ -24,9 +24,8 @@ from autoaccum._tune.result import TrialRecord, TuneResult
 from autoaccum._tune.run import tune
 from autoaccum._units import format_bytes, parse_bytes
 from autoaccum._update import Update, build_update
+from autoaccum._version import __version__
 from autoaccum._workload import Workload, WorkloadError, load_workload
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Capacity",

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from autoaccum import strategies
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum.strategies import LossReduction, Program, PyTree, Spec, Strategy, check_params, leading_size
+from autoaccum.strategies import get as get_strategy
 
 
 class _Missing:
@@ -222,7 +222,7 @@ def build_update(
     check_loss_fn(loss_fn)
     check_optimizer(optimizer)
     check_positive_int(microbatch_size, "microbatch_size")
-    cls = strategies.get(strategy)
+    cls = get_strategy(strategy)
     check_bool(has_aux, "has_aux")
     check_bool(has_state, "has_state")
     check_bool(donate, "donate")

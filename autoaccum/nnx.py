@@ -29,8 +29,9 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from autoaccum import _estimate, _probe
 from autoaccum._checks import check_loss_fn
+from autoaccum._estimate import estimate as _estimate
+from autoaccum._probe import probe as _probe
 from autoaccum._tune import run as _run
 from autoaccum._update import Update as _Update
 from autoaccum._update import build_update as _build_update
@@ -196,7 +197,7 @@ def probe(
 ) -> Any:
     """`autoaccum.probe` for ``loss_fn(model, batch)``; the model and optimizer are not changed."""
     f = functional(loss_fn, model, optimizer)
-    return _probe.probe(f.loss_fn, f.params, batch, optimizer=f.tx, state=f.state, **kwargs)
+    return _probe(f.loss_fn, f.params, batch, optimizer=f.tx, state=f.state, **kwargs)
 
 
 def estimate(
@@ -204,7 +205,7 @@ def estimate(
 ) -> Any:
     """`autoaccum.estimate` for ``loss_fn(model, batch)``; nothing is run, the model is not changed."""
     f = functional(loss_fn, model, optimizer)
-    return _estimate.estimate(f.loss_fn, f.params, batch, optimizer=f.tx, state=f.state, **kwargs)
+    return _estimate(f.loss_fn, f.params, batch, optimizer=f.tx, state=f.state, **kwargs)
 
 
 def tune(loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, **kwargs: Any) -> Any:

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import optax
 import optuna
 
-from autoaccum import strategies as strategies_lib
 from autoaccum._batch import abstract, abstract_batch, resize_batch
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum._plan import Plan, params_signature
@@ -23,7 +22,10 @@ from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
 from autoaccum._tune.timing import Timing, TrialFailed, time_update
 from autoaccum._units import parse_bytes
 from autoaccum._update import Update, build_update
+from autoaccum._version import __version__
 from autoaccum.strategies import PyTree, check_params, leading_size
+from autoaccum.strategies import available as available_strategies
+from autoaccum.strategies import get as get_strategy
 
 DEFAULT_TRIALS = 12
 """Trials the tuner runs when ``n_trials`` is not given and the search space is larger than this."""
@@ -38,8 +40,6 @@ def _key(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 def _versions() -> dict[str, str]:
     import flax
     import jaxlib
-
-    from autoaccum import __version__
 
     return {
         "autoaccum": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__,
@@ -131,11 +131,11 @@ def tune(
         check_positive_int(n_trials, "n_trials")
     if max_microbatch is not None:
         check_positive_int(max_microbatch, "max_microbatch")
-    names = list(strategies_lib.available() if strategies is None else strategies)
+    names = list(available_strategies() if strategies is None else strategies)
     if not names:
-        raise ValueError(f"`strategies` is empty; choose from {', '.join(strategies_lib.available())}.")
+        raise ValueError(f"`strategies` is empty; choose from {', '.join(available_strategies())}.")
     for name in names:
-        strategies_lib.get(name)
+        get_strategy(name)
     if timeout is not None and not timeout > 0:
         raise ValueError(f"`timeout` must be a positive number of seconds, got timeout={timeout!r}.")
     limit_bytes = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")

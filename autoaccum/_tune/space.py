@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from autoaccum import strategies
+from autoaccum.strategies import get as get_strategy
 
 
 def variants(names: Sequence[str]) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -18,7 +18,7 @@ def variants(names: Sequence[str]) -> dict[str, tuple[str, dict[str, Any]]]:
     """
     out: dict[str, tuple[str, dict[str, Any]]] = {}
     for name in names:
-        cls = strategies.get(name)
+        cls = get_strategy(name)
         keys = list(cls.options)
         for values in itertools.product(*(cls.options[k] for k in keys)):
             options = dict(zip(keys, values, strict=True))

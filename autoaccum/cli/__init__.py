@@ -11,7 +11,7 @@ import os
 
 import click
 
-from autoaccum import __version__
+from autoaccum._version import __version__
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
