@@ -52,7 +52,7 @@ def test_changed_loss_and_optimizer_never_resume_the_old_study(tmp_path: Path, m
     calls: list[tuple[int, str]] = []
     kw: dict[str, Any] = dict(max_microbatch=12, strategies=["scan", "loop"], measure=constant_measure(calls))
     first = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1), **kw)
-    assert first.resumed_trials == 0 and first.new_trials == len(calls) > 0
+    assert first.resumed_trials == 0 and first.new_trials >= len(calls) > 0  # one-step configurations: timed once
 
     def loss_fn(p: Any, b: Any) -> jax.Array:  # type: ignore[no-redef]  # same name, another body
         return jnp.mean(jnp.abs(b["x"] @ p["w"] + p["b"] - b["y"]))
@@ -60,14 +60,14 @@ def test_changed_loss_and_optimizer_never_resume_the_old_study(tmp_path: Path, m
     calls.clear()
     second = tune(loss_fn, params, batch, optimizer=optax.adam(1e-3), **kw)
     assert second.fingerprint != first.fingerprint and second.study_name != first.study_name
-    assert second.resumed_trials == 0 and second.new_trials == len(calls) > 0  # it timed, for itself
+    assert second.resumed_trials == 0 and second.new_trials >= len(calls) > 0  # it timed, for itself
 
     calls.clear()
     again = tune(loss_fn, params, batch, optimizer=optax.adam(1e-3), **kw)  # the same setup: resumed, says so
     assert again.fingerprint == second.fingerprint and calls == []
     assert again.message.startswith(f"resumed: {second.new_trials} trials from earlier runs, 0 new")
     fresh = tune(loss_fn, params, batch, optimizer=optax.adam(1e-3), fresh=True, **kw)
-    assert fresh.resumed_trials == 0 and fresh.new_trials == len(calls) > 0
+    assert fresh.resumed_trials == 0 and fresh.new_trials >= len(calls) > 0
 
 
 def test_the_fingerprint_sees_the_optimizers_hyperparameters_and_the_memory_limit() -> None:
@@ -84,12 +84,14 @@ def test_the_fingerprint_sees_the_optimizers_hyperparameters_and_the_memory_limi
 def test_warm_start_enqueues_the_largest_candidate() -> None:
     params, batch = linear_problem(96)
     calls: list[tuple[int, str]] = []
-    tune(
+    result = tune(
         lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), params, batch, optimizer=optax.sgd(0.1),
         max_microbatch=96, strategies=["scan", "loop"], n_trials=3, storage=":memory:",
         measure=constant_measure(calls),
     )  # fmt: skip
-    assert [m for m, _ in calls[:3]] == [96, 96, 96]  # scan, scan:unroll=2, loop: each at the largest
+    first = sorted(result.trials, key=lambda r: r.number)[:3]  # scan, scan:unroll=2, loop: each at the largest
+    assert [r.microbatch_size for r in first] == [96, 96, 96]
+    assert calls[0][0] == 96  # (one step at 96: the same program for all three, timed once)
 
 
 # 4. Big models: a trial's payload carries shapes, not the parameters' values.
