@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
-from autoaccum.strategies import LossReduction, Program, PyTree, Spec, Strategy, check_params, leading_size
+from autoaccum.strategies import LossReduction, Program, PyTree, Schedule, Spec, Strategy, check_params, leading_size
 from autoaccum.strategies import get as get_strategy
 
 
@@ -148,6 +148,8 @@ def build_update(
     loss_reduction: LossReduction = "mean",
     accumulator_dtype: Any = jnp.float32,
     donate: bool = True,
+    gather_params: Schedule = "once",
+    reduce_grads: Schedule = "once",
     **options: Any,
 ) -> Update:
     """Builds a jitted update that accumulates gradients over microbatches of ``microbatch_size``.
@@ -185,6 +187,10 @@ def build_update(
         also for bf16 models); gradients are cast back like ``params`` before the optimizer.
       donate: donate ``params``, ``opt_state`` and ``state`` to the update (saves a copy of each; the caller
         must not reuse the arrays it passed).
+      gather_params: with ``params`` sharded over the batch's mesh axes (FSDP), gather them ``"once"`` per
+        update (a full copy on each device) or ``"per_microbatch"`` (less memory, more communication).
+      reduce_grads: on a mesh, reduce the gradient sums across devices ``"once"`` per update (a full-size sum
+        on each device) or ``"per_microbatch"`` (with FSDP: sharded sums, more communication).
       **options: the strategy's options (``autoaccum.strategies.get(strategy).options``), e.g. ``unroll=2`` for scan.
 
     Returns:
@@ -232,6 +238,8 @@ def build_update(
         dtype = None
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"`accumulator_dtype` must be a floating dtype such as jnp.float32, got {accumulator_dtype!r}.")
-    spec = Spec(loss_fn, optimizer, microbatch_size, has_aux, dtype, donate, has_state, loss_reduction)
+    spec = Spec(
+        loss_fn, optimizer, microbatch_size, has_aux, dtype, donate, has_state, loss_reduction, gather_params, reduce_grads
+    )
     accumulation = cls(spec, **options)
     return Update(microbatch_size, strategy, dict(accumulation.config), accumulation)

@@ -19,6 +19,7 @@ from autoaccum.strategies._base import (
     OutDtypes,
     Program,
     PyTree,
+    Schedule,
     Spec,
     Strategy,
     accumulate_in_scan,

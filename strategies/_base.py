@@ -27,11 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from autoaccum.strategies._layout import Layout, check_microbatch, layout_of
 
 PyTree = Any
 LossFn = Callable[..., Any]
 LossReduction = Literal["mean", "sum"]
 LOSS_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
+Schedule = Literal["once", "per_microbatch"]
+SCHEDULES: tuple[str, ...] = ("once", "per_microbatch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,10 @@ class Spec:
         them).
       has_state: whether ``loss_fn`` takes and returns a model state, threaded through the microbatches.
       loss_reduction: ``"mean"`` or ``"sum"`` (see ``loss_fn``).
+      gather_params: with parameters sharded over the batch's mesh axes (FSDP), gather them ``"once"`` per
+        update (a full copy on each device) or ``"per_microbatch"`` (less memory, more communication).
+      reduce_grads: on a mesh, reduce the gradient sums across devices ``"once"`` per update (a full-size
+        gradient sum on each device) or ``"per_microbatch"`` (sharded sums with FSDP, more communication).
     """
 
     loss_fn: LossFn
@@ -60,8 +67,16 @@ class Spec:
     donate: bool = True
     has_state: bool = False
     loss_reduction: LossReduction = "mean"
+    gather_params: Schedule = "once"
+    reduce_grads: Schedule = "once"
 
     def __post_init__(self) -> None:
+        for name in ("gather_params", "reduce_grads"):
+            if getattr(self, name) not in SCHEDULES:
+                raise ValueError(
+                    f"`{name}` must be 'once' or 'per_microbatch', got {name}={getattr(self, name)!r}; 'once' per "
+                    "update uses more memory and less communication."
+                )
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(
                 f"`loss_reduction` must be 'mean' or 'sum', got loss_reduction={self.loss_reduction!r}; use 'sum' "
@@ -302,23 +317,29 @@ def add(a: Accum, b: Accum) -> Accum:
     return jax.tree.map(jnp.add, a, b)
 
 
-def zeros_like_accum(spec: Spec, params: PyTree, microbatch: PyTree, state: PyTree = ()) -> Accum:
-    """Zeros shaped like one microbatch's `Accum`, in the accumulator dtype (abstract trace; runs nothing)."""
-    shapes = jax.eval_shape(lambda p, b, s: weighted_grad(spec)(p, b, s)[0], params, microbatch, state)
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+GradFn = Callable[[PyTree, PyTree, PyTree], tuple[Accum, PyTree]]
 
 
 def accumulate_in_scan(
-    spec: Spec, params: PyTree, batch: PyTree, state: PyTree = (), *, unroll: int | bool = 1
+    spec: Spec,
+    params: PyTree,
+    batch: PyTree,
+    state: PyTree = (),
+    *,
+    unroll: int | bool = 1,
+    grad_fn: GradFn | None = None,
+    zeros: Callable[[Accum], Accum] | None = None,
 ) -> tuple[Accum, PyTree]:
     """The whole batch's `Accum` and the last state, all microbatches inside one traced program (``lax.scan``).
 
     The state is carried through the scan with the sums, so microbatch ``i`` sees the state of ``i - 1``.
+    ``grad_fn`` (default `weighted_grad`) gives one microbatch's sums; ``zeros`` makes the sums the scan
+    starts from out of their shapes (on a mesh, device-varying zeros: `OnMesh.zeros_local`).
     """
     total = leading_size(batch)
     m = spec.microbatch_size
     full, rest = split(total, m)
-    grad_fn = weighted_grad(spec)
+    grad_fn = weighted_grad(spec) if grad_fn is None else grad_fn
     if full <= 1 and rest == 0:  # one microbatch: the plain full-batch step
         return grad_fn(params, batch, state)
     acc: Accum | None = None
@@ -331,14 +352,19 @@ def accumulate_in_scan(
             return (add(acc, new), state), None
 
         first = jax.tree.map(lambda x: x[0], stacked)
-        init = (zeros_like_accum(spec, params, first, state), state)
-        (scanned, state), _ = jax.lax.scan(body, init, stacked, unroll=unroll)
+        shapes = jax.eval_shape(lambda p, b, s: grad_fn(p, b, s)[0], params, first, state)
+        start = (zeros or _zeros)(shapes)
+        (scanned, state), _ = jax.lax.scan(body, (start, state), stacked, unroll=unroll)
         acc = scanned
     if rest:
         last, state = grad_fn(params, jax.tree.map(lambda x: x[full * m :], batch), state)
         acc = last if acc is None else add(acc, last)
     assert acc is not None
     return acc, state
+
+
+def _zeros(shapes: Accum) -> Accum:
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 class OutDtypes(NamedTuple):
@@ -368,6 +394,7 @@ def output_dtypes(spec: Spec, params: PyTree, batch: PyTree, state: PyTree = ())
     microbatch = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((min(spec.microbatch_size, x.shape[0]), *x.shape[1:]), x.dtype), batch
     )
+    params, state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)), (params, state))
     loss, out = jax.eval_shape(checked_loss(spec), params, microbatch, state)
     leaves, treedef = jax.tree.flatten(out.aux)
     return OutDtypes(loss.dtype, tuple(x.dtype for x in leaves), tuple(tuple(x.shape) for x in leaves), treedef)
@@ -479,6 +506,18 @@ class Strategy(abc.ABC):
         self, params: PyTree, opt_state: PyTree, acc: Accum, *, dtypes: OutDtypes
     ) -> tuple[PyTree, PyTree, Any]:
         return apply_optimizer(self.spec, params, opt_state, acc, dtypes)
+
+    def layout(self, params: PyTree, batch: PyTree, state: PyTree = ()) -> Layout | None:
+        """Where the batch is sharded (`Layout`), or None on one device; checks ``microbatch_size`` against it.
+
+        Raises:
+          ValueError: the batch, parameters or state are laid out in a way the strategies do not run, or
+            ``microbatch_size`` is not a multiple of the number of batch shards.
+        """
+        layout = layout_of(params, batch, state)
+        if layout is not None:
+            check_microbatch(self.spec.microbatch_size, layout, leading_size(batch))
+        return layout
 
     def donate_argnums(self, *argnums: int) -> tuple[int, ...]:
         return argnums if self.spec.donate else ()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -15,6 +16,7 @@ from autoaccum.strategies._base import (
     apply_optimizer,
     output_dtypes,
 )
+from autoaccum.strategies._sharding import Layout, OnMesh
 
 
 class Scan(Strategy):
@@ -29,20 +31,25 @@ class Scan(Strategy):
 
     def __init__(self, spec: Spec, **options: Any) -> None:
         super().__init__(spec, **options)
-        self._step = jax.jit(self._update, donate_argnums=self.donate_argnums(0, 1, 3))
+        self._step = jax.jit(self._update, donate_argnums=self.donate_argnums(0, 1, 3), static_argnames=("layout",))
 
     def _update(
-        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree
+        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree, layout: Layout | None = None
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
         dtypes = output_dtypes(self.spec, params, batch, state)
-        acc, state = accumulate_in_scan(self.spec, params, batch, state, unroll=self.config["unroll"])
+        accumulate = functools.partial(accumulate_in_scan, unroll=self.config["unroll"])
+        if layout is None:
+            acc, state = accumulate(self.spec, params, batch, state)
+        else:  # each device accumulates its own rows; one reduction after the loop
+            acc, state = OnMesh(self.spec, layout).accumulate(accumulate, params, batch, state, dtypes)
         params, opt_state, loss = apply_optimizer(self.spec, params, opt_state, acc, dtypes)
         return params, opt_state, loss, state
 
     def __call__(
         self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
-        return self._step(params, opt_state, batch, state)
+        return self._step(params, opt_state, batch, state, layout=self.layout(params, batch, state))
 
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
-        return [Program(self._step.lower(params, opt_state, batch, state), resident_bytes=0)]
+        layout = self.layout(params, batch, state)
+        return [Program(self._step.lower(params, opt_state, batch, state, layout=layout), resident_bytes=0)]

@@ -1,0 +1,142 @@
+"""Where an update's inputs live: the mesh a batch is sharded over, and how each parameter is laid out."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+PyTree = Any
+
+AxisEntry = Any  # one PartitionSpec entry: None, a mesh axis name, or a tuple of them
+
+
+def _names(entry: AxisEntry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _named_spec(x: Any) -> tuple[Any, PartitionSpec] | None:
+    """``(mesh, spec)`` of an array or ``ShapeDtypeStruct`` laid out by a ``NamedSharding``; else None."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        return sharding.mesh, sharding.spec
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the batch and the parameters live: the mesh, the batch's axes, each parameter's sharded dimension.
+
+    Hashable, so it is a static argument of the strategies' jitted functions.
+
+    Attributes:
+      mesh: the mesh the batch is sharded over.
+      batch_axes: the mesh axes the batch's example axis is sharded over (its ``PartitionSpec`` entry).
+      param_dims: for each ``params`` leaf (flattened order), ``(dim, axes)``: the dimension sharded over
+        ``axes`` (a subset of ``batch_axes``), or ``(None, ())`` for a replicated leaf.
+    """
+
+    mesh: Any
+    batch_axes: tuple[str, ...]
+    param_dims: tuple[tuple[int | None, tuple[str, ...]], ...]
+
+    @property
+    def shards(self) -> int:
+        """How many pieces the batch's example axis is cut into."""
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+    @property
+    def sharded_params(self) -> bool:
+        """Whether any parameter is sharded over the batch axes (FSDP)."""
+        return any(dim is not None for dim, _ in self.param_dims)
+
+    def batch_spec(self) -> PartitionSpec:
+        return PartitionSpec(self.batch_axes if len(self.batch_axes) > 1 else self.batch_axes[0])
+
+    def param_specs(self, params: PyTree) -> PyTree:
+        """One ``PartitionSpec`` per ``params`` leaf: the leaf's sharded dimension, or replicated."""
+        leaves, treedef = jax.tree.flatten(params)
+        specs = []
+        for leaf, (dim, axes) in zip(leaves, self.param_dims, strict=True):
+            entries: list[AxisEntry] = [None] * len(leaf.shape)
+            if dim is not None:
+                entries[dim] = axes if len(axes) > 1 else axes[0]
+            specs.append(PartitionSpec(*entries))
+        return jax.tree.unflatten(treedef, specs)
+
+
+def layout_of(params: PyTree, batch: PyTree, state: PyTree = ()) -> Layout | None:
+    """The `Layout` of a batch sharded along its example axis, or None when it is not (one device).
+
+    Arrays and ``jax.ShapeDtypeStruct`` (with a ``sharding``) are read alike.
+
+    Raises:
+      ValueError: batch leaves are sharded differently or along another axis than the first, a parameter is
+        sharded over mesh axes the batch is not sharded over, over several dimensions, or the state is sharded.
+    """
+    found: dict[tuple[Any, tuple[str, ...]], list[str]] = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        named = _named_spec(leaf)
+        if named is None or not any(named[1]):
+            continue
+        mesh, spec = named
+        name = jax.tree_util.keystr(path) or "<root>"
+        if any(entry is not None for entry in tuple(spec)[1:]):
+            raise ValueError(
+                f"`batch` leaf {name} is sharded as {spec}, beyond its example axis; shard only axis 0, e.g. "
+                "NamedSharding(mesh, P('data')), so each device holds whole examples."
+            )
+        found.setdefault((mesh, _names(spec[0])), []).append(name)
+    if not found:
+        return None
+    if len(found) > 1:
+        listing = "; ".join(f"{axes} on {mesh.axis_names}: {', '.join(n)}" for (mesh, axes), n in found.items())
+        raise ValueError(
+            f"`batch` leaves are sharded over different meshes or axes ({listing}); put every leaf on one "
+            "NamedSharding(mesh, P(axes)) along its example axis."
+        )
+    ((mesh, batch_axes),) = found
+    param_dims = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        named = _named_spec(leaf)
+        spec = tuple(named[1]) if named is not None else ()
+        dims = [(i, _names(e)) for i, e in enumerate(spec) if e is not None]
+        name = jax.tree_util.keystr(path) or "<root>"
+        if len(dims) > 1 or any(not set(axes) <= set(batch_axes) for _, axes in dims):
+            raise ValueError(
+                f"`params` leaf {name} is sharded as {PartitionSpec(*spec)} while the batch is sharded over "
+                f"{batch_axes}; parameters may be replicated (data parallel) or sharded along one dimension over "
+                "the batch's axes (FSDP). Reshard it, e.g. jax.device_put(leaf, NamedSharding(mesh, P())), or "
+                "over the batch's axis on one dimension."
+            )
+        param_dims.append(dims[0] if dims else (None, ()))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        named = _named_spec(leaf)
+        if named is not None and any(named[1]):
+            raise ValueError(
+                f"`state` leaf {jax.tree_util.keystr(path) or '<root>'} is sharded as {named[1]}; the model state "
+                "must be replicated (NamedSharding(mesh, P())): each device threads its own copy through its "
+                "microbatches."
+            )
+    return Layout(mesh, batch_axes, tuple(param_dims))
+
+
+def check_microbatch(microbatch_size: int, layout: Layout, batch_size: int) -> None:
+    """``microbatch_size`` is global: it must be a multiple of the number of batch shards."""
+    if microbatch_size % layout.shards:
+        lower = max(layout.shards, microbatch_size // layout.shards * layout.shards)
+        raise ValueError(
+            f"`microbatch_size`={microbatch_size} is not a multiple of the {layout.shards} shards the batch "
+            f"is split into over mesh axes {layout.batch_axes} (microbatch_size counts all devices together); use "
+            f"a multiple of {layout.shards}, e.g. {lower} or {lower + layout.shards}."
+        )
+    if batch_size % layout.shards:
+        raise ValueError(
+            f"`batch` has {batch_size} examples, not a multiple of the {layout.shards} shards over "
+            f"{layout.batch_axes}; pad or trim it to a multiple of {layout.shards}."
+        )
