@@ -239,7 +239,16 @@ def build_update(
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"`accumulator_dtype` must be a floating dtype such as jnp.float32, got {accumulator_dtype!r}.")
     spec = Spec(
-        loss_fn, optimizer, microbatch_size, has_aux, dtype, donate, has_state, loss_reduction, gather_params, reduce_grads
+        loss_fn,
+        optimizer,
+        microbatch_size,
+        has_aux,
+        dtype,
+        donate,
+        has_state,
+        loss_reduction,
+        gather_params=gather_params,
+        reduce_grads=reduce_grads,
     )
     accumulation = cls(spec, **options)
     return Update(microbatch_size, strategy, dict(accumulation.config), accumulation)

@@ -21,7 +21,6 @@ from autoaccum.strategies._base import (
     PyTree,
     Schedule,
     Spec,
-    Strategy,
     accumulate_in_scan,
     add,
     apply_optimizer,
@@ -33,6 +32,7 @@ from autoaccum.strategies._base import (
     tree_bytes,
     weighted_grad,
 )
+from autoaccum.strategies._strategy import Strategy
 from autoaccum.strategies.loop import Loop
 from autoaccum.strategies.multisteps import MultiSteps
 from autoaccum.strategies.scan import Scan
@@ -108,6 +108,7 @@ __all__ = [
     "Program",
     "PyTree",
     "Scan",
+    "Schedule",
     "Spec",
     "Strategy",
     "accumulate_in_scan",

@@ -24,6 +24,7 @@ data-parallel training averages them), other leaves (keys, counters) are taken f
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from autoaccum.strategies._base import Accum, OutDtypes, PyTree, Spec, weighted_grad
 from autoaccum.strategies._layout import Layout
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 def _vary(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
@@ -48,9 +49,10 @@ class OnMesh:
     named ``*_local`` run inside ``shard_map``; `run` wraps one.
     """
 
-    def __init__(self, spec: Spec, layout: Layout) -> None:
+    def __init__(self, spec: Spec, layout: Layout, *, params_gathered: bool = False) -> None:
         self.spec = spec
         self.layout = layout
+        self.params_gathered = params_gathered
         self.local_spec = dataclasses.replace(spec, microbatch_size=spec.microbatch_size // layout.shards)
         self._grad = weighted_grad(self.local_spec)
         self._axes = layout.batch_axes
@@ -98,9 +100,15 @@ class OnMesh:
             out.append(jax.lax.psum(leaf, rest) if rest else leaf)
         return jax.tree.unflatten(treedef, out)
 
+    @property
+    def gathers_per_microbatch(self) -> bool:
+        return self.spec.gather_params == "per_microbatch" and self.layout.sharded_params and not self.params_gathered
+
     def start_local(self, params: PyTree, state: PyTree) -> tuple[PyTree, PyTree]:
         """The parameters the microbatches use (gathered here when gathered once) and the device's state."""
-        if self.spec.gather_params == "once" or not self.layout.sharded_params:
+        if self.params_gathered:
+            params = _vary(params, self._axes)
+        elif not self.gathers_per_microbatch:
             params = self.gather_local(params)
         return params, _vary(state, self._axes)
 
@@ -110,7 +118,7 @@ class OnMesh:
         ``params`` are what `start_local` returned; they are gathered here when gathered per microbatch, and
         the gradient is reduce-scattered here when reduced per microbatch.
         """
-        gather = self.spec.gather_params == "per_microbatch" and self.layout.sharded_params
+        gather = self.gathers_per_microbatch
         scatter = self.spec.reduce_grads == "per_microbatch"
 
         def f(params: PyTree, microbatch: PyTree, state: PyTree) -> tuple[Accum, PyTree]:
@@ -166,6 +174,64 @@ class OnMesh:
         out_specs = (self.accum_specs(params, dtypes, reduced=True), self.stacked(state))
         acc, stacked = self.run(local, in_specs, out_specs)(params, batch, state)
         return acc, combine_state(stacked)
+
+    def params_in_specs(self, params: PyTree) -> PyTree:
+        if self.params_gathered:
+            return jax.tree.map(lambda _: P0, params)
+        return self.layout.param_specs(params)
+
+    def gathered(self, params: PyTree) -> PyTree:
+        """For host loops that gather once per update: the parameters replicated on every device of the mesh
+        (one all-gather per update), passed to each microbatch's program. Unchanged when nothing is sharded
+        or when they are gathered per microbatch. Shapes (``ShapeDtypeStruct``) are answered in kind."""
+        if not self.layout.sharded_params or self.spec.gather_params == "per_microbatch":
+            return params
+        replicated = NamedSharding(self.layout.mesh, P0)
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params)
+        return jax.device_put(params, replicated)
+
+    def stack_state(self, state: PyTree) -> PyTree:
+        """Each device's own copy of the state, stacked along a leading axis (threaded between host calls)."""
+        specs = jax.tree.map(lambda _: P0, state)
+        return self.run(lambda s: expand(_vary(s, self._axes)), (specs,), self.stacked(state))(state)
+
+    def stacked_accum(self, acc: Accum, *, stack: bool) -> Accum:
+        """Adds (``stack``) or drops the leading per-device axis of partial sums (not of reduced gradients)."""
+        f = expand if stack else (lambda t: jax.tree.map(lambda x: x[0], t))
+        grads = acc.grads if self.spec.reduce_grads == "per_microbatch" else f(acc.grads)
+        return Accum(grads, *f((acc.loss, acc.aux, acc.weight)))
+
+    def add(
+        self, acc: Accum | None, params: PyTree, batch: PyTree, state: PyTree, start: Any, size: int, dtypes: OutDtypes
+    ) -> tuple[Accum, PyTree]:
+        """One host-loop step: rows ``[start, start + size)`` of the global batch (each device's own share of
+        them) added to the per-device partial sums ``acc`` (None: start new sums); ``state`` is stacked."""
+        local_start, local_size = start // self.layout.shards, size // self.layout.shards
+
+        def local(acc: Accum | None, params: PyTree, batch: PyTree, state: PyTree) -> tuple[Accum, PyTree]:
+            params, _ = self.start_local(params, ())
+            microbatch = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, local_start, local_size), batch)
+            new, state = self.grad_fn()(params, microbatch, jax.tree.map(lambda x: x[0], state))
+            if acc is not None:
+                new = jax.tree.map(jnp.add, self.stacked_accum(acc, stack=False), new)
+            return self.stacked_accum(new, stack=True), expand(state)
+
+        acc_specs = self.accum_specs(params, dtypes, reduced=False)
+        in_specs = (self.params_in_specs(params), self.batch_specs(batch), self.stacked(state))
+        out_specs = (acc_specs, self.stacked(state))
+        if acc is None:
+            return self.run(functools.partial(local, None), in_specs, out_specs)(params, batch, state)
+        return self.run(local, (acc_specs, *in_specs), out_specs)(acc, params, batch, state)
+
+    def reduce(self, params: PyTree, acc: Accum, dtypes: OutDtypes) -> Accum:
+        """The host loop's one reduction: per-device partial sums (stacked) to the whole batch's `Accum`."""
+
+        def local(acc: Accum) -> Accum:
+            return self.reduce_local(self.stacked_accum(acc, stack=False))
+
+        in_specs = (self.accum_specs(params, dtypes, reduced=False),)
+        return self.run(local, in_specs, self.accum_specs(params, dtypes, reduced=True))(acc)
 
     def batch_specs(self, batch: PyTree) -> PyTree:
         return jax.tree.map(lambda _: self.layout.batch_spec(), batch)

@@ -7,14 +7,16 @@ from typing import Any
 import jax
 from autoaccum.strategies._base import (
     Accum,
+    OutDtypes,
     Program,
     PyTree,
     Spec,
-    Strategy,
     add,
     take,
     tree_bytes,
 )
+from autoaccum.strategies._layout import Layout
+from autoaccum.strategies._strategy import Strategy
 
 
 class Loop(Strategy):
@@ -32,31 +34,67 @@ class Loop(Strategy):
     def __init__(self, spec: Spec, **options: Any) -> None:
         super().__init__(spec, **options)
         self._accumulate = jax.jit(
-            self._accumulate_fn, donate_argnums=(0, *self.donate_argnums(4)), static_argnames=("size",)
+            self._accumulate_fn,
+            donate_argnums=(0, *self.donate_argnums(4)),
+            static_argnames=("size", "dtypes", "layout"),
         )
 
     def _accumulate_fn(
-        self, acc: Accum | None, params: PyTree, batch: PyTree, start: Any, state: PyTree, *, size: int
+        self,
+        acc: Accum | None,
+        params: PyTree,
+        batch: PyTree,
+        start: Any,
+        state: PyTree,
+        *,
+        size: int,
+        dtypes: OutDtypes,
+        layout: Layout | None,
     ) -> tuple[Accum, PyTree]:
+        if layout is not None:  # each device adds its own rows to its own partial sums
+            return self.on_mesh(layout, host_loop=True).add(acc, params, batch, state, start, size, dtypes)
         new, state = self._grad(params, take(batch, start, size), state)
         return (new if acc is None else add(acc, new)), state
+
+    def _arguments(self, params: PyTree, batch: PyTree, state: PyTree) -> tuple[Layout | None, PyTree, PyTree]:
+        """The layout, the parameters each microbatch's program takes (gathered once per update, or as they
+        are) and the state it starts from (on a mesh: each device's own copy)."""
+        layout = self.layout(params, batch, state)
+        if layout is None:
+            return None, params, state
+        mesh = self.on_mesh(layout, host_loop=True)
+        return layout, mesh.gathered(params), mesh.stack_state(state)
 
     def __call__(
         self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
         dtypes = self.out_dtypes(params, batch, state)
+        layout, inputs, state = self._arguments(params, batch, state)
         acc = None
         for start, size in self.microbatches(batch):
-            acc, state = self._accumulate(acc, params, batch, start, state, size=size)
-        params, opt_state, loss = self._apply(params, opt_state, acc, dtypes=dtypes)
-        return params, opt_state, loss, state
+            acc, state = self._accumulate(acc, inputs, batch, start, state, size=size, dtypes=dtypes, layout=layout)
+        del inputs  # the gathered copy, if any, is freed before the optimizer step
+        params, opt_state, loss = self._apply(params, opt_state, acc, dtypes=dtypes, layout=layout)
+        return params, opt_state, loss, (state if layout is None else self._combine(state))
 
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
-        (_, first), *rest = self.microbatches(batch)
-        acc, _ = jax.eval_shape(lambda p, b, s: self._accumulate_fn(None, p, b, 0, s, size=first), params, batch, state)
-        lowered = [self._accumulate.lower(None, params, batch, 0, state, size=first)]
-        lowered += [self._accumulate.lower(acc, params, batch, 0, state, size=n) for n in sorted({n for _, n in rest})]
-        programs = [Program(low, tree_bytes(opt_state)) for low in lowered]
         dtypes = self.out_dtypes(params, batch, state)
-        programs.append(Program(self._apply.lower(params, opt_state, acc, dtypes=dtypes), tree_bytes(batch)))
+        layout = self.layout(params, batch, state)
+        inputs, state_in = params, state
+        if layout is not None:
+            mesh = self.on_mesh(layout, host_loop=True)
+            inputs = mesh.gathered(params)
+            state_in = jax.eval_shape(mesh.stack_state, state)
+        (_, first), *rest = self.microbatches(batch)
+        kwargs = {"dtypes": dtypes, "layout": layout}
+
+        def accumulate(acc: Accum | None, size: int) -> jax.stages.Lowered:
+            return self._accumulate.lower(acc, inputs, batch, 0, state_in, size=size, **kwargs)
+
+        acc, _ = jax.eval_shape(
+            lambda p, b, s: self._accumulate_fn(None, p, b, 0, s, size=first, **kwargs), inputs, batch, state_in
+        )
+        lowered = [accumulate(None, first)] + [accumulate(acc, n) for n in sorted({n for _, n in rest})]
+        programs = [Program(low, tree_bytes(opt_state)) for low in lowered]
+        programs.append(Program(self._apply.lower(params, opt_state, acc, **kwargs), tree_bytes(batch)))
         return programs

@@ -12,12 +12,12 @@ from autoaccum.strategies._base import (
     Program,
     PyTree,
     Spec,
-    Strategy,
     add,
     finish_loss,
     take,
     tree_bytes,
 )
+from autoaccum.strategies._strategy import Strategy
 
 
 class MultiSteps(Strategy):
@@ -78,6 +78,7 @@ class MultiSteps(Strategy):
     def __call__(
         self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
+        self._one_device(params, batch, state)
         calls = self.microbatches(batch)
         dtypes = self.out_dtypes(params, batch, state)
         sums = dtypes.zero_sums(self.spec.accumulator_dtype)  # the same step program for every microbatch
@@ -88,7 +89,16 @@ class MultiSteps(Strategy):
             )
         return params, wrapped.inner_opt_state, finish_loss(self.spec, sums, dtypes), state
 
+    def _one_device(self, params: PyTree, batch: PyTree, state: PyTree) -> None:
+        if self.layout(params, batch, state) is not None:
+            raise NotImplementedError(
+                "strategy 'multisteps' runs on one device: optax.MultiSteps keeps one parameter-shaped gradient "
+                "sum, so on a mesh it would reduce the gradients across devices for every microbatch. Use "
+                "strategy='scan' or 'loop', which reduce once per update, or put the batch on one device."
+            )
+
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
+        self._one_device(params, batch, state)
         calls = self.microbatches(batch)
         dtypes = self.out_dtypes(params, batch, state)
         sums = jax.eval_shape(lambda: dtypes.zero_sums(self.spec.accumulator_dtype))

@@ -11,12 +11,12 @@ from autoaccum.strategies._base import (
     Program,
     PyTree,
     Spec,
-    Strategy,
     accumulate_in_scan,
     apply_optimizer,
     output_dtypes,
 )
 from autoaccum.strategies._sharding import Layout, OnMesh
+from autoaccum.strategies._strategy import Strategy
 
 
 class Scan(Strategy):

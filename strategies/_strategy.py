@@ -1,0 +1,166 @@
+"""The `Strategy` interface: one way to accumulate gradients, on one device or on a mesh."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+from autoaccum.strategies._base import (
+    Accum,
+    OutDtypes,
+    Program,
+    PyTree,
+    Spec,
+    add,
+    apply_optimizer,
+    dtype_of,
+    leading_size,
+    output_dtypes,
+    split,
+    weighted_grad,
+)
+from autoaccum.strategies._layout import Layout, check_microbatch, layout_of
+from autoaccum.strategies._sharding import OnMesh, combine_state
+
+
+class Strategy(abc.ABC):
+    """One way to accumulate gradients; subclasses are small and registered by `name`.
+
+    A subclass implements ``__call__`` and ``programs``; ``stream`` (microbatches from a data loader) is shared.
+    ``state`` is the model state (``()`` when ``spec.has_state`` is False).
+
+    Attributes:
+      name: the registry key (``strategies.available()``).
+      options: tunable options and the values worth trying, e.g. ``{"unroll": (1, 2)}``; the first value is
+        the default.
+    """
+
+    name: ClassVar[str]
+    options: ClassVar[Mapping[str, Sequence[Any]]] = {}
+
+    def __init__(self, spec: Spec, **options: Any) -> None:
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            known = ", ".join(f"`{k}`" for k in self.options) or "none"
+            raise ValueError(f"strategy {self.name!r} has no option(s) {unknown}; its options: {known}.")
+        self.spec = spec
+        self.config = {k: options.get(k, v[0]) for k, v in self.options.items()}
+        self._dtypes: dict[Any, OutDtypes] = {}
+        self._grad = weighted_grad(spec)
+        # Shared by the host-loop strategies and `stream`: the optimizer step on accumulated sums.
+        self._apply = jax.jit(
+            self._apply_fn, donate_argnums=self.donate_argnums(0, 1), static_argnames=("dtypes", "layout")
+        )
+        self._combine = jax.jit(combine_state)  # each device's state, combined after the loop on a mesh
+        self._add = jax.jit(
+            self._add_fn, donate_argnums=(0, *self.donate_argnums(3)), static_argnames=("dtypes", "layout")
+        )
+
+    def init(self, params: PyTree) -> PyTree:
+        """The optimizer's own state (``optimizer.init(params)``): the same type for every strategy."""
+        return self.spec.optimizer.init(params)
+
+    @abc.abstractmethod
+    def __call__(
+        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
+    ) -> tuple[PyTree, PyTree, Any, PyTree]:
+        """One full-batch-equivalent update: ``(params, opt_state, loss, state)`` (loss is ``(loss, aux)`` with
+        aux; state is the one the last microbatch returned)."""
+
+    @abc.abstractmethod
+    def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
+        """The programs one call at these shapes runs, lowered (arguments may be ``ShapeDtypeStruct``)."""
+
+    def stream(
+        self, params: PyTree, opt_state: PyTree, microbatches: Iterable[PyTree], state: PyTree = ()
+    ) -> tuple[PyTree, PyTree, Any, PyTree]:
+        """One update on microbatches that arrive one at a time: ``(params, opt_state, loss, state)``.
+
+        Equals one full-batch step on their concatenation. Each microbatch is added to the sums by one jitted
+        call (one compiled program per distinct microbatch size), then one jitted call divides by the total
+        weight and runs the optimizer. The sums start from host zeros, so the first call compiles nothing extra.
+
+        Raises:
+          ValueError: ``microbatches`` is empty, or one of them is malformed.
+        """
+        acc: Accum | None = None
+        dtypes: OutDtypes | None = None
+        layout: Layout | None = None
+        for microbatch in microbatches:
+            leading_size(microbatch)
+            if dtypes is None:
+                dtypes = self.out_dtypes(params, microbatch, state)
+                layout = self.layout(params, microbatch, state)
+                if layout is None:  # host zeros: the first call compiles the same program as the others
+                    shapes = jax.eval_shape(lambda p, b, s: self._grad(p, b, s)[0], params, microbatch, state)
+                    acc = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+                else:
+                    state = self.on_mesh(layout).stack_state(state)
+            acc, state = self._add(acc, params, microbatch, state, dtypes=dtypes, layout=layout)
+        if acc is None or dtypes is None:
+            raise ValueError(
+                "`microbatches` is empty: it yielded no microbatch, so there is no gradient to apply; pass an "
+                "iterable of at least one batch pytree."
+            )
+        params, opt_state, loss = self._apply(params, opt_state, acc, dtypes=dtypes, layout=layout)
+        return params, opt_state, loss, (state if layout is None else self._combine(state))
+
+    def on_mesh(self, layout: Layout, *, host_loop: bool = False) -> OnMesh:
+        """The per-device pieces for this strategy's spec on ``layout`` (`OnMesh`). A ``host_loop`` passes the
+        parameters to each microbatch's program already gathered, unless they are gathered per microbatch."""
+        gathered = host_loop and (not layout.sharded_params or self.spec.gather_params == "once")
+        return OnMesh(self.spec, layout, params_gathered=gathered)
+
+    def _add_fn(
+        self,
+        acc: Accum | None,
+        params: PyTree,
+        microbatch: PyTree,
+        state: PyTree,
+        *,
+        dtypes: OutDtypes,
+        layout: Layout | None,
+    ) -> tuple[Accum, PyTree]:
+        if layout is not None:
+            return self.on_mesh(layout).add(acc, params, microbatch, state, 0, leading_size(microbatch), dtypes)
+        new, state = self._grad(params, microbatch, state)
+        return (new if acc is None else add(acc, new)), state
+
+    def _apply_fn(
+        self, params: PyTree, opt_state: PyTree, acc: Accum, *, dtypes: OutDtypes, layout: Layout | None = None
+    ) -> tuple[PyTree, PyTree, Any]:
+        if layout is not None:  # the one reduction of the devices' partial sums
+            acc = self.on_mesh(layout).reduce(params, acc, dtypes)
+        return apply_optimizer(self.spec, params, opt_state, acc, dtypes)
+
+    def layout(self, params: PyTree, batch: PyTree, state: PyTree = ()) -> Layout | None:
+        """Where the batch is sharded (`Layout`), or None on one device; checks ``microbatch_size`` against it.
+
+        Raises:
+          ValueError: the batch, parameters or state are laid out in a way the strategies do not run, or
+            ``microbatch_size`` is not a multiple of the number of batch shards.
+        """
+        layout = layout_of(params, batch, state)
+        if layout is not None:
+            check_microbatch(self.spec.microbatch_size, layout, leading_size(batch))
+        return layout
+
+    def donate_argnums(self, *argnums: int) -> tuple[int, ...]:
+        return argnums if self.spec.donate else ()
+
+    def out_dtypes(self, params: PyTree, batch: PyTree, state: PyTree = ()) -> OutDtypes:
+        """`output_dtypes`, remembered per argument shapes so a host loop traces ``loss_fn`` once."""
+        leaves = jax.tree.leaves((params, batch, state))
+        key = (jax.tree.structure((params, batch, state)), tuple((np.shape(x), dtype_of(x)) for x in leaves))
+        if key not in self._dtypes:
+            self._dtypes[key] = output_dtypes(self.spec, params, batch, state)
+        return self._dtypes[key]
+
+    def microbatches(self, batch: PyTree) -> list[tuple[int, int]]:
+        """``(start, size)`` of each microbatch of ``batch``, in order."""
+        m = self.spec.microbatch_size
+        full, rest = split(leading_size(batch), m)
+        return [(i * m, m) for i in range(full)] + ([(full * m, rest)] if rest else [])
