@@ -104,12 +104,12 @@ def layout_of(params: PyTree, batch: PyTree, state: PyTree = ()) -> Layout | Non
     param_dims = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         named = _named_spec(leaf)
-        spec = tuple(named[1]) if named is not None else ()
-        dims = [(i, _names(e)) for i, e in enumerate(spec) if e is not None]
+        entries: tuple[Any, ...] = tuple(named[1]) if named is not None else ()
+        dims = [(i, _names(e)) for i, e in enumerate(entries) if e is not None]
         name = jax.tree_util.keystr(path) or "<root>"
         if len(dims) > 1 or any(not set(axes) <= set(batch_axes) for _, axes in dims):
             raise ValueError(
-                f"`params` leaf {name} is sharded as {PartitionSpec(*spec)} while the batch is sharded over "
+                f"`params` leaf {name} is sharded as {PartitionSpec(*entries)} while the batch is sharded over "
                 f"{batch_axes}; parameters may be replicated (data parallel) or sharded along one dimension over "
                 "the batch's axes (FSDP). Reshard it, e.g. jax.device_put(leaf, NamedSharding(mesh, P())), or "
                 "over the batch's axis on one dimension."

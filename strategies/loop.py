@@ -86,7 +86,7 @@ class Loop(Strategy):
             inputs = mesh.gathered(params)
             state_in = jax.eval_shape(mesh.stack_state, state)
         (_, first), *rest = self.microbatches(batch)
-        kwargs = {"dtypes": dtypes, "layout": layout}
+        kwargs: dict[str, Any] = {"dtypes": dtypes, "layout": layout}
 
         def accumulate(acc: Accum | None, size: int) -> jax.stages.Lowered:
             return self._accumulate.lower(acc, inputs, batch, 0, state_in, size=size, **kwargs)

@@ -1,10 +1,10 @@
-"""Strict test set-up: rank promotion raises, several CPU devices, warnings are errors (pyproject)."""
+"""Strict test set-up: rank promotion raises, 8 CPU devices (meshes), warnings are errors (pyproject)."""
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from collections.abc import Iterator
 

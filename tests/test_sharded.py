@@ -1,0 +1,252 @@
+"""The update on a mesh of 8 CPU devices (``--xla_force_host_platform_device_count=8``, tests/conftest.py).
+
+The batch is sharded along its example axis; parameters are replicated (data parallel) or sharded over the
+same axis (FSDP), on meshes of both axis types. Results are checked against the single-device full-batch step
+computed without the library (``jax.grad`` on the whole batch, one optax step), atol 1e-6 in float32; the
+compiled programs are read for the collectives they run, and where.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_strategies import assert_trees_close
+
+import autoaccum
+from autoaccum._hlo import collectives
+
+ATOL = 1e-6  # float32, losses near 1: a few ulps
+MESH_STRATEGIES = ("scan", "loop", "unrolled")  # multisteps refuses a mesh (test_multisteps_refuses_a_mesh)
+
+
+def mlp(seed: int = 0, batch_size: int = 64) -> tuple[Any, Any]:
+    k = jax.random.split(jax.random.key(seed), 4)
+    params = {"w1": 0.3 * jax.random.normal(k[0], (8, 16)), "w2": 0.3 * jax.random.normal(k[1], (16,))}
+    batch = {"x": jax.random.normal(k[2], (batch_size, 8)), "y": jax.random.normal(k[3], (batch_size,))}
+    return params, batch
+
+
+def loss_fn(params: Any, batch: Any) -> jax.Array:
+    return jnp.mean((jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"] - batch["y"]) ** 2)
+
+
+def reference(params: Any, batch: Any, optimizer: optax.GradientTransformation) -> tuple[Any, jax.Array]:
+    """One optimizer step on the whole batch's gradient, on one device, without the library."""
+    params, batch = jax.device_get((params, batch))
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    return optax.apply_updates(params, updates), loss
+
+
+def mesh_of(axis_type: AxisType, shape: tuple[int, ...] = (8,), names: tuple[str, ...] = ("data",)) -> Any:
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+
+
+def place(tree: Any, mesh: Any, spec: Any) -> Any:
+    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec)), tree)
+
+
+FSDP = {"w1": P("data"), "w2": P("data")}
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=lambda t: t.name)
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
+def test_equals_the_single_device_full_batch_step(strategy: str, axis_type: AxisType, fsdp: bool) -> None:
+    params, batch = mlp()
+    optimizer = optax.adam(1e-2)
+    want, want_loss = reference(params, batch, optimizer)
+    mesh = mesh_of(axis_type)
+    if fsdp:
+        sharded_params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, FSDP)
+    else:
+        sharded_params = place(params, mesh, P())
+    sharded_batch = place(batch, mesh, P("data"))
+    update = autoaccum.build_update(loss_fn, optimizer, microbatch_size=24, strategy=strategy)  # 24, 24, 16: uneven
+    if strategy not in MESH_STRATEGIES:
+        pytest.skip(f"{strategy} refuses a mesh (test_multisteps_refuses_a_mesh)")
+    got, _, loss = update(sharded_params, update.init(sharded_params), sharded_batch)
+    assert_trees_close(jax.device_get(got), want, atol=ATOL)
+    np.testing.assert_allclose(loss, want_loss, atol=ATOL)
+    for leaf in jax.tree.leaves(got):  # laid out as given
+        assert tuple(leaf.sharding.spec)[:1] == ("data",) if fsdp else not any(leaf.sharding.spec)
+
+
+@pytest.mark.parametrize("strategy_name", ["scan", "loop"])
+@pytest.mark.parametrize("gather_params", ["once", "per_microbatch"])
+@pytest.mark.parametrize("reduce_grads", ["once", "per_microbatch"])
+def test_fsdp_schedules_give_the_same_step(strategy_name: str, gather_params: str, reduce_grads: str) -> None:
+    params, batch = mlp(seed=1)
+    optimizer = optax.sgd(0.1, momentum=0.9)
+    want, want_loss = reference(params, batch, optimizer)
+    mesh = mesh_of(AxisType.Explicit)
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, FSDP)
+    update = autoaccum.build_update(
+        loss_fn,
+        optimizer,
+        microbatch_size=16,
+        strategy=strategy_name,
+        gather_params=gather_params,
+        reduce_grads=reduce_grads,
+    )
+    got, _, loss = update(sharded, update.init(sharded), place(batch, mesh, P("data")))
+    assert_trees_close(jax.device_get(got), want, atol=ATOL)
+    np.testing.assert_allclose(loss, want_loss, atol=ATOL)
+
+
+def program_collectives(update: autoaccum.Update, params: Any, batch: Any) -> list[Any]:
+    return [collectives(p.lowered.compile().as_text()) for p in update.programs(params, update.init(params), batch)]
+
+
+GRADIENT_OPS = ("all-reduce", "reduce-scatter", "all-gather")
+
+
+def test_data_parallel_scan_reduces_once_after_the_loop() -> None:
+    params, batch = mlp(batch_size=256)  # 16 microbatches: XLA keeps the loop (it unrolls very short ones)
+    mesh = mesh_of(AxisType.Auto)
+    update = autoaccum.build_update(loss_fn, optax.adam(1e-2), microbatch_size=16)
+    (program,) = program_collectives(update, place(params, mesh, P()), place(batch, mesh, P("data")))
+    assert program.in_loop == 0, program
+    # One all-reduce (gradients, loss and weight together), and no all-gather: microbatches are each device's
+    # own rows, so forming them moves no data.
+    assert program.outside == {"all-reduce": 1}, program
+    # The check can fail: reducing per microbatch puts the all-reduce in the loop body.
+    eager = autoaccum.build_update(loss_fn, optax.adam(1e-2), microbatch_size=16, reduce_grads="per_microbatch")
+    (program,) = program_collectives(eager, place(params, mesh, P()), place(batch, mesh, P("data")))
+    assert program.loop == {"all-reduce": 1}, program
+
+
+def test_data_parallel_loop_has_no_collective_in_its_per_microbatch_program() -> None:
+    params, batch = mlp(batch_size=256)
+    mesh = mesh_of(AxisType.Explicit)
+    update = autoaccum.build_update(loss_fn, optax.adam(1e-2), microbatch_size=48, strategy="loop")  # 5 x 48 + 16
+    *per_microbatch, apply = program_collectives(update, place(params, mesh, P()), place(batch, mesh, P("data")))
+    assert len(per_microbatch) == 3  # the first microbatch, the others, the smaller last one
+    assert all(c.total == 0 for c in per_microbatch), per_microbatch
+    assert apply.in_loop == 0 and apply.outside == {"all-reduce": 1}, apply
+
+
+@pytest.mark.parametrize(
+    ("gather_params", "reduce_grads", "in_loop", "once"),
+    [
+        ("once", "once", {}, {"all-gather", "reduce-scatter"}),
+        ("per_microbatch", "once", {"all-gather"}, {"reduce-scatter"}),
+        ("once", "per_microbatch", {"reduce-scatter"}, {"all-gather"}),
+        ("per_microbatch", "per_microbatch", {"all-gather", "reduce-scatter"}, set()),
+    ],
+)
+def test_fsdp_schedules_put_their_collectives_where_they_say(
+    gather_params: str, reduce_grads: str, in_loop: set[str], once: set[str]
+) -> None:
+    params, batch = mlp(batch_size=256)
+    mesh = mesh_of(AxisType.Auto)
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, FSDP)
+    update = autoaccum.build_update(
+        loss_fn, optax.adam(1e-2), microbatch_size=16, gather_params=gather_params, reduce_grads=reduce_grads
+    )
+    (program,) = program_collectives(update, sharded, place(batch, mesh, P("data")))
+    assert set(program.loop) == set(in_loop), program
+    assert set(program.outside) - {"all-reduce"} == once, program  # the all-reduce: loss and weight, once
+    assert program.outside.get("all-reduce") == 1, program
+
+
+def test_a_batch_sharded_over_two_mesh_axes_with_params_sharded_over_one() -> None:
+    params, batch = mlp(seed=2)
+    optimizer = optax.adam(1e-2)
+    want, _ = reference(params, batch, optimizer)
+    mesh = mesh_of(AxisType.Explicit, (4, 2), ("data", "fsdp"))
+    sharded = jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, {"w1": P(None, "fsdp"), "w2": P("fsdp")}
+    )
+    for strategy in ("scan", "loop"):
+        update = autoaccum.build_update(loss_fn, optimizer, microbatch_size=16, strategy=strategy, donate=False)
+        got, _, _ = update(sharded, update.init(sharded), place(batch, mesh, P(("data", "fsdp"))))
+        assert_trees_close(jax.device_get(got), want, atol=ATOL)
+        assert got["w1"].sharding.spec == P(None, "fsdp")
+
+
+def test_stream_on_a_mesh_equals_the_full_batch_step() -> None:
+    params, batch = mlp(seed=3)
+    optimizer = optax.adam(1e-2)
+    want, want_loss = reference(params, batch, optimizer)
+    mesh = mesh_of(AxisType.Auto)
+    update = autoaccum.build_update(loss_fn, optimizer, microbatch_size=8)
+    halves = [{k: v[a:b] for k, v in batch.items()} for a, b in ((0, 32), (32, 64))]
+    microbatches = [place(half, mesh, P("data")) for half in halves]
+    replicated = place(params, mesh, P())
+    got, _, loss = update.stream(replicated, update.init(replicated), iter(microbatches))
+    assert_trees_close(jax.device_get(got), want, atol=ATOL)
+    np.testing.assert_allclose(loss, want_loss, atol=ATOL)
+
+
+@pytest.mark.parametrize("strategy_name", ["scan", "loop"])
+def test_state_is_threaded_per_device_and_combined_after_the_loop(strategy_name: str) -> None:
+    """Each device threads its own state through its microbatches; floats are averaged, integers kept."""
+    params, batch = mlp(seed=4)
+
+    def stateful(params: Any, batch: Any, state: Any) -> tuple[jax.Array, Any]:
+        count, running = state
+        return loss_fn(params, batch), (count + 1, 0.5 * running + jnp.mean(batch["x"]))
+
+    mesh = mesh_of(AxisType.Auto)
+    update = autoaccum.build_update(
+        stateful, optax.sgd(0.1), microbatch_size=16, strategy=strategy_name, has_state=True
+    )
+    state = place((jnp.asarray(0, jnp.int32), jnp.asarray(1.0)), mesh, P())
+    replicated = place(params, mesh, P())
+    *_, (count, running) = update(replicated, update.init(replicated), place(batch, mesh, P("data")), state)
+    # Reference without the library: device d holds rows [8d, 8d + 8) and its microbatch i is rows
+    # [8d + 2i, 8d + 2i + 2) (16 / 8 devices = 2 rows each, 4 microbatches).
+    x = np.asarray(batch["x"])
+    finals = []
+    for d in range(8):
+        r = 1.0
+        for i in range(4):
+            r = 0.5 * r + x[8 * d + 2 * i : 8 * d + 2 * i + 2].mean()
+        finals.append(r)
+    assert int(count) == 4
+    np.testing.assert_allclose(running, np.mean(finals), atol=ATOL)
+
+
+def test_microbatch_size_must_be_a_multiple_of_the_shards() -> None:
+    params, batch = mlp()
+    mesh = mesh_of(AxisType.Auto)
+    update = autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=12)
+    replicated = place(params, mesh, P())
+    with pytest.raises(ValueError, match=r"`microbatch_size`=12 is not a multiple of the 8 shards.*e\.g\. 8 or 16"):
+        update(replicated, update.init(replicated), place(batch, mesh, P("data")))
+
+
+def test_layouts_it_does_not_run_are_refused_with_the_fix() -> None:
+    params, batch = mlp()
+    mesh = mesh_of(AxisType.Auto, (4, 2), ("data", "model"))
+    update = autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=8)
+    data = place(batch, mesh, P("data"))
+    tensor_parallel = jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, {"w1": P(None, "model"), "w2": P("model")}
+    )
+    with pytest.raises(ValueError, match=r"`params` leaf \['w1'\] is sharded as .*'model'.*FSDP"):
+        update(tensor_parallel, update.init(tensor_parallel), data)
+    sideways = {"x": jax.device_put(batch["x"], NamedSharding(mesh, P("data", "model"))), "y": data["y"]}
+    with pytest.raises(ValueError, match=r"`batch` leaf \['x'\] is sharded as .*beyond its example axis"):
+        update(place(params, mesh, P()), update.init(params), sideways)
+
+
+def test_multisteps_refuses_a_mesh() -> None:
+    params, batch = mlp()
+    mesh = mesh_of(AxisType.Auto)
+    update = autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=8, strategy="multisteps")
+    replicated = place(params, mesh, P())
+    with pytest.raises(NotImplementedError, match="strategy='scan' or 'loop'"):
+        update(replicated, update.init(replicated), place(batch, mesh, P("data")))
+
+
+def test_bad_schedule_names_the_argument() -> None:
+    with pytest.raises(ValueError, match=r"`gather_params` must be 'once' or 'per_microbatch', got .*'always'"):
+        autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=8, gather_params="always")
