@@ -12,19 +12,27 @@ import numpy as np
 from autoaccum.strategies import PyTree, leading_size
 
 
+def _mesh_sharding(x: Any) -> jax.sharding.NamedSharding | None:
+    sharding = getattr(x, "sharding", None)
+    return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
+
+
 def abstract(tree: PyTree) -> PyTree:
-    """``jax.ShapeDtypeStruct`` of every leaf (nothing is copied or allocated).
+    """``jax.ShapeDtypeStruct`` of every leaf (nothing is copied or allocated); a leaf laid out over a mesh
+    keeps its ``NamedSharding``, so programs lowered from it are the mesh's (memory figures per device).
 
     Example:
       >>> abstract({"w": jnp.ones((2, 3))})["w"]
       ShapeDtypeStruct(shape=(2, 3), dtype=float32)
     """
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=_mesh_sharding(x)), tree)
 
 
 def abstract_batch(batch: PyTree, size: int) -> PyTree:
-    """``jax.ShapeDtypeStruct`` of ``batch`` resized to ``size`` examples."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size, *jnp.shape(x)[1:]), x.dtype), batch)
+    """``jax.ShapeDtypeStruct`` of ``batch`` resized to ``size`` examples (a mesh's sharding kept)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((size, *jnp.shape(x)[1:]), x.dtype, sharding=_mesh_sharding(x)), batch
+    )
 
 
 def resize_batch(batch: PyTree, size: int) -> PyTree:

@@ -59,7 +59,7 @@ from autoaccum._memory import analyse
 from autoaccum._step_time import StepCost
 from autoaccum._units import parse_bytes
 from autoaccum._update import Update, build_update
-from autoaccum.strategies import Program, PyTree, check_params, leading_size, tree_bytes
+from autoaccum.strategies import Program, PyTree, check_params, layout_of, leading_size, tree_bytes
 
 DEFAULT_MAX_MICROBATCH = 16384
 """The largest microbatch the estimate and the probe consider when the caller gives no ``max_microbatch``."""
@@ -133,6 +133,9 @@ class Estimate(JsonMixin):
       microbatch_cap: microbatch sizes considered are at most this (the ``max_microbatch`` it was given).
       platform: the backend the step was compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
       seconds: how long the estimate took.
+      shards: on a mesh, the number of pieces the batch is sharded into: microbatch sizes are global and
+        multiples of it, and every byte figure is per device (XLA's analysis of the mesh's program); 1 on one
+        device.
     """
 
     strategy: str
@@ -147,6 +150,7 @@ class Estimate(JsonMixin):
     platform: str
     seconds: float
     accumulation_runtime_bytes_per_example: float = 0.0
+    shards: int = 1
 
     json_format = "autoaccum.estimate/1"
     json_properties = ("fixed_bytes", "per_example_bytes", "max_microbatch")
@@ -233,9 +237,11 @@ class Estimate(JsonMixin):
         limit = parse_bytes(memory_limit)
         if batch_size is not None and self.bytes_at(batch_size, batch_size, runtime=runtime) <= limit:
             return batch_size  # the whole batch in one step
-        hi = self.microbatch_cap if batch_size is None else batch_size - 1
+        g = self.shards  # sizes are multiples of it: bisect over units of g examples
+        hi = (self.microbatch_cap if batch_size is None else batch_size - 1) // g
 
-        def fits(m: int, remainder: bool = True) -> bool:
+        def fits(units: int, remainder: bool = True) -> bool:
+            m = units * g
             peak: float = self.bytes_at(m, batch_size, runtime=runtime)
             if batch_size is not None and not remainder:
                 peak -= (self.remainder_bytes_per_example or 0.0) * (batch_size % m)
@@ -254,7 +260,7 @@ class Estimate(JsonMixin):
                 hi = mid
         while not fits(lo):  # an uneven split costs its last microbatch's extra: step down to one that fits
             lo -= 1  # stops at a divisor of batch_size at the latest (no remainder)
-        return lo
+        return lo * g
 
     @property
     def max_microbatch(self) -> int:
@@ -593,6 +599,11 @@ def estimate(
     step is traced while the previous one compiles. ``params`` and ``batch`` may be arrays or
     ``jax.ShapeDtypeStruct``: only their shapes and dtypes are used, nothing is allocated.
 
+    On a mesh (``batch`` sharded along its example axis, ``params`` replicated or FSDP-sharded, as
+    `autoaccum.build_update` takes them; ``ShapeDtypeStruct`` with a ``sharding`` too) the programs compiled are
+    the mesh's: every byte figure is per device, microbatch sizes are global multiples of the batch's shards
+    (`Estimate.shards`).
+
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` (``-> (scalar, aux)`` with ``has_aux``).
       params: the parameters pytree (arrays or ``jax.ShapeDtypeStruct``).
@@ -651,6 +662,17 @@ def estimate(
     extra_limits = [parse_bytes(x, "refine_for") for x in refine_for]
     compile_options = {**COMPILER_OPTIONS, **(compiler_options or {})}
     top = max(cap, effective_batch or 0)
+    layout = layout_of(params, batch, state)
+    g = 1 if layout is None else layout.shards  # on a mesh: global sizes, multiples of the batch's shards
+    if cap < g:
+        raise ValueError(
+            f"`max_microbatch`={cap} is below the {g} shards the batch is split into; microbatch sizes are global "
+            f"and multiples of {g}: pass max_microbatch >= {g}."
+        )
+
+    def units(m: int) -> int:  # m rounded down to a multiple of g (at least g)
+        return max(g, m // g * g)
+
     with _Measurer(
         loss_fn,
         params,
@@ -661,16 +683,18 @@ def estimate(
         compile_options,
         workers,
     ) as measurer:
-        s1 = min(FIRST_SIZE, cap)
+        s1 = units(min(max(FIRST_SIZE, 2 * g), cap))
         sizes = [(s1, s1)]
         if accumulation:  # 2 and 4 microbatches of s1, and 2 of s1 plus a smaller last one
-            sizes += [(s1, 2 * s1), (s1, 4 * s1), (s1, 2 * s1 + max(1, s1 // 2))]
+            sizes += [(s1, 2 * s1), (s1, 4 * s1), (s1, 2 * s1 + units(s1 // 2) if s1 > g else 3 * s1)]
         measurer.submit(sizes)
         opt_future = measurer.optimizer_cost()
         (single1,) = measurer.measure(sizes[:1])
         plans = effective_batch is not None and accumulation
         largest = cap if effective_batch is None or not accumulation else effective_batch  # a plan's microbatch <= B
-        s2 = _second_size(single1, measurer.state_bytes, limit, largest)
+        s2 = units(_second_size(single1, measurer.state_bytes, limit, largest))
+        if s2 == s1:
+            s2 = s1 + g
         measurer.measure([(s2, s2)])
         acc_fixed = per_batch = per_remainder = None
         acc_runtime = 0.0
@@ -717,6 +741,7 @@ def estimate(
                 microbatch_cap=cap,
                 platform=jax.default_backend(),
                 seconds=time.perf_counter() - start,
+                shards=g,
             )
 
         est = current()

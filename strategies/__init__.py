@@ -32,6 +32,7 @@ from autoaccum.strategies._base import (
     tree_bytes,
     weighted_grad,
 )
+from autoaccum.strategies._layout import Layout, layout_of
 from autoaccum.strategies._strategy import Strategy
 from autoaccum.strategies.loop import Loop
 from autoaccum.strategies.multisteps import MultiSteps
@@ -101,6 +102,7 @@ del _cls
 
 __all__ = [
     "Accum",
+    "Layout",
     "Loop",
     "LossReduction",
     "MultiSteps",
@@ -118,6 +120,7 @@ __all__ = [
     "check_params",
     "finish_loss",
     "get",
+    "layout_of",
     "leading_size",
     "output_dtypes",
     "register",

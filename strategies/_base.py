@@ -109,8 +109,15 @@ class Program(NamedTuple):
 
 
 def tree_bytes(tree: PyTree) -> int:
-    """Bytes held by the leaves of ``tree`` (arrays or ``jax.ShapeDtypeStruct``)."""
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    """Bytes the leaves of ``tree`` (arrays or ``jax.ShapeDtypeStruct``) hold on one device: a leaf sharded
+    over a mesh (``NamedSharding``) counts its shard."""
+
+    def one(x: Any) -> int:
+        sharding = getattr(x, "sharding", None)
+        shape = sharding.shard_shape(x.shape) if isinstance(sharding, jax.sharding.NamedSharding) else x.shape
+        return int(np.prod(shape)) * x.dtype.itemsize
+
+    return sum(one(x) for x in jax.tree.leaves(tree))
 
 
 def dtype_of(x: Any) -> Any:

@@ -250,3 +250,23 @@ def test_multisteps_refuses_a_mesh() -> None:
 def test_bad_schedule_names_the_argument() -> None:
     with pytest.raises(ValueError, match=r"`gather_params` must be 'once' or 'per_microbatch', got .*'always'"):
         autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=8, gather_params="always")
+
+
+def test_estimate_on_a_mesh_answers_per_device_in_multiples_of_the_shards() -> None:
+    """Per-device figures: with FSDP each device holds an eighth of the parameters and of Adam's two moments."""
+    mesh = mesh_of(AxisType.Auto)
+    params = {"w1": jnp.zeros((256, 512)), "w2": jnp.zeros((512,))}  # 513 KiB
+    batch = place({"x": jnp.zeros((64, 256)), "y": jnp.zeros((64,))}, mesh, P("data"))
+    kwargs = {"optimizer": optax.adam(1e-3), "memory_limit": "64MiB", "accumulation": False}
+    replicated = autoaccum.estimate(loss_fn, place(params, mesh, P()), batch, **kwargs)
+    fsdp = autoaccum.estimate(
+        loss_fn, jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, FSDP), batch, **kwargs
+    )
+    single = autoaccum.estimate(loss_fn, params, jax.device_get(batch), **kwargs)
+    assert (replicated.shards, fsdp.shards, single.shards) == (8, 8, 1)
+    assert all(p.microbatch_size % 8 == 0 for p in replicated.points + fsdp.points)
+    assert replicated.max_microbatch % 8 == 0 and replicated.max_microbatch > single.max_microbatch
+    # Parameters, gradient and Adam's two moments: 4 parameter-sized buffers, an eighth of each with FSDP.
+    param_bytes = (256 * 512 + 512) * 4
+    saved = replicated.bytes_at(64) - fsdp.bytes_at(64)
+    assert saved == pytest.approx(4 * param_bytes * 7 / 8, rel=0.15), (saved, param_bytes)
