@@ -38,8 +38,13 @@ from typing import Any
 from autoaccum._device import DeviceInfo, oom_kills
 from autoaccum._json import JsonMixin
 
-OOM_MARKERS = ("RESOURCE_EXHAUSTED", "std::bad_alloc", "Out of memory", "out of memory", "Cannot allocate memory")
-"""Text in a dead child's output that says it died of a failed allocation."""
+OOM_MARKERS = (
+    "RESOURCE_EXHAUSTED", "std::bad_alloc", "Out of memory", "out of memory", "Cannot allocate memory",
+    "threads to join the rendezvous, but only",
+)  # fmt: skip
+"""Text in a dead child's output that says it died of a failed allocation. The last: on a CPU mesh (every
+device a thread of the capped child), a device whose allocation failed never reaches the step's collective,
+and XLA aborts the others when they have waited for it (40 s)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +106,13 @@ _CPU_MALLOC = {
 }
 
 
-def child_env(info: DeviceInfo, limit: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a child: one device, its allocator capped at ``limit`` on a GPU.
+def child_env(
+    info: DeviceInfo, limit: int, env: Mapping[str, str] | None = None, *, devices: int = 1
+) -> dict[str, str]:
+    """The environment of a child: one device (or a mesh's ``devices``), its allocator capped at ``limit``.
 
-    On a GPU: ``CUDA_VISIBLE_DEVICES`` selects the probed card, ``XLA_CLIENT_MEM_FRACTION`` = ``limit`` /
+    On a GPU: ``CUDA_VISIBLE_DEVICES`` selects the probed card (with a mesh, every card stays visible),
+    ``XLA_CLIENT_MEM_FRACTION`` = ``limit`` /
     the card's total (XLA's BFC allocator then hands out at most that), ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
     and the default allocator (the fraction is ignored by ``platform``). On the CPU: ``JAX_PLATFORMS=cpu``
     and glibc malloc made predictable under the cap: ``MALLOC_ARENA_MAX=1`` (no per-thread arenas, which reserve
@@ -122,7 +130,8 @@ def child_env(info: DeviceInfo, limit: int, env: Mapping[str, str] | None = None
     if info.platform == "gpu":
         if info.total_bytes is None:
             raise ValueError(f"cannot cap {info.name}: its total memory is unknown (no NVML, no memory_stats).")
-        out["CUDA_VISIBLE_DEVICES"] = info.visible_id or "0"
+        if devices == 1:
+            out["CUDA_VISIBLE_DEVICES"] = info.visible_id or "0"
         out.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
         out["XLA_CLIENT_MEM_FRACTION"] = f"{math.floor(limit / info.total_bytes * 1e6) / 1e6:.6f}"
         out["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
@@ -230,8 +239,8 @@ class ChildRunner:
         kills = oom_kills()
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                command, env=child_env(self.device, self.limit), stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True,
+                command, env=child_env(self.device, self.limit, devices=getattr(self.job, "devices", 1)),
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
             try:
                 returncode = proc.wait(timeout=timeout)

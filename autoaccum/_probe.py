@@ -39,6 +39,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import numpy as np
 import optax
 
 from autoaccum._batch import abstract, host_copy
@@ -48,7 +50,7 @@ from autoaccum._estimate import DEFAULT_MAX_MICROBATCH, Estimate
 from autoaccum._isolation import ChildRunner, Outcome
 from autoaccum._json import JsonMixin
 from autoaccum._memory import state_bytes
-from autoaccum._trial import Job, compile_trial, estimate_for_search, is_oom, measured, oom_outcome
+from autoaccum._trial import Job, MeshSpec, compile_trial, estimate_for_search, is_oom, measured, oom_outcome
 from autoaccum._units import format_bytes
 from autoaccum.strategies import PyTree, check_params, leading_size, tree_bytes
 
@@ -202,13 +204,20 @@ def prepare(
         raise ValueError(f"`trial_timeout` must be a positive number of seconds or None, got {trial_timeout!r}.")
     leading_size(batch)
     build = dict(strategy=strategy, has_aux=has_aux, loss_reduction=loss_reduction, **dict(options or {}))
-    job = Job(
-        loss_fn, optimizer, abstract(params), host_copy(batch), None if state is None else host_copy(state), build
-    )
+    mesh = MeshSpec.of(params, batch, state)
+    if mesh is not None:  # global microbatch sizes: multiples of the batch's shards too
+        granularity = math.lcm(granularity, mesh.shards)
+        if cap < granularity:
+            raise ValueError(
+                f"`max_microbatch`={cap} is below {granularity}, the least common multiple of `granularity` and the "
+                f"{mesh.shards} shards the batch is split into (microbatch sizes are global); raise max_microbatch."
+            )
+    plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)  # no devices: it pickles
+    job = Job(loss_fn, optimizer, plain, host_copy(batch), None if state is None else host_copy(state), build, mesh)
     update = job.update(granularity)
     info = detect_device(device)
     limit, source = resolve_memory_limit(info, memory_limit, isolate=isolate)
-    needed = state_bytes(update, params) + (0 if state is None else tree_bytes(abstract(state)))
+    needed = state_bytes(update, job.inputs()[0]) + (0 if state is None else tree_bytes(abstract(state)))
     if limit <= needed:
         raise ValueError(
             f"`memory_limit`={format_bytes(limit)} ({limit} bytes) is below what the parameters, optimizer state "

@@ -22,11 +22,12 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
+import math
 import resource
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,13 +37,71 @@ import optax
 
 from autoaccum._batch import abstract, abstract_batch, device_copy, resize_batch
 from autoaccum._isolation import Outcome, load_payload, write_result
-from autoaccum.strategies import Program, PyTree
+from autoaccum.strategies import Program, PyTree, layout_of, leading_size
 
 if TYPE_CHECKING:
     from autoaccum._estimate import Estimate
     from autoaccum._update import Update
 
 _CPU_OOM_MESSAGE = "Out of memory allocating"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """A mesh and the layouts of a trial's inputs on it, without devices, so it crosses a process boundary.
+
+    A child rebuilds the mesh from its own first ``size`` devices (`mesh`): the probe's children see every
+    device of the caller's mesh.
+
+    Attributes:
+      shape, axis_names, axis_types: the mesh (``jax.sharding.AxisType`` names).
+      batch: the batch's ``PartitionSpec`` (its example axis over the batch's mesh axes).
+      params: one ``PartitionSpec`` per parameter leaf (replicated, or FSDP over the batch's axes).
+      shards: the pieces the batch is cut into (microbatch sizes are multiples of it).
+    """
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    axis_types: tuple[str, ...]
+    batch: Any
+    params: PyTree
+    shards: int
+
+    @classmethod
+    def of(cls, params: PyTree, batch: PyTree, state: PyTree | None) -> MeshSpec | None:
+        """The mesh ``batch`` is sharded over, with the layouts (`autoaccum.strategies.layout_of`); None when
+        it is on one device."""
+        layout = layout_of(params, batch, () if state is None else state)
+        if layout is None:
+            return None
+        mesh = layout.mesh
+        types = tuple(t.name for t in getattr(mesh, "axis_types", ())) or ("Auto",) * len(mesh.axis_names)
+        return cls(
+            tuple(mesh.shape.values()), tuple(mesh.axis_names), types, layout.batch_spec(),
+            layout.param_specs(params), layout.shards,
+        )  # fmt: skip
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def mesh(self) -> jax.sharding.Mesh:
+        devices = jax.devices()
+        if len(devices) < self.size:
+            raise RuntimeError(
+                f"the mesh {dict(zip(self.axis_names, self.shape, strict=True))} needs {self.size} devices but this "
+                f"process sees {len(devices)} ({devices[0].platform}); on the CPU set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={self.size} before JAX starts."
+            )
+        types = tuple(getattr(jax.sharding.AxisType, t) for t in self.axis_types)
+        return jax.make_mesh(self.shape, self.axis_names, axis_types=types, devices=devices[: self.size])
+
+    def shardings(self) -> tuple[PyTree, Any, Any]:
+        """``NamedSharding`` of the parameters (a pytree), of the batch and of replicated values."""
+        mesh = self.mesh()
+        named = functools.partial(jax.sharding.NamedSharding, mesh)
+        params = jax.tree.map(named, self.params, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        return params, named(self.batch), named(jax.sharding.PartitionSpec())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +113,7 @@ class Job:
     Attributes:
       build: `autoaccum.build_update`'s other arguments (``strategy``, ``has_aux``, ``loss_reduction`` and the
         strategy's options).
+      mesh: where the caller's batch is sharded (`MeshSpec`), or None on one device.
     """
 
     loss_fn: Callable[..., Any]
@@ -62,6 +122,24 @@ class Job:
     batch: PyTree
     state: PyTree | None
     build: Mapping[str, Any]
+    mesh: MeshSpec | None = None
+
+    @property
+    def devices(self) -> int:
+        """Devices a trial's step runs on (the mesh's, or 1)."""
+        return 1 if self.mesh is None else self.mesh.size
+
+    def inputs(self, batch_size: int | None = None) -> tuple[PyTree, PyTree, PyTree | None]:
+        """Abstract parameters, batch (``batch_size`` rows, default the example's) and model state, laid out
+        on the mesh when there is one (``jax.ShapeDtypeStruct`` with shardings; the state as host arrays)."""
+        batch = abstract_batch(device_copy(self.batch), batch_size or leading_size(self.batch))
+        if self.mesh is None:
+            return abstract(self.params), batch, None if self.state is None else device_copy(self.state)
+        params_s, batch_s, replicated = self.mesh.shardings()
+        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.params, params_s)
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_s), batch)
+        state = None if self.state is None else jax.device_put(device_copy(self.state), replicated)
+        return params, batch, state
 
     @property
     def strategy(self) -> str:
@@ -78,10 +156,14 @@ class Job:
 
     def programs(self, update: Update, batch_size: int) -> list[Program]:
         """``update``'s programs for a batch of ``batch_size`` rows, lowered from shapes alone."""
-        params = abstract(self.params)
+        params, batch, state = self.inputs(batch_size)
         opt_state = jax.eval_shape(update.init, params)
-        state = () if self.state is None else (abstract(device_copy(self.state)),)
-        return update.programs(params, opt_state, abstract_batch(device_copy(self.batch), batch_size), *state)
+        return update.programs(params, opt_state, batch, *(() if state is None else (abstract(state),)))
+
+
+def on_device(job: Job, device: Any) -> AbstractContextManager[Any]:
+    """Where a trial makes its arrays: ``device``, or the mesh (its shardings say where each array goes)."""
+    return jax.default_device(device) if job.mesh is None else jax.set_mesh(job.mesh.mesh())
 
 
 def step(update: Update, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree | None) -> tuple[Any, ...]:
@@ -153,12 +235,18 @@ def compile_trial(job: Job, size: int, device: Any) -> Compiled:
     """
     start = time.perf_counter()
     update = job.update(size)
-    with jax.default_device(device):
-        params_s = abstract(job.params)
-        make_params = jax.jit(functools.partial(materialize, params_s)).lower().compile()
+    with on_device(job, device):
+        params_s, _, _ = job.inputs()
+        placed: dict[str, Any] = {}
+        if job.mesh is not None:  # made where the mesh's step expects them
+            shardings, batch_sharding, _ = job.mesh.shardings()
+            placed = {"out_shardings": shardings}
+        make_params = jax.jit(functools.partial(materialize, abstract(job.params)), **placed).lower().compile()
         init = jax.jit(update.init)
         init.lower(params_s).compile()  # the jit keeps it: the call in run_trial does not compile again
-        resize = jax.jit(functools.partial(resize_batch, size=size)).lower(abstract(device_copy(job.batch))).compile()
+        out = {} if job.mesh is None else {"out_shardings": batch_sharding}
+        resize = jax.jit(functools.partial(resize_batch, size=size), **out).lower(abstract(device_copy(job.batch)))
+        resize = resize.compile()
         for program in job.programs(update, size):
             program.lowered.compile()  # likewise kept by the strategy's jitted functions
     return Compiled(job, size, device, update, make_params, init, resize, time.perf_counter() - start)
@@ -170,11 +258,11 @@ def run_trial(compiled: Compiled, peak: Callable[[], int | None]) -> Outcome:
     Raises whatever the step raises; the callers decide which errors mean "does not fit".
     """
     job, update, device = compiled.job, compiled.update, compiled.device
-    with jax.default_device(device):
+    with on_device(job, device):
         params = compiled.make_params()
         opt_state = compiled.init(params)
         batch = compiled.resize(device_copy(job.batch))
-        state = None if job.state is None else device_copy(job.state)
+        state = job.inputs(1)[2]
         before = proc_status("VmSize")
         start = time.perf_counter()
         params, opt_state, loss, state = jax.block_until_ready(step(update, params, opt_state, batch, state))
@@ -281,18 +369,25 @@ def warm_up(device: Any) -> None:
 
 
 def measured(compiled: Compiled, platform: str, limit: int) -> Outcome:
-    """`run_trial` under the limit: the CPU's address-space cap (a GPU's allocator is capped at start-up).
+    """`run_trial` under the limit (per device): the CPU's address-space cap (a GPU's allocator is capped at
+    start-up).
 
     On the CPU, an XLA error that is not an OOM by its code (XLA's CPU kernels, e.g. YNNPACK's dot, report a
     failed allocation as ``INTERNAL: YNNPACK operation failed``) is checked by running the same step again
     without the cap: if it then runs, the cap made it fail, and the trial does not fit; if it fails again, the
     error stands.
     """
+    n = compiled.job.devices
     if platform != "cpu":
-        return run_trial(compiled, gpu_peak(compiled.device))
+        if compiled.job.mesh is None:
+            return run_trial(compiled, gpu_peak(compiled.device))
+        peaks = [gpu_peak(d) for d in jax.devices()[:n]]  # per device: the fullest one
+        return run_trial(compiled, lambda: max((p() or 0 for p in peaks), default=0) or None)
     try:
-        with address_space_cap(limit) as used:
-            return run_trial(compiled, used)
+        # A mesh's CPU devices share this process: the cap is the per-device limit times the devices, the
+        # peak reported per device is the process's divided by them (data parallel: equal shares).
+        with address_space_cap(limit * n) as used:
+            return run_trial(compiled, lambda: None if (u := used()) is None else u // n)
     except jax.errors.JaxRuntimeError as e:
         if is_oom(e):
             raise
@@ -310,9 +405,9 @@ def estimate_for_search(job: Job, *, limit: int, max_microbatch: int) -> Estimat
     from autoaccum._estimate import estimate
 
     try:
-        state = None if job.state is None else device_copy(job.state)
+        params, batch, state = job.inputs()
         return estimate(
-            job.loss_fn, job.params, device_copy(job.batch), optimizer=job.optimizer, state=state, memory_limit=limit,
+            job.loss_fn, params, batch, optimizer=job.optimizer, state=state, memory_limit=limit,
             max_microbatch=max_microbatch, accumulation=False, **dict(job.build),
         )  # fmt: skip
     except jax.errors.JaxRuntimeError as e:
