@@ -316,8 +316,8 @@ def test_unopenable_sqlite_path(linear: autoaccum.Workload, tmp_path: Path) -> N
 
 
 def test_two_workers_share_one_study(tmp_path: Path) -> None:
-    """Two processes tune one study through one SQLite file: together they cover the space, and both report
-    the same best plan (Optuna's RDB storage coordinates them)."""
+    """Two processes tune one study through one SQLite file: together they measure each configuration of the
+    space exactly once, and both report the same best plan (PostgreSQL: tests/test_distributed_tuning.py)."""
     import json
     import subprocess
     import sys
@@ -334,6 +334,8 @@ def test_two_workers_share_one_study(tmp_path: Path) -> None:
     measured = [tuple(json.loads(line)[:2]) for log in logs if log.exists() for line in log.read_text().splitlines()]
     grid = {(m, s) for m in (1, 2, 3, 4) for s in ("scan", "loop", "multisteps")}
     assert grid <= set(measured)
+    configurations = [tuple(json.loads(line)) for log in logs if log.exists() for line in log.read_text().splitlines()]
+    assert len(configurations) == len({json.dumps(c) for c in configurations}) == 16, "each measured once"
     assert all(log.exists() for log in logs), "both workers measured something"
     plans = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     assert plans[0] == plans[1]

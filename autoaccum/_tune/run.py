@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +18,7 @@ from autoaccum._batch import abstract, abstract_batch, resize_batch
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum._plan import Plan, params_signature
 from autoaccum._probe import probe
+from autoaccum._tune.claims import config_key, open_claims, settled
 from autoaccum._tune.result import TrialRecord, TuneResult, record
 from autoaccum._tune.space import microbatch_candidates, variants
 from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
@@ -30,11 +33,23 @@ from autoaccum.strategies import get as get_strategy
 DEFAULT_TRIALS = 12
 """Trials the tuner runs when ``n_trials`` is not given and the search space is larger than this."""
 
+POLL_SECONDS = 0.5
+"""How often a worker with nothing left to run looks at the trials other workers are running."""
+
 _COMPLETE = optuna.trial.TrialState.COMPLETE
+_RUNNING = optuna.trial.TrialState.RUNNING
+_WAITING = optuna.trial.TrialState.WAITING
+_PRUNED = optuna.trial.TrialState.PRUNED
 
 
-def _key(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted(params.items()))
+def _settled_configs(study: optuna.Study) -> dict[str, int]:
+    """``{configuration: trial number}`` of the configurations the study has settled (by any worker)."""
+    return {config_key(t.params): t.number for t in study.get_trials(deepcopy=False) if settled(t)}
+
+
+def _heartbeats(storage: optuna.storages.BaseStorage) -> bool:
+    """Whether a dead worker's running trial is ever noticed (an RDB storage with heartbeats)."""
+    return isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval() is not None
 
 
 def _versions() -> dict[str, str]:
@@ -79,9 +94,12 @@ def tune(
     small (``GridSampler``), else a seeded ``TPESampler`` warm-started with the largest fitting microbatch of
     each strategy. Trials that run out of memory or over ``trial_timeout`` are recorded as failed and the
     study goes on. The study lives in ``storage``, so an interrupted tune resumes where it stopped (finished
-    trials are not re-run) and several processes can tune one study together. A study is identified by a
-    fingerprint of what determines its timings (`TuneResult.fingerprint`): change the loss's body or the
-    optimizer and a new study starts, never the old one's answer.
+    trials are not re-run) and several processes (one per host) can tune one study together: each
+    configuration is measured once, by the worker that claims it first (`autoaccum._tune.claims`), and each
+    worker returns once the study's budget is settled, so all return the same plan; a worker that dies
+    mid-trial leaves a trial that another one runs again once its heartbeat is stale (90 s). A study is
+    identified by a fingerprint of what determines its timings (`TuneResult.fingerprint`): change the loss's
+    body or the optimizer and a new study starts, never the old one's answer.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss (``-> (loss, aux)`` with ``has_aux``).
@@ -92,11 +110,14 @@ def tune(
       strategies: strategy names to consider; default all of ``autoaccum.strategies.available()``.
       memory_limit: bytes (or ``"1.5GiB"``) a step may use, passed to the probe; default: the device's
         (`autoaccum.probe`).
-      n_trials: trials to run now; default the whole space if it has at most ``DEFAULT_TRIALS`` points,
-        else ``DEFAULT_TRIALS``. A resumed study runs only the trials still missing.
-      timeout: stop starting new trials after this many seconds.
-      storage: an RDB URL (default: SQLite at `autoaccum._tune.study.default_storage`), ``":memory:"`` or an
-        optuna storage.
+      n_trials: the study's budget: the configurations it settles (measured, or failed for a reason such as
+        out of memory), earlier runs' and other workers' included, so a resumed study runs only the trials
+        still missing and two workers asked for 6 settle 6 together, not 12. Default the whole space if it has
+        at most ``DEFAULT_TRIALS`` points, else ``DEFAULT_TRIALS``.
+      timeout: stop starting new trials (and waiting for other workers' trials) after this many seconds.
+      storage: an RDB URL (default: SQLite at `autoaccum._tune.study.default_storage`; several hosts:
+        ``"postgresql+psycopg://user@host/db"``), ``":memory:"`` or an optuna storage (e.g. an
+        ``optuna.storages.RDBStorage`` with other heartbeat timings).
       study_name: default: ``"autoaccum-"`` + the fingerprint, so re-running the same tune resumes its study.
       fresh: start the study anew, deleting earlier trials of the same name.
       seed: the sampler's seed.
@@ -188,29 +209,45 @@ def tune(
     name = study_name or f"autoaccum-{key}"
     if fresh:
         with contextlib.suppress(KeyError):  # no such study yet: nothing to delete
+            open_claims(opened, opened.get_study_id_from_name(name)).clear()
             optuna.delete_study(study_name=name, storage=opened)
     exhaustive = (n_trials is None and grid_points <= DEFAULT_TRIALS) or (n_trials or 0) >= grid_points
-    sampler: optuna.samplers.BaseSampler = (
-        optuna.samplers.GridSampler(space, seed=seed)
-        if exhaustive
-        else optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(len(labels) + 2, 8))
-    )
+    sampler: optuna.samplers.BaseSampler
+    if exhaustive:
+        sampler = optuna.samplers.GridSampler(space, seed=seed)
+    else:
+        # constant_liar: other workers' running trials count as bad ones, so TPE proposes something else.
+        with warnings.catch_warnings():  # "experimental" in some Optuna releases
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.TPESampler(
+                seed=seed, n_startup_trials=min(len(labels) + 2, 8), constant_liar=True
+            )
     study = optuna.create_study(
         storage=opened, sampler=sampler, study_name=name, direction="maximize", load_if_exists=True
     )
-    # Settled trials are never re-run: completed ones, and failures with a reason (out of memory, timed out).
-    # A trial interrupted by Ctrl-C is marked and queued again; one killed outright stays RUNNING until its
-    # heartbeat goes stale, and Optuna's RetryHeartbeatStaleTrialCallback queues it again.
+    # A configuration is measured by the trial that wins its claim (`autoaccum._tune.claims`), once for the
+    # study, whichever worker runs it; settled ones (completed, or failed for a reason: out of memory, timed out)
+    # are never re-run. A trial interrupted by Ctrl-C is marked and queued again; one killed outright stays
+    # RUNNING until its heartbeat goes stale, then Optuna's RetryHeartbeatStaleTrialCallback queues it again.
+    claims = open_claims(opened, opened.get_study_id_from_name(name))
     trials = study.get_trials(deepcopy=False)
-    settled = {_key(t.params) for t in trials if t.state == _COMPLETE or "reason" in t.user_attrs}
-    resumed = len(settled)
-    queued = {_key(t.params) for t in trials if t.state == optuna.trial.TrialState.WAITING}
+
+    def by_number() -> dict[int, optuna.trial.FrozenTrial]:
+        return {t.number: t for t in study.get_trials(deepcopy=False)}
+
+    earlier = _settled_configs(study)
+    resumed = len(earlier)
+    claimed = {row[0] for row in claims.rows().values()}
+    for config, number in earlier.items():  # trials settled before they were claimed: record their claims
+        if config not in claimed:
+            claims.claim(config, number, None, by_number)
+    queued = {config_key(t.params) for t in trials if t.state == _WAITING}
     for t in trials:
-        if t.user_attrs.get("interrupted") and _key(t.params) not in settled | queued:
+        if t.user_attrs.get("interrupted") and config_key(t.params) not in earlier.keys() | queued:
             study.enqueue_trial(t.params)
-            queued.add(_key(t.params))
+            queued.add(config_key(t.params))
     wanted = grid_points if exhaustive else (n_trials or DEFAULT_TRIALS)
-    remaining = max(0, wanted - len(settled))
+    budget = min(wanted, grid_points)  # the study's, shared by every worker on it
     if not exhaustive and not trials:
         for label in list(labels)[:wanted]:  # warm start: on most devices the largest fitting microbatch is fastest
             study.enqueue_trial({"microbatch_size": max(sizes), "strategy": label})
@@ -224,11 +261,20 @@ def tune(
         m = trial.suggest_categorical("microbatch_size", sizes)
         label = trial.suggest_categorical("strategy", list(labels))
         strategy, options = labels[label]
-        done = study.get_trials(deepcopy=False, states=(_COMPLETE,))
-        for other in done:
-            if other.params == trial.params:  # TPE may propose a measured point again: reuse, don't re-run
-                trial.set_user_attr("duplicate_of", other.number)
+        holder = claims.claim(config_key(trial.params), trial.number, budget, by_number)
+        if holder is None:  # the study's budget is claimed, by this worker or others
+            trial.set_user_attr("over_budget", True)
+            study.stop()
+            raise optuna.TrialPruned("the study's budget of trials is claimed")
+        if holder != trial.number:
+            # Measured already (TPE may propose a point again; a re-queued copy), or being measured by another
+            # worker: reuse the result, never re-run.
+            trial.set_user_attr("duplicate_of", holder)
+            other = by_number()[holder]
+            if other.state == _COMPLETE:
                 return float(other.value)  # type: ignore[arg-type]
+            raise optuna.TrialPruned(f"trial {holder} measures this configuration")
+        done = study.get_trials(deepcopy=False, states=(_COMPLETE,))
         for other in done:
             if m >= effective_batch and other.params["microbatch_size"] >= effective_batch:
                 # One accumulation step: every strategy and option runs the same plain step. Timing it again
@@ -251,25 +297,42 @@ def tune(
         return throughput
 
     def report(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        if "duplicate_of" in trial.user_attrs:
-            return
-        settled.add(_key(trial.params))
-        for callback in callbacks:
-            callback(record(trial, effective_batch, labels), len(settled), min(wanted, grid_points))
-        if len(settled) >= min(wanted, grid_points):
+        count = len(_settled_configs(study))
+        if trial.state != _PRUNED and "duplicate_of" not in trial.user_attrs:
+            for callback in callbacks:
+                callback(record(trial, effective_batch, labels), count, budget)
+        if count >= budget:
             study.stop()
 
-    if remaining:
+    # Run until the study has settled its budget. With nothing left to claim while other workers still run
+    # trials, wait for them: a trial whose worker died goes stale and is queued again, for this worker to run.
+    deadline = None if timeout is None else time.monotonic() + timeout
+    after_round = -1
+    while True:
+        count = len(_settled_configs(study))
+        left = None if deadline is None else deadline - time.monotonic()
+        if count >= budget or (left is not None and left <= 0):
+            break
+        trials = study.get_trials(deepcopy=False)
+        if after_round >= 0 and not any(t.state == _WAITING for t in trials):
+            holders = {number for _, number in claims.rows().values()}
+            if _heartbeats(opened) and any(t.state == _RUNNING and t.number in holders for t in trials):
+                time.sleep(POLL_SECONDS if left is None else min(POLL_SECONDS, left))
+                optuna.storages.fail_stale_trials(study)
+                continue
+            if count == after_round:  # the sampler has nothing new to offer, and no other worker is running
+                break
         # Proposals of an already measured point cost nothing and don't count; the cap only bounds the loop.
         study.optimize(
-            objective, n_trials=4 * remaining + 16, timeout=timeout, catch=(TrialFailed,), callbacks=[report]
+            objective, n_trials=4 * (budget - count) + 16, timeout=left, catch=(TrialFailed,), callbacks=[report]
         )
+        after_round = len(_settled_configs(study))
 
     records = sorted(
         (
             record(t, effective_batch, labels)
             for t in study.get_trials(deepcopy=False)
-            if "duplicate_of" not in t.user_attrs and t.state != optuna.trial.TrialState.WAITING
+            if "duplicate_of" not in t.user_attrs and t.state not in (_WAITING, _PRUNED)
         ),
         key=lambda r: (r.throughput is None, -(r.throughput or 0.0), r.number),
     )
@@ -301,7 +364,7 @@ def tune(
         copies = jax.tree.map(jnp.array, params)
         state_copy = () if state is None else (jax.tree.map(jnp.array, state),)
         jax.block_until_ready(update_fn(copies, update_fn.init(copies), full_batch, *state_copy))
-    new = len(settled) - resumed
+    new = len(_settled_configs(study)) - resumed
     if resumed:
         message = (
             f"resumed: {resumed} trials from earlier runs, {new} new (study {name}; pass fresh=True to start over)"

@@ -16,6 +16,10 @@ from typing import Any, NoReturn
 import optuna
 
 STORAGE_ATTEMPTS = 5
+HEARTBEAT_INTERVAL = 30
+"""Seconds between a running trial's heartbeats in an RDB storage."""
+GRACE_PERIOD = 90
+"""Seconds without a heartbeat after which a running trial's worker is taken for dead and the trial re-queued."""
 
 
 def default_storage() -> str:
@@ -31,17 +35,25 @@ def default_storage() -> str:
 def raise_unopenable(url: str) -> NoReturn:
     """Re-raises the error being handled as a ``ValueError`` that names ``storage`` and the fix."""
     e = sys.exc_info()[1]
+    missing = isinstance(e, ImportError)  # the database's driver: name the extra that installs PostgreSQL's
+    driver = ' (no driver for it; PostgreSQL: pip install "autoaccum[postgres]")' if missing else ""
     raise ValueError(
-        f"`storage`={url!r} cannot be opened ({type(e).__name__}: {str(e).splitlines()[0]}); pass an RDB URL "
-        "such as 'sqlite:///studies.db' or 'postgresql://user@host/db', or ':memory:'."
+        f"`storage`={url!r} cannot be opened ({type(e).__name__}: {str(e).splitlines()[0]}){driver}; pass an RDB "
+        "URL such as 'sqlite:///studies.db' or 'postgresql+psycopg://user@host/db', or ':memory:'."
     ) from e
 
 
-def open_storage(storage: str | optuna.storages.BaseStorage | None) -> tuple[optuna.storages.BaseStorage, str]:
+def open_storage(
+    storage: str | optuna.storages.BaseStorage | None,
+    *,
+    heartbeat_interval: int = HEARTBEAT_INTERVAL,
+    grace_period: int = GRACE_PERIOD,
+) -> tuple[optuna.storages.BaseStorage, str]:
     """Opens ``storage`` before any trial runs; ``ValueError`` naming it when it cannot be opened.
 
-    An RDB storage gets heartbeats: a trial whose worker died is re-queued once by Optuna's
-    ``RetryHeartbeatStaleTrialCallback``.
+    An RDB storage gets heartbeats every ``heartbeat_interval`` seconds: a trial whose worker died (no
+    heartbeat for ``grace_period`` seconds) is re-queued once by Optuna's ``RetryHeartbeatStaleTrialCallback``.
+    A storage object is used as it is.
     """
     if isinstance(storage, optuna.storages.BaseStorage):
         return storage, type(storage).__name__
@@ -61,8 +73,8 @@ def open_storage(storage: str | optuna.storages.BaseStorage | None) -> tuple[opt
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 opened = optuna.storages.RDBStorage(
                     url,
-                    heartbeat_interval=30,
-                    grace_period=90,
+                    heartbeat_interval=heartbeat_interval,
+                    grace_period=grace_period,
                     heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
                 )
             break
