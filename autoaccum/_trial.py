@@ -245,8 +245,8 @@ def compile_trial(job: Job, size: int, device: Any) -> Compiled:
         init = jax.jit(update.init)
         init.lower(params_s).compile()  # the jit keeps it: the call in run_trial does not compile again
         out = {} if job.mesh is None else {"out_shardings": batch_sharding}
-        resize = jax.jit(functools.partial(resize_batch, size=size), **out).lower(abstract(device_copy(job.batch)))
-        resize = resize.compile()
+        resized = jax.jit(functools.partial(resize_batch, size=size), **out)
+        resize = resized.lower(abstract(device_copy(job.batch))).compile()
         for program in job.programs(update, size):
             program.lowered.compile()  # likewise kept by the strategy's jitted functions
     return Compiled(job, size, device, update, make_params, init, resize, time.perf_counter() - start)
