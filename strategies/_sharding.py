@@ -251,6 +251,9 @@ def combine_state(stacked: PyTree) -> PyTree:
     def one(x: jax.Array) -> jax.Array:
         if jnp.issubdtype(x.dtype, jnp.floating):
             return jnp.mean(x, axis=0, dtype=x.dtype)
+        sharding = jax.typeof(x).sharding
+        if sharding.spec and sharding.spec[0] is not None:  # Explicit mesh axes: slicing a sharded axis raises
+            x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, P0))
         return x[0]
 
     return jax.tree.map(one, stacked)

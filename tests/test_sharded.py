@@ -185,8 +185,9 @@ def test_stream_on_a_mesh_equals_the_full_batch_step() -> None:
     np.testing.assert_allclose(loss, want_loss, atol=ATOL)
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=lambda t: t.name)
 @pytest.mark.parametrize("strategy_name", ["scan", "loop"])
-def test_state_is_threaded_per_device_and_combined_after_the_loop(strategy_name: str) -> None:
+def test_state_is_threaded_per_device_and_combined_after_the_loop(strategy_name: str, axis_type: AxisType) -> None:
     """Each device threads its own state through its microbatches; floats are averaged, integers kept."""
     params, batch = mlp(seed=4)
 
@@ -194,7 +195,7 @@ def test_state_is_threaded_per_device_and_combined_after_the_loop(strategy_name:
         count, running = state
         return loss_fn(params, batch), (count + 1, 0.5 * running + jnp.mean(batch["x"]))
 
-    mesh = mesh_of(AxisType.Auto)
+    mesh = mesh_of(axis_type)
     update = autoaccum.build_update(
         stateful, optax.sgd(0.1), microbatch_size=16, strategy=strategy_name, has_state=True
     )
