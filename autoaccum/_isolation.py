@@ -44,7 +44,7 @@ OOM_MARKERS = (
 )  # fmt: skip
 """Text in a dead child's output that says it died of a failed allocation. The last: on a CPU mesh (every
 device a thread of the capped child), a device whose allocation failed never reaches the step's collective,
-and XLA aborts the others when they have waited for it (40 s)."""
+and XLA aborts the others when they have waited for it (`_CPU_COLLECTIVE_TIMEOUT`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +106,11 @@ _CPU_MALLOC = {
 }
 
 
+_CPU_COLLECTIVE_TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=10"
+"""On a CPU mesh, a device whose allocation failed under the cap never reaches the step's collective; the
+others give up after this long (XLA's default: 40 s) and the trial counts as out of memory (`OOM_MARKERS`)."""
+
+
 def child_env(
     info: DeviceInfo, limit: int, env: Mapping[str, str] | None = None, *, devices: int = 1
 ) -> dict[str, str]:
@@ -139,6 +144,9 @@ def child_env(
     elif info.platform == "cpu":
         for name, value in _CPU_MALLOC.items():
             out.setdefault(name, value)
+        flags = out.get("XLA_FLAGS", "")
+        if devices > 1 and _CPU_COLLECTIVE_TIMEOUT.split("=")[0] not in flags:
+            out["XLA_FLAGS"] = f"{flags} {_CPU_COLLECTIVE_TIMEOUT}".strip()
     return out
 
 

@@ -271,3 +271,21 @@ def test_estimate_on_a_mesh_answers_per_device_in_multiples_of_the_shards() -> N
     param_bytes = (256 * 512 + 512) * 4
     saved = replicated.bytes_at(64) - fsdp.bytes_at(64)
     assert saved == pytest.approx(4 * param_bytes * 7 / 8, rel=0.15), (saved, param_bytes)
+
+
+def test_probe_on_a_mesh_runs_the_sharded_step_in_children_that_see_the_mesh() -> None:
+    """Trial sizes are global multiples of the shards; the peak is per device: an eighth of the batch's
+    activations each, so well under the single-device step's peak at the same microbatch."""
+    mesh = mesh_of(AxisType.Explicit)
+    params = {"w1": jnp.zeros((64, 1024)), "w2": jnp.zeros((1024,))}
+    batch = {"x": jnp.zeros((64, 64)), "y": jnp.zeros((64,))}
+    kwargs = {"optimizer": optax.sgd(0.1), "memory_limit": "256MiB", "max_microbatch": 1024, "granularity": 3}
+    sharded = autoaccum.probe(loss_fn, place(params, mesh, P()), place(batch, mesh, P("data")), **kwargs)
+    single = autoaccum.probe(loss_fn, params, batch, **kwargs)
+    assert sharded.granularity == 24 and single.granularity == 3  # lcm(3, 8 shards)
+    assert sharded.max_microbatch == 1008 and single.max_microbatch == 1023  # both reach max_microbatch
+    assert all(t.microbatch_size % 24 == 0 for t in sharded.trials)
+    mesh_peak, single_peak = sharded.trials[-1].peak_bytes, single.trials[-1].peak_bytes
+    assert mesh_peak is not None and single_peak is not None
+    # The activations: 1008 x 1024 floats (4 MiB) on one device, 126 x 1024 on each of 8.
+    assert single_peak - mesh_peak > 2 * 2**20, (single_peak, mesh_peak)
