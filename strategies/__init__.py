@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 from autoaccum.strategies._base import (
+    SCHEDULES,
     Accum,
     LossReduction,
     OutDtypes,
@@ -101,6 +102,7 @@ for _cls in (Scan, Loop, MultiSteps):
 del _cls
 
 __all__ = [
+    "SCHEDULES",
     "Accum",
     "Layout",
     "Loop",

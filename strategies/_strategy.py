@@ -36,10 +36,12 @@ class Strategy(abc.ABC):
       name: the registry key (``strategies.available()``).
       options: tunable options and the values worth trying, e.g. ``{"unroll": (1, 2)}``; the first value is
         the default.
+      runs_on_mesh: whether it runs on a batch sharded over a mesh (the tuner leaves it out there if not).
     """
 
     name: ClassVar[str]
     options: ClassVar[Mapping[str, Sequence[Any]]] = {}
+    runs_on_mesh: ClassVar[bool] = True
 
     def __init__(self, spec: Spec, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.options))

@@ -37,6 +37,7 @@ class MultiSteps(Strategy):
     """
 
     name = "multisteps"
+    runs_on_mesh = False
 
     def __init__(self, spec: Spec, **options: Any) -> None:
         super().__init__(spec, **options)

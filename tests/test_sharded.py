@@ -289,3 +289,28 @@ def test_probe_on_a_mesh_runs_the_sharded_step_in_children_that_see_the_mesh() -
     assert mesh_peak is not None and single_peak is not None
     # The activations: 1008 x 1024 floats (4 MiB) on one device, 126 x 1024 on each of 8.
     assert single_peak - mesh_peak > 2 * 2**20, (single_peak, mesh_peak)
+
+
+def test_tune_on_a_mesh_searches_global_multiples_of_the_shards_and_the_fsdp_schedules() -> None:
+    mesh = mesh_of(AxisType.Explicit)
+    params, batch = mlp(seed=5)
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, FSDP)
+    result = autoaccum.tune(
+        loss_fn, sharded, place(batch, mesh, P("data")), optimizer=optax.adam(1e-2), memory_limit="256MiB",
+        effective_batch=128, max_microbatch=64, strategies=["loop"], n_trials=6, storage=":memory:", seed=0,
+    )  # fmt: skip
+    assert {t.microbatch_size for t in result.trials} <= {8, 16, 32, 64}
+    assert any(t.options["gather_params"] == "per_microbatch" for t in result.trials)
+    # The plan's knobs build the same update again; its step on the mesh equals the single-device one.
+    update = result.plan.build(loss_fn, optax.adam(1e-2))
+    assert (update.accumulation.spec.gather_params, update.accumulation.spec.reduce_grads) == (
+        result.plan.options["gather_params"],
+        result.plan.options["reduce_grads"],
+    )
+    full = {k: jnp.concatenate([v, v]) for k, v in batch.items()}  # 128 examples
+    want, _ = reference(params, full, optax.adam(1e-2))
+    got, _, _ = update(sharded, update.init(sharded), place(full, mesh, P("data")))
+    assert_trees_close(jax.device_get(got), want, atol=ATOL)
+    with pytest.raises(ValueError, match=r"`strategies` \['multisteps'\] do not run on a mesh"):
+        autoaccum.tune(loss_fn, sharded, place(batch, mesh, P("data")), optimizer=optax.sgd(0.1),
+                       strategies=["multisteps"], max_microbatch=8, storage=":memory:")  # fmt: skip

@@ -26,7 +26,7 @@ from autoaccum._tune.timing import Timing, TrialFailed, time_update
 from autoaccum._units import parse_bytes
 from autoaccum._update import Update, build_update
 from autoaccum._version import __version__
-from autoaccum.strategies import PyTree, check_params, leading_size
+from autoaccum.strategies import PyTree, check_params, layout_of, leading_size
 from autoaccum.strategies import available as available_strategies
 from autoaccum.strategies import get as get_strategy
 
@@ -157,6 +157,18 @@ def tune(
         raise ValueError(f"`strategies` is empty; choose from {', '.join(available_strategies())}.")
     for name in names:
         get_strategy(name)
+    layout = layout_of(params, batch, () if state is None else state)
+    shards = 1 if layout is None else layout.shards
+    if layout is not None:  # on a mesh: global microbatch sizes, multiples of the shards; mesh strategies only
+        if effective_batch % shards:
+            raise ValueError(
+                f"`effective_batch`={effective_batch} is not a multiple of the {shards} shards the batch is split "
+                f"into over mesh axes {layout.batch_axes}; use a multiple of {shards}."
+            )
+        off = [n for n in names if not get_strategy(n).runs_on_mesh]
+        if strategies is not None and off:
+            raise ValueError(f"`strategies` {off} do not run on a mesh (the batch is sharded); leave them out.")
+        names = [n for n in names if n not in off]
     if timeout is not None and not timeout > 0:
         raise ValueError(f"`timeout` must be a positive number of seconds, got timeout={timeout!r}.")
     limit_bytes = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
@@ -189,8 +201,8 @@ def tune(
                 f"({probed.memory_limit_bytes} bytes); reduce the model or raise `memory_limit`."
             )
 
-    labels = variants(names)
-    sizes = microbatch_candidates(effective_batch, max_microbatch)
+    labels = variants(names, fsdp=layout is not None and layout.sharded_params)
+    sizes = [m for m in microbatch_candidates(effective_batch, max_microbatch) if m % shards == 0]
     space: dict[str, list[Any]] = {"microbatch_size": sizes, "strategy": list(labels)}
     grid_points = len(sizes) * len(labels)
     plain = build_update(loss_fn, optimizer, microbatch_size=effective_batch, strategy=names[0], **loss_kw)
@@ -252,7 +264,12 @@ def tune(
         for label in list(labels)[:wanted]:  # warm start: on most devices the largest fitting microbatch is fastest
             study.enqueue_trial({"microbatch_size": max(sizes), "strategy": label})
 
-    full_batch = batch if effective_batch == batch_size else resize_batch(batch, effective_batch)
+    full_batch = batch
+    if effective_batch != batch_size and layout is None:
+        full_batch = resize_batch(batch, effective_batch)
+    elif effective_batch != batch_size:  # on a mesh: resized on the host, then laid out as given
+        resized = resize_batch(jax.device_get(batch), effective_batch)
+        full_batch = jax.tree.map(lambda r, x: jax.device_put(r, x.sharding), resized, batch)
     timer = measure or functools.partial(time_update, time_limit=trial_timeout)
     with_state: dict[str, Any] = {} if state is None else {"state": state}
     best: dict[str, Any] = {}

@@ -6,23 +6,30 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from autoaccum.strategies import SCHEDULES
 from autoaccum.strategies import get as get_strategy
 
 
-def variants(names: Sequence[str]) -> dict[str, tuple[str, dict[str, Any]]]:
-    """``{label: (strategy, options)}`` for every strategy and combination of its options.
+def variants(names: Sequence[str], *, fsdp: bool = False) -> dict[str, tuple[str, dict[str, Any]]]:
+    """``{label: (strategy, options)}`` for every strategy and combination of its options; with ``fsdp``
+    (parameters sharded over the batch's mesh axes) also every schedule of gathering the parameters and
+    reducing the gradients (`autoaccum.build_update`'s ``gather_params`` and ``reduce_grads``).
 
     Example:
       >>> list(variants(["scan", "loop"]))
       ['scan', 'scan:unroll=2', 'loop']
+      >>> list(variants(["loop"], fsdp=True))[1]
+      'loop:reduce_grads=per_microbatch'
     """
     out: dict[str, tuple[str, dict[str, Any]]] = {}
+    knobs = {k: SCHEDULES for k in ("gather_params", "reduce_grads")} if fsdp else {}
     for name in names:
         cls = get_strategy(name)
-        keys = list(cls.options)
-        for values in itertools.product(*(cls.options[k] for k in keys)):
+        choices = {**cls.options, **knobs}
+        keys = list(choices)
+        for values in itertools.product(*(choices[k] for k in keys)):
             options = dict(zip(keys, values, strict=True))
-            changed = [f"{k}={v}" for k, v in options.items() if v != cls.options[k][0]]
+            changed = [f"{k}={v}" for k, v in options.items() if v != choices[k][0]]
             out[":".join([name, *changed])] = (name, options)
     return out
 
