@@ -85,6 +85,7 @@ class Capacity(JsonMixin):
       bound: whether that estimate is compute- or memory-bound (``None`` with ``step_seconds``).
       flops, bytes_accessed: the update's predicted FLOPs and bytes moved (cost analysis).
       compiler: which compiler's memory analysis answered (e.g. ``"XLA:CPU (proxy)"``).
+      devices: the devices the batch is sharded over (microbatch sizes are global, bytes per device).
     """
 
     target: str
@@ -101,6 +102,7 @@ class Capacity(JsonMixin):
     flops: float
     bytes_accessed: float
     compiler: str = ""
+    devices: int = 1
 
     json_format = "autoaccum.capacity/1"
 
@@ -165,7 +167,9 @@ def capacity(
     largest = model.largest_microbatch(resolved.memory_limit_bytes, total, runtime=runtime)
     if largest >= 1:
         steps = -(-total // largest)
-        microbatch = -(-total // steps)  # as many steps, microbatches as even as can be
+        g = getattr(model, "shards", 1)  # on a mesh, global sizes in multiples of the shards
+        even = -(-total // steps)  # as many steps, microbatches as even as can be
+        microbatch = -(-even // g) * g
         if model.bytes_at(microbatch, total, runtime=runtime) > resolved.memory_limit_bytes:  # its last one costs more
             microbatch = largest
     else:
@@ -192,4 +196,5 @@ def capacity(
         flops=flops,
         bytes_accessed=moved,
         compiler=compiler,
+        devices=cost.devices,
     )

@@ -74,6 +74,8 @@ class Accelerator:
       bandwidth: peak memory bandwidth, bytes/s.
       source: where the figures come from (document name and URL).
       aliases: other names it is known by (matched after normalising case and punctuation).
+      interconnect: the device-to-device bandwidth, bytes/s, both directions together as datasheets print it
+        (NVLink, TPU ICI; PCIe for cards without NVLink); gradients are reduced over it on several devices.
     """
 
     name: str
@@ -84,6 +86,7 @@ class Accelerator:
     bandwidth: float
     source: str
     aliases: tuple[str, ...] = ()
+    interconnect: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("memory_bytes", "bf16_flops", "bandwidth"):
@@ -150,6 +153,7 @@ ACCELERATORS: tuple[Accelerator, ...] = (
         "NVIDIA T4 Tensor Core GPU datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions/"
         "Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf (no bf16: the fp16 tensor rate is used)",
         ("tesla-t4", "t4-16gb"),
+        interconnect=32 * GIGA,  # PCIe Gen3 x16: 32 GB/s (T4 datasheet)
     ),
     # NVIDIA L4 Tensor Core GPU datasheet: 24 GB GDDR6, 300 GB/s, 30.3 TFLOPS FP32,
     # 242 TFLOPS BF16 "with sparsity" -> 121 dense.
@@ -158,6 +162,7 @@ ACCELERATORS: tuple[Accelerator, ...] = (
         "NVIDIA L4 Tensor Core GPU datasheet, https://resources.nvidia.com/en-us-data-center-overview/"
         "l4-gpu-datasheet",
         ("l4-24gb",),
+        interconnect=64 * GIGA,  # PCIe Gen4 x16: 64 GB/s (L4 datasheet)
     ),
     # NVIDIA A10 Tensor Core GPU datasheet: 24 GB GDDR6, 600 GB/s, 31.2 TFLOPS FP32,
     # BF16 125 | 250 TFLOPS (dense | sparse).
@@ -166,6 +171,7 @@ ACCELERATORS: tuple[Accelerator, ...] = (
         "NVIDIA A10 Tensor Core GPU datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions/"
         "Data-Center/a10/pdf/a10-datasheet.pdf",
         ("a10-24gb", "a10g"),
+        interconnect=64 * GIGA,  # PCIe Gen4: 64 GB/s (A10 datasheet)
     ),
     # NVIDIA Ada GPU Architecture whitepaper v2.1, Appendix A, GeForce RTX 4090: 24 GB GDDR6X,
     # 1008 GB/s, 82.6 TFLOPS FP32, 165.2 TFLOPS BF16 tensor with FP32 accumulate (330.4 with sparsity).
@@ -174,26 +180,31 @@ ACCELERATORS: tuple[Accelerator, ...] = (
         "NVIDIA Ada GPU Architecture whitepaper v2.1, Appendix A, https://images.nvidia.com/aem-dam/"
         "Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf",
         ("4090", "geforce-rtx-4090"),
+        interconnect=64 * GIGA,  # no NVLink; PCIe 4.0 x16: 64 GB/s both directions (PCI-SIG PCIe 4.0)
     ),
     # NVIDIA A100 datasheet: 40 GB HBM2 at 1,555 GB/s; 80 GB HBM2e at 2,039 GB/s (SXM; PCIe 1,935 GB/s);
     # 19.5 TFLOPS FP32; BF16 312 | 624 TFLOPS (dense | sparse).
     Accelerator(
         "A100-40GB", Platform.GPU, 40 * GiB, 312 * TERA, 19.5 * TERA, 1555 * GIGA, _NVIDIA_A100,
         ("a100", "a100-sxm4-40gb", "a100-pcie-40gb"),
+        interconnect=600 * GIGA,  # NVLink: 600 GB/s (A100 datasheet, SXM)
     ),
     Accelerator(
         "A100-80GB", Platform.GPU, 80 * GiB, 312 * TERA, 19.5 * TERA, 2039 * GIGA, _NVIDIA_A100,
         ("a100-sxm4-80gb",),
+        interconnect=600 * GIGA,  # NVLink: 600 GB/s (A100 datasheet, SXM)
     ),
     # NVIDIA H100 datasheet, H100 SXM: 80 GB HBM3, 3.35 TB/s, 67 TFLOPS FP32,
     # BF16 1,979 TFLOPS "with sparsity" -> 989.5 dense. H100 PCIe: 80 GB, 2 TB/s, 51 TFLOPS FP32, 1,513 -> 756.5.
     Accelerator(
         "H100-80GB", Platform.GPU, 80 * GiB, 989.5 * TERA, 67 * TERA, 3350 * GIGA, _NVIDIA_H100,
         ("h100", "h100-sxm", "h100-sxm5-80gb", "h100-80gb-hbm3"),
+        interconnect=900 * GIGA,  # NVLink: 900 GB/s (H100 datasheet, SXM)
     ),
     Accelerator(
         "H100-PCIe", Platform.GPU, 80 * GiB, 756.5 * TERA, 51 * TERA, 2000 * GIGA, _NVIDIA_H100,
         ("h100-pcie-80gb",),
+        interconnect=600 * GIGA,  # NVLink bridge: 600 GB/s (H100 datasheet, PCIe)
     ),
     # NVIDIA H200 Tensor Core GPU product page / datasheet, H200 SXM: 141 GB HBM3e, 4.8 TB/s,
     # 67 TFLOPS FP32, BF16 1,979 TFLOPS "with sparsity" -> 989.5 dense.
@@ -201,30 +212,35 @@ ACCELERATORS: tuple[Accelerator, ...] = (
         "H200", Platform.GPU, 141 * GiB, 989.5 * TERA, 67 * TERA, 4800 * GIGA,
         "NVIDIA H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/",
         ("h200-141gb", "h200-sxm"),
+        interconnect=900 * GIGA,  # NVLink: 900 GB/s (H200 datasheet, SXM)
     ),
     # Google Cloud TPU documentation, "TPU v4": per chip 275 TFLOPS bf16, 32 GiB HBM2 at 1,200 GB/s.
     Accelerator(
         "TPU-v4", Platform.TPU, 32 * GiB, 275 * TERA, None, 1200 * GIGA,
         "Google Cloud TPU documentation, TPU v4, https://cloud.google.com/tpu/docs/v4",
         ("v4",),
+        interconnect=300 * GIGA,  # ICI: 2,400 Gbps per chip (TPU v4 documentation)
     ),
     # "TPU v5e": per chip 197 TFLOPS bf16, 16 GB HBM2 at 819 GB/s.
     Accelerator(
         "TPU-v5e", Platform.TPU, 16 * GiB, 197 * TERA, None, 819 * GIGA,
         "Google Cloud TPU documentation, TPU v5e, https://cloud.google.com/tpu/docs/v5e",
         ("v5e", "v5-lite", "v5litepod"),
+        interconnect=200 * GIGA,  # ICI: 1,600 Gbps per chip (TPU v5e documentation)
     ),
     # "TPU v5p": per chip 459 TFLOPS bf16, 95 GB HBM2e at 2,765 GB/s.
     Accelerator(
         "TPU-v5p", Platform.TPU, 95 * GiB, 459 * TERA, None, 2765 * GIGA,
         "Google Cloud TPU documentation, TPU v5p, https://cloud.google.com/tpu/docs/v5p",
         ("v5p",),
+        interconnect=600 * GIGA,  # ICI: 4,800 Gbps per chip (TPU v5p documentation)
     ),
     # "TPU v6e" (Trillium): per chip 918 TFLOPS bf16, 32 GB HBM at 1,640 GB/s.
     Accelerator(
         "TPU-v6e", Platform.TPU, 32 * GiB, 918 * TERA, None, 1640 * GIGA,
         "Google Cloud TPU documentation, TPU v6e, https://cloud.google.com/tpu/docs/v6e",
         ("v6e", "trillium"),
+        interconnect=400 * GIGA,  # ICI: 3,200 Gbps per chip (TPU v6e documentation)
     ),
 )  # fmt: skip
 

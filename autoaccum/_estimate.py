@@ -737,6 +737,8 @@ def estimate(
                     optimizer_flops=opt.flops,
                     optimizer_bytes_accessed=opt.bytes_accessed,
                     compute_dtype=_compute_dtype(measurer.params),
+                    devices=g,
+                    reduction_bytes=float(sum(x.size for x in jax.tree.leaves(params)) * 4) if g > 1 else 0.0,
                 ),
                 microbatch_cap=cap,
                 platform=jax.default_backend(),

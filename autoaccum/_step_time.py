@@ -1,8 +1,9 @@
 """The step-time model: a roofline estimate of one update from XLA's cost analysis (never a measurement).
 
 Each microbatch costs ``max(flops / peak FLOP/s, bytes accessed / bandwidth)`` on an accelerator's datasheet
-figures, and the optimizer step the same on its own figures. Real steps rarely reach a roofline: read the
-result as a lower bound.
+figures, and the optimizer step the same on its own figures. On several devices (figures per device) the
+update's one gradient reduction adds its bytes over the interconnect (`StepCost.reduction_seconds`). Real
+steps rarely reach a roofline: read the result as a lower bound.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class Bound(enum.Enum):
 
     COMPUTE = "compute"
     MEMORY = "memory"
+    INTERCONNECT = "interconnect"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,9 @@ class StepCost(JsonMixin):
       bytes_accessed_fixed, bytes_accessed_per_example: bytes moved by it, likewise.
       optimizer_flops, optimizer_bytes_accessed: one optimizer step.
       compute_dtype: the dtype of most parameter bytes, which picks the peak FLOP/s.
+      devices: devices the batch is sharded over (every figure above is per device).
+      reduction_bytes: the gradient sums each device reduces with the others once per update (a ring
+        all-reduce, or a reduce-scatter and an all-gather, sends and receives ``2 (n - 1) / n`` of them).
     """
 
     flops_fixed: float
@@ -41,6 +46,24 @@ class StepCost(JsonMixin):
     optimizer_flops: float
     optimizer_bytes_accessed: float
     compute_dtype: str = "float32"
+    devices: int = 1
+    reduction_bytes: float = 0.0
+
+    def reduction_seconds(self, accelerator: Accelerator) -> float:
+        """The update's one gradient reduction over the interconnect (each direction at half its bandwidth);
+        0 on one device.
+
+        Example:
+          >>> cost = StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, devices=8, reduction_bytes=450e9 * 4 / 7)
+          >>> round(cost.reduction_seconds(lookup("H100")), 6)  # 2 x 7/8 x 257 GB at 450 GB/s each way
+          1.0
+        """
+        if self.devices <= 1 or self.reduction_bytes <= 0:
+            return 0.0
+        if accelerator.interconnect is None:
+            raise ValueError(f"{accelerator.name} has no interconnect bandwidth in the catalog; plan for 1 device.")
+        moved = 2 * (self.devices - 1) / self.devices * self.reduction_bytes
+        return moved / (accelerator.interconnect / 2)
 
     def microbatch(self, microbatch_size: int, accelerator: Accelerator) -> tuple[float, float, float]:
         """``(seconds, flops, bytes_accessed)`` of one microbatch's forward and backward pass."""
@@ -67,8 +90,16 @@ class StepCost(JsonMixin):
         opt_seconds = max(
             self.optimizer_flops / acc.peak_flops(self.compute_dtype), self.optimizer_bytes_accessed / acc.bandwidth
         )
-        seconds = sum(n * t for n, t, _, _ in parts) + opt_seconds
+        reduction = self.reduction_seconds(acc)
+        seconds = sum(n * t for n, t, _, _ in parts) + opt_seconds + reduction
         flops = sum(n * f for n, _, f, _ in parts) + self.optimizer_flops
         moved = sum(n * b for n, _, _, b in parts) + self.optimizer_bytes_accessed
-        memory_bound = moved / acc.bandwidth > flops / acc.peak_flops(self.compute_dtype)
-        return seconds, Bound.MEMORY if memory_bound else Bound.COMPUTE, flops, moved
+        compute, memory = flops / acc.peak_flops(self.compute_dtype), moved / acc.bandwidth
+        bound = (
+            Bound.INTERCONNECT
+            if reduction > max(compute, memory)
+            else Bound.MEMORY
+            if memory > compute
+            else Bound.COMPUTE
+        )
+        return seconds, bound, flops, moved

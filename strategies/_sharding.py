@@ -36,10 +36,22 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 
 def _vary(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
-    """Marks ``tree`` as differing across ``axes``: its gradient is then each device's own partial sum."""
-    if not axes:
-        return tree
-    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
+    """Marks ``tree`` as differing across ``axes``: its gradient is then each device's own partial sum.
+
+    Axes a value already varies over are left as they are (JAX refuses to cast them again; how a traced
+    value shows which axes it varies over differs between JAX releases, so each axis is cast on its own).
+    """
+
+    def one(x: jax.Array) -> jax.Array:
+        for axis in axes:
+            try:
+                x = jax.lax.pcast(x, (axis,), to="varying")
+            except ValueError as e:  # "Unsupported pcast from=varying, to='varying'": it varies already
+                if "from=varying" not in str(e):
+                    raise
+        return x
+
+    return jax.tree.map(one, tree)
 
 
 class OnMesh:

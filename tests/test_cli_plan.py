@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import pytest
 from click.testing import CliRunner, Result
 
@@ -107,3 +108,26 @@ def test_out_writes_a_predicted_plan_that_builds(tmp_path: Path) -> None:
     assert plan.source == "predicted" and plan.effective_batch == 1024 and plan.accumulation_steps > 1
     w = autoaccum.load_workload(CNN)
     assert plan.build(w.loss_fn, w.optimizer, params=w.params).microbatch_size == plan.microbatch_size
+
+
+def test_devices_plans_a_data_parallel_mesh_per_device() -> None:
+    """8 devices (this test process has 8 CPU devices): global microbatches in multiples of 8, memory per
+    device (each holds an eighth of the activations), the gradient reduction's bytes in the step time."""
+    import numpy as np
+
+    from autoaccum import workloads
+
+    args = (CNN, "--effective-batch", "1024", "--gpu", "L4", "--memory-limit", "64MiB", "--json")
+    one, eight = run(*args), run(*args, "--devices", "8")
+    check(one, 0)
+    check(eight, 0)
+    single, mesh = json.loads(one.stdout), json.loads(eight.stdout)
+    assert [t["devices"] for t in mesh["targets"]] == [8, 8] and single["targets"][0]["devices"] == 1
+    assert all(t["microbatch_size"] % 8 == 0 for t in mesh["targets"])
+    assert mesh["targets"][1]["max_microbatch"] > 2 * single["targets"][1]["max_microbatch"]
+    params = workloads.cnn().params  # the gradient, in float32, reduced once per update
+    assert mesh["estimate"]["cost"]["reduction_bytes"] == 4 * sum(np.size(x) for x in jax.tree.leaves(params))
+    assert mesh["estimate"]["cost"]["devices"] == 8 and mesh["estimate"]["shards"] == 8
+    odd = run(CNN, "--effective-batch", "1020", "--devices", "8")
+    check(odd, 2)
+    assert "--effective-batch 1020 is not a multiple of --devices 8" in odd.output

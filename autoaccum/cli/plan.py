@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,15 @@ NOTE = (
     metavar="SIZE",
     help="A memory limit to plan for, e.g. 24GiB, used as given (repeat the option).",
 )
+@click.option(
+    "--devices",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Plan for this many devices of each target, the batch sharded over them (data parallel): the "
+    "microbatch is global, memory per device, and the step time includes the gradient reduction over the "
+    "interconnect. Compiled for as many CPU devices.",
+)
 @click.option("--list-gpus", is_flag=True, help="List the catalogued accelerators and exit.")
 @click.option(
     "--strategy",
@@ -76,6 +86,7 @@ def plan(
     effective_batch: int | None,
     gpus: tuple[str, ...],
     memory_limits: tuple[str, ...],
+    devices: int,
     list_gpus: bool,
     strategy: str,
     mem_fraction: float | None,
@@ -120,23 +131,34 @@ def plan(
             raise click.BadParameter(str(e), param_hint="'--memory-limit'") from e
     if plot is not None:
         _require_matplotlib()
+    mesh = _mesh(devices) if devices > 1 else None  # before the workload makes arrays: JAX starts then
     w = resolve_workload(workload, demo)
     total = w.batch_size if effective_batch is None else effective_batch
+    params, batch, state = w.params, w.batch, w.state
+    if mesh is not None:
+        if total % devices:
+            raise click.BadParameter(
+                f"--effective-batch {total} is not a multiple of --devices {devices}; each device takes an equal "
+                "share of every microbatch.",
+                param_hint="'--effective-batch'",
+            )
+        params, batch, state = _on_mesh(mesh, w)
     if not targets:
         targets.append(Target("this machine", resolve_memory_limit(detect_device(), None)[0]))
+    on = f" on {devices} devices (data parallel; microbatch global, memory per device)" if devices > 1 else ""
     console.print(
-        f"[bold]workload[/] {w.name}: effective batch {total}, strategy {strategy}; compiling (not running)..."
+        f"[bold]workload[/] {w.name}: effective batch {total}, strategy {strategy}{on}; compiling (not running)..."
     )
     try:
         est = estimate(
             w.loss_fn,
-            w.params,
-            w.batch,
+            params,
+            batch,
             optimizer=w.optimizer,
             strategy=strategy,
             memory_limit=targets[0].memory_limit_bytes,
             has_aux=w.has_aux,
-            state=w.state,
+            state=state,
             loss_reduction=w.loss_reduction,
             refine_for=[t.memory_limit_bytes for t in targets],
             effective_batch=total,
@@ -161,6 +183,36 @@ def plan(
             console.print(f"plan for {plans[0].target} (predicted) saved to {out}")
     if not all(p.fits for p in plans):
         raise SystemExit(1)
+
+
+def _mesh(devices: int) -> Any:
+    """A mesh of ``devices`` CPU devices to compile the plan for (XLA's analysis is per device)."""
+    flag = "--xla_force_host_platform_device_count"
+    if flag not in os.environ.get("XLA_FLAGS", ""):  # read when JAX starts its CPU backend, which is not yet
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={devices}".strip()
+    import jax
+
+    cpus = jax.devices("cpu")
+    if len(cpus) < devices:
+        raise click.UsageError(
+            f"--devices {devices} compiles for {devices} CPU devices but JAX started with {len(cpus)}; run with "
+            f"XLA_FLAGS={flag}={devices}."
+        )
+    return jax.make_mesh((devices,), ("data",), devices=cpus[:devices], axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _on_mesh(mesh: Any, w: Any) -> tuple[Any, Any, Any]:
+    """The workload's parameters and state replicated on ``mesh``, its example batch sharded over it."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from autoaccum._batch import resize_batch
+
+    replicated, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+    n = mesh.size
+    batch = resize_batch(jax.device_get(w.batch), -(-w.batch_size // n) * n)  # a multiple of the devices
+    state = None if w.state is None else jax.device_put(w.state, replicated)
+    return jax.device_put(w.params, replicated), jax.device_put(batch, rows), state
 
 
 def _predicted_plan(w: Any, est: Any, capacity: Any) -> Any:
@@ -226,7 +278,9 @@ def _print_table(console: Any, plans: list[Any], total: int) -> None:
 
     from autoaccum._units import format_bytes
 
-    table = Table(title=f"predicted capacity for an effective batch of {total} (estimates, nothing was run)")
+    devices = plans[0].devices if plans else 1
+    per = f" on {devices} devices each (microbatch global, memory per device)" if devices > 1 else ""
+    table = Table(title=f"predicted capacity for an effective batch of {total}{per} (estimates, nothing was run)")
     columns = (
         "target",
         "memory limit",
