@@ -203,6 +203,18 @@ class OnMesh:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params)
         return jax.device_put(params, replicated)
 
+    def stacked_shapes(self, tree: PyTree) -> PyTree:
+        """``ShapeDtypeStruct`` of ``tree`` with a leading per-device axis, sharded over the batch's axes."""
+        sharding = NamedSharding(self.layout.mesh, PartitionSpec(self.layout.batch_spec()[0]))
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((self.layout.shards, *x.shape), x.dtype, sharding=sharding), tree
+        )
+
+    def stacked_zeros(self, tree: PyTree) -> PyTree:
+        """Zeros shaped like ``tree`` for each device, stacked along a leading axis (per-device sums)."""
+        shapes = self.stacked_shapes(tree)
+        return jax.tree.map(lambda s: jax.device_put(jnp.zeros(s.shape, s.dtype), s.sharding), shapes)
+
     def stack_state(self, state: PyTree) -> PyTree:
         """Each device's own copy of the state, stacked along a leading axis (threaded between host calls)."""
         specs = jax.tree.map(lambda _: P0, state)

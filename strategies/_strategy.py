@@ -36,12 +36,10 @@ class Strategy(abc.ABC):
       name: the registry key (``strategies.available()``).
       options: tunable options and the values worth trying, e.g. ``{"unroll": (1, 2)}``; the first value is
         the default.
-      runs_on_mesh: whether it runs on a batch sharded over a mesh (the tuner leaves it out there if not).
     """
 
     name: ClassVar[str]
     options: ClassVar[Mapping[str, Sequence[Any]]] = {}
-    runs_on_mesh: ClassVar[bool] = True
 
     def __init__(self, spec: Spec, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.options))
@@ -137,6 +135,11 @@ class Strategy(abc.ABC):
         if layout is not None:  # the one reduction of the devices' partial sums
             acc = self.on_mesh(layout).reduce(params, acc, dtypes)
         return apply_optimizer(self.spec, params, opt_state, acc, dtypes)
+
+    @classmethod
+    def supports(cls, layout: Layout) -> bool:
+        """Whether it runs with inputs laid out as ``layout`` (the tuner leaves it out where not)."""
+        return True
 
     def layout(self, params: PyTree, batch: PyTree, state: PyTree = ()) -> Layout | None:
         """Where the batch is sharded (`Layout`), or None on one device; checks ``microbatch_size`` against it.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -9,6 +11,7 @@ import jax.numpy as jnp
 import optax
 from autoaccum.strategies._base import (
     Accum,
+    OutDtypes,
     Program,
     PyTree,
     Spec,
@@ -16,8 +19,12 @@ from autoaccum.strategies._base import (
     finish_loss,
     take,
     tree_bytes,
+    weighted_grad,
 )
+from autoaccum.strategies._layout import Layout
+from autoaccum.strategies._sharding import expand
 from autoaccum.strategies._strategy import Strategy
+from jax.sharding import PartitionSpec
 
 
 class MultiSteps(Strategy):
@@ -37,23 +44,49 @@ class MultiSteps(Strategy):
     """
 
     name = "multisteps"
-    runs_on_mesh = False
 
     def __init__(self, spec: Spec, **options: Any) -> None:
         super().__init__(spec, **options)
         self._step = jax.jit(
             self._step_fn,
             donate_argnums=(2, *self.donate_argnums(0, 1, 5)),
-            static_argnames=("size", "k"),
+            static_argnames=("size", "k", "final", "layout"),
         )
         self._wrap = jax.jit(self._wrap_fn, donate_argnums=self.donate_argnums(0))
+        self._total = jax.jit(lambda sums: jax.tree.map(lambda x: x.sum(0), sums))  # the devices' loss sums
 
-    def _wrapped(self, k: int) -> optax.MultiSteps:
-        return optax.MultiSteps(self.spec.optimizer, every_k_schedule=k, accumulator_dtype=self.spec.accumulator_dtype)
+    def _wrapped(self, k: int, inner: optax.GradientTransformation | None = None) -> optax.MultiSteps:
+        inner = self.spec.optimizer if inner is None else inner
+        return optax.MultiSteps(inner, every_k_schedule=k, accumulator_dtype=self.spec.accumulator_dtype)
 
     def _wrap_fn(self, opt_state: PyTree, params: PyTree) -> optax.MultiStepsState:
         """A ``MultiStepsState`` around ``opt_state`` with a zero accumulator (the inner init is dead code)."""
         return self._wrapped(1).init(params)._replace(inner_opt_state=opt_state)  # the state does not depend on k
+
+    def _microbatch_step(
+        self,
+        grad: Callable[..., tuple[Accum, PyTree]],
+        params: PyTree,
+        opt_state: optax.MultiStepsState,
+        sums: Accum,
+        microbatch: PyTree,
+        state: PyTree,
+        *,
+        k: int,
+        divisor: Callable[[optax.MultiStepsState, Accum], jax.Array],
+        inner: Callable[[Accum], optax.GradientTransformation] | None = None,
+    ) -> tuple[PyTree, optax.MultiStepsState, Accum, PyTree]:
+        """One microbatch through ``MultiSteps``: its gradient times ``k`` over ``divisor`` (1 before the last
+        microbatch, the total weight at the last), the running mean divided likewise. ``inner(sums)``: the inner
+        optimizer, given the sums so far (default: the spec's)."""
+        new, state = grad(params, microbatch, state)
+        sums = add(sums, new._replace(grads=()))
+        d = divisor(opt_state, sums)
+        grads = jax.tree.map(lambda g: g * jnp.asarray(k, g.dtype) / d.astype(g.dtype), new.grads)
+        acc_grads = jax.tree.map(lambda a: a / d.astype(a.dtype), opt_state.acc_grads)
+        wrapped = self._wrapped(k, None if inner is None else inner(sums))
+        updates, opt_state = wrapped.update(grads, opt_state._replace(acc_grads=acc_grads), params)
+        return optax.apply_updates(params, updates), opt_state, sums, state
 
     def _step_fn(
         self,
@@ -66,46 +99,131 @@ class MultiSteps(Strategy):
         *,
         size: int,
         k: int,
+        final: bool = False,
+        layout: Layout | None = None,
     ) -> tuple[PyTree, optax.MultiStepsState, Accum, PyTree]:
-        new, state = self._grad(params, take(batch, start, size), state)
-        sums = add(sums, new._replace(grads=()))
-        # 1 before the last microbatch; the total weight at the last (a traced condition: one program per size).
-        divisor = jnp.where(opt_state.mini_step == k - 1, sums.weight, jnp.ones_like(sums.weight))
-        grads = jax.tree.map(lambda g: g * jnp.asarray(k, g.dtype) / divisor.astype(g.dtype), new.grads)
-        acc_grads = jax.tree.map(lambda a: a / divisor.astype(a.dtype), opt_state.acc_grads)
-        updates, opt_state = self._wrapped(k).update(grads, opt_state._replace(acc_grads=acc_grads), params)
-        return optax.apply_updates(params, updates), opt_state, sums, state
+        if layout is not None:
+            return self._mesh_step(
+                params, opt_state, sums, batch, start, state, size=size, k=k, final=final, layout=layout
+            )
+
+        def divisor(opt_state: optax.MultiStepsState, sums: Accum) -> jax.Array:  # traced: one program per size
+            return jnp.where(opt_state.mini_step == k - 1, sums.weight, jnp.ones_like(sums.weight))
+
+        return self._microbatch_step(
+            self._grad, params, opt_state, sums, take(batch, start, size), state, k=k, divisor=divisor
+        )
+
+    def _mesh_step(
+        self,
+        params: PyTree,
+        opt_state: optax.MultiStepsState,
+        sums: Accum,
+        batch: PyTree,
+        start: Any,
+        state: PyTree,
+        *,
+        size: int,
+        k: int,
+        final: bool,
+        layout: Layout,
+    ) -> tuple[PyTree, optax.MultiStepsState, Accum, PyTree]:
+        """On a mesh each device runs ``MultiSteps`` on its own rows, its accumulator holding its partial sum
+        (stacked between calls); only the last microbatch's program reduces: the accumulated gradient and the
+        total weight together, inside the inner optimizer. The others run no collective. ``MultiSteps`` runs
+        the inner optimizer at every call and keeps its result only at the last, so the inner optimizer of the
+        other programs (whose result is dropped) is the plain one."""
+        mesh = self.on_mesh(layout, host_loop=True)
+        axes, shards = layout.batch_axes, layout.shards
+        grad = weighted_grad(mesh.local_spec)
+
+        def inner(sums: Accum) -> optax.GradientTransformation:
+            """The last microbatch's inner optimizer: the update's one reduction (each device's accumulated
+            gradient and weight together), then the division by the total weight, then the optimizer."""
+
+            def update(updates: PyTree, inner_state: PyTree, params: PyTree = None) -> tuple[PyTree, PyTree]:
+                total, weight = jax.lax.psum((updates, sums.weight), axes)
+                grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), total)
+                return self.spec.optimizer.update(grads, inner_state, params)
+
+            return optax.GradientTransformation(self.spec.optimizer.init, update)
+
+        def divisor(opt_state: optax.MultiStepsState, sums: Accum) -> jax.Array:
+            return jnp.ones_like(sums.weight)  # the division happens after the reduction, in `inner`
+
+        def local(params: PyTree, opt_state: Any, sums: Accum, batch: PyTree, state: PyTree) -> tuple[Any, ...]:
+            first = functools.partial(jax.tree.map, lambda x: x[0])
+            microbatch = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start // shards, size // shards), batch)
+            opt_state = opt_state._replace(acc_grads=first(opt_state.acc_grads))
+            params, opt_state, sums, state = self._microbatch_step(
+                grad, params, opt_state, first(sums), microbatch, first(state), k=k, divisor=divisor,
+                inner=inner if final else None,
+            )  # fmt: skip
+            return params, opt_state._replace(acc_grads=expand(opt_state.acc_grads)), expand(sums), expand(state)
+
+        replicated = functools.partial(jax.tree.map, lambda _: PartitionSpec())
+        opt_specs = replicated(opt_state)._replace(acc_grads=mesh.stacked(opt_state.acc_grads))
+        in_specs = (replicated(params), opt_specs, mesh.stacked(sums), mesh.batch_specs(batch), mesh.stacked(state))
+        out_specs = (replicated(params), opt_specs, mesh.stacked(sums), mesh.stacked(state))
+        # Unchecked: MultiSteps selects between the inner optimizer's result and the old values, which JAX's
+        # replication typing cannot follow; the values it keeps are the same on every device.
+        return mesh.run(local, in_specs, out_specs, check_vma=False)(params, opt_state, sums, batch, state)
+
+    @classmethod
+    def supports(cls, layout: Layout) -> bool:
+        """Replicated parameters only: the inner optimizer sees whole parameters."""
+        return not layout.sharded_params
+
+    def _start(
+        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree
+    ) -> tuple[Layout | None, optax.MultiStepsState, Accum, PyTree, OutDtypes]:
+        layout = self.layout(params, batch, state)
+        if layout is not None and not self.supports(layout):
+            raise NotImplementedError(
+                "strategy 'multisteps' runs optax.MultiSteps, whose inner optimizer sees whole parameters; with "
+                "parameters sharded over the mesh (FSDP) use strategy='scan' or 'loop'."
+            )
+        dtypes = self.out_dtypes(params, batch, state)
+        sums = dtypes.zero_sums(self.spec.accumulator_dtype)  # the same step program for every microbatch
+        wrapped = self._wrap(opt_state, params)
+        if layout is not None:  # each device's own accumulator and sums, stacked
+            mesh = self.on_mesh(layout, host_loop=True)
+            sums, state = mesh.stacked_zeros(sums), mesh.stack_state(state)
+            wrapped = wrapped._replace(acc_grads=mesh.stacked_zeros(wrapped.acc_grads))
+        return layout, wrapped, sums, state, dtypes
 
     def __call__(
         self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
-        self._one_device(params, batch, state)
         calls = self.microbatches(batch)
-        dtypes = self.out_dtypes(params, batch, state)
-        sums = dtypes.zero_sums(self.spec.accumulator_dtype)  # the same step program for every microbatch
-        wrapped = self._wrap(opt_state, params)
-        for start, size in calls:
+        layout, wrapped, sums, state, dtypes = self._start(params, opt_state, batch, state)
+        for i, (start, size) in enumerate(calls):
+            final = layout is not None and i == len(calls) - 1
             params, wrapped, sums, state = self._step(
-                params, wrapped, sums, batch, start, state, size=size, k=len(calls)
+                params, wrapped, sums, batch, start, state, size=size, k=len(calls), final=final, layout=layout
             )
+        if layout is not None:
+            sums, state = self._total(sums), self._combine(state)
         return params, wrapped.inner_opt_state, finish_loss(self.spec, sums, dtypes), state
 
-    def _one_device(self, params: PyTree, batch: PyTree, state: PyTree) -> None:
-        if self.layout(params, batch, state) is not None:
-            raise NotImplementedError(
-                "strategy 'multisteps' runs on one device: optax.MultiSteps keeps one parameter-shaped gradient "
-                "sum, so on a mesh it would reduce the gradients across devices for every microbatch. Use "
-                "strategy='scan' or 'loop', which reduce once per update, or put the batch on one device."
-            )
-
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
-        self._one_device(params, batch, state)
         calls = self.microbatches(batch)
+        layout = self.layout(params, batch, state)
         dtypes = self.out_dtypes(params, batch, state)
         sums = jax.eval_shape(lambda: dtypes.zero_sums(self.spec.accumulator_dtype))
         wrapped = jax.eval_shape(self._wrap_fn, opt_state, params)
+        if layout is not None:
+            mesh = self.on_mesh(layout, host_loop=True)
+            sums, state = mesh.stacked_shapes(sums), jax.eval_shape(mesh.stack_state, state)
+            wrapped = wrapped._replace(acc_grads=mesh.stacked_shapes(wrapped.acc_grads))
         sizes = sorted({n for _, n in calls})
+        finals = (False, True) if layout is not None else (False,)
         steps = [
-            Program(self._step.lower(params, wrapped, sums, batch, 0, state, size=n, k=len(calls)), 0) for n in sizes
+            Program(
+                self._step.lower(params, wrapped, sums, batch, 0, state, size=n, k=len(calls), final=f, layout=layout),
+                0,
+            )
+            for n in sizes
+            for f in finals
         ]
         return [Program(self._wrap.lower(opt_state, params), tree_bytes(batch)), *steps]

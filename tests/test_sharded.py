@@ -23,7 +23,7 @@ import autoaccum
 from autoaccum._hlo import collectives
 
 ATOL = 1e-6  # float32, losses near 1: a few ulps
-MESH_STRATEGIES = ("scan", "loop", "unrolled")  # multisteps refuses a mesh (test_multisteps_refuses_a_mesh)
+FSDP_STRATEGIES = ("scan", "loop", "unrolled")  # multisteps refuses FSDP (test_multisteps_refuses_fsdp)
 
 
 def mlp(seed: int = 0, batch_size: int = 64) -> tuple[Any, Any]:
@@ -69,8 +69,8 @@ def test_equals_the_single_device_full_batch_step(strategy: str, axis_type: Axis
         sharded_params = place(params, mesh, P())
     sharded_batch = place(batch, mesh, P("data"))
     update = autoaccum.build_update(loss_fn, optimizer, microbatch_size=24, strategy=strategy)  # 24, 24, 16: uneven
-    if strategy not in MESH_STRATEGIES:
-        pytest.skip(f"{strategy} refuses a mesh (test_multisteps_refuses_a_mesh)")
+    if fsdp and strategy not in FSDP_STRATEGIES:
+        pytest.skip(f"{strategy} refuses sharded parameters (test_multisteps_refuses_fsdp)")
     got, _, loss = update(sharded_params, update.init(sharded_params), sharded_batch)
     assert_trees_close(jax.device_get(got), want, atol=ATOL)
     np.testing.assert_allclose(loss, want_loss, atol=ATOL)
@@ -240,13 +240,24 @@ def test_layouts_it_does_not_run_are_refused_with_the_fix() -> None:
         update(place(params, mesh, P()), update.init(params), sideways)
 
 
-def test_multisteps_refuses_a_mesh() -> None:
+def test_multisteps_on_a_mesh_reduces_only_in_the_last_microbatch_program() -> None:
+    params, batch = mlp(batch_size=256)
+    mesh = mesh_of(AxisType.Explicit)
+    update = autoaccum.build_update(loss_fn, optax.adam(1e-2), microbatch_size=48, strategy="multisteps")
+    wrap, *steps = program_collectives(update, place(params, mesh, P()), place(batch, mesh, P("data")))
+    # 48 and 16 rows, each as a middle and as the last microbatch's program: 4 programs.
+    middle, last = steps[0::2], steps[1::2]
+    assert wrap.total == 0 and all(c.total == 0 for c in middle), (wrap, middle)
+    assert all(c.outside == {"all-reduce": 1} and c.in_loop == 0 for c in last), last
+
+
+def test_multisteps_refuses_fsdp() -> None:
     params, batch = mlp()
     mesh = mesh_of(AxisType.Auto)
     update = autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=8, strategy="multisteps")
-    replicated = place(params, mesh, P())
+    sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, FSDP)
     with pytest.raises(NotImplementedError, match="strategy='scan' or 'loop'"):
-        update(replicated, update.init(replicated), place(batch, mesh, P("data")))
+        update(sharded, update.init(sharded), place(batch, mesh, P("data")))
 
 
 def test_bad_schedule_names_the_argument() -> None:
@@ -312,6 +323,6 @@ def test_tune_on_a_mesh_searches_global_multiples_of_the_shards_and_the_fsdp_sch
     want, _ = reference(params, full, optax.adam(1e-2))
     got, _, _ = update(sharded, update.init(sharded), place(full, mesh, P("data")))
     assert_trees_close(jax.device_get(got), want, atol=ATOL)
-    with pytest.raises(ValueError, match=r"`strategies` \['multisteps'\] do not run on a mesh"):
+    with pytest.raises(ValueError, match=r"`strategies` \['multisteps'\] do not run with these inputs on a mesh"):
         autoaccum.tune(loss_fn, sharded, place(batch, mesh, P("data")), optimizer=optax.sgd(0.1),
                        strategies=["multisteps"], max_microbatch=8, storage=":memory:")  # fmt: skip

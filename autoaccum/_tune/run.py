@@ -165,9 +165,12 @@ def tune(
                 f"`effective_batch`={effective_batch} is not a multiple of the {shards} shards the batch is split "
                 f"into over mesh axes {layout.batch_axes}; use a multiple of {shards}."
             )
-        off = [n for n in names if not get_strategy(n).runs_on_mesh]
+        off = [n for n in names if not get_strategy(n).supports(layout)]
         if strategies is not None and off:
-            raise ValueError(f"`strategies` {off} do not run on a mesh (the batch is sharded); leave them out.")
+            raise ValueError(
+                f"`strategies` {off} do not run with these inputs on a mesh (e.g. multisteps with sharded "
+                "parameters); leave them out."
+            )
         names = [n for n in names if n not in off]
     if timeout is not None and not timeout > 0:
         raise ValueError(f"`timeout` must be a positive number of seconds, got timeout={timeout!r}.")
