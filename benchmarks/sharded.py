@@ -7,7 +7,7 @@ mesh of ``--xla_force_host_platform_device_count=8`` CPU devices, set here befor
 update in ``k = B // m`` microbatches of ``m`` (global) examples, AdamW(1e-3) stepping once per update,
 ``params`` and ``opt_state`` donated:
 
-* ours: ``autoaccum.build_update(..., strategy="scan")`` and ``"loop"`` with replicated parameters (data
+* ours: ``autoaccum.build_update(..., strategy="scan")``, ``"loop"`` and ``"multisteps"`` with replicated parameters (data
   parallel); with ``--fsdp`` (the default) also both strategies with the parameters sharded over the same axis
   (every leaf whose first dimension the device count divides) under the four ``gather_params`` x
   ``reduce_grads`` schedules;
@@ -324,6 +324,14 @@ def ours(
         lowered = update.programs(state[0], state[1], batch)
         if name == "scan":
             return [Program("scan update", hlo(lowered[0].lowered.compile()), 1)]
+        if name == "multisteps":  # wrap, then per size a middle and a last microbatch's program
+            calls = update.accumulation.microbatches(batch)
+            kinds = [(size, last) for size in sorted({s for _, s in calls}) for last in (False, True)]
+            progs = [Program("wrap", hlo(lowered[0].lowered.compile()), 1)]
+            for (size, last), low in zip(kinds, lowered[1:], strict=True):
+                n = sum(s == size and (i == len(calls) - 1) == last for i, (_, s) in enumerate(calls))
+                progs.append(Program(f"{'last' if last else 'microbatch'} (m={size})", hlo(low.lowered.compile()), n))
+            return progs
         # loop: the first microbatch's program, one per distinct size of the others, then the optimizer step
         (_, first), *rest = update.accumulation.microbatches(batch)
         sizes = sorted({size for _, size in rest})
@@ -632,6 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         full_batch(params, batch, opt),
         ours("scan", params, batch, opt, m),
         ours("loop", params, batch, opt, m),
+        ours("multisteps", params, batch, opt, m),
     ]
     if args.fsdp:
         for name in ("scan", "loop"):
