@@ -7,10 +7,10 @@ mesh of ``--xla_force_host_platform_device_count=8`` CPU devices, set here befor
 update in ``k = B // m`` microbatches of ``m`` (global) examples, AdamW(1e-3) stepping once per update,
 ``params`` and ``opt_state`` donated:
 
-* ours: ``autoaccum.build_update(..., strategy="scan")``, ``"loop"`` and ``"multisteps"`` with replicated parameters (data
-  parallel); with ``--fsdp`` (the default) also both strategies with the parameters sharded over the same axis
-  (every leaf whose first dimension the device count divides) under the four ``gather_params`` x
-  ``reduce_grads`` schedules;
+* ours: ``autoaccum.build_update(..., strategy="scan")``, ``"loop"`` and ``"multisteps"`` with replicated
+  parameters (data parallel); with ``--fsdp`` (the default) also scan and loop with the parameters sharded
+  over the same axis (every leaf whose first dimension the device count divides) under the four
+  ``gather_params`` x ``reduce_grads`` schedules;
 * naive scan: one jitted ``lax.scan`` over ``batch.reshape(k, m, ...)`` (the row-major reshape of the sharded
   batch), ``jax.grad`` per microbatch, summed, then the optimizer; global view, replicated parameters, XLA's
   sharding propagation decides the rest;
