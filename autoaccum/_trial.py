@@ -132,7 +132,8 @@ class Job:
     def inputs(self, batch_size: int | None = None) -> tuple[PyTree, PyTree, PyTree | None]:
         """Abstract parameters, batch (``batch_size`` rows, default the example's) and model state, laid out
         on the mesh when there is one (``jax.ShapeDtypeStruct`` with shardings; the state as host arrays)."""
-        batch = abstract_batch(device_copy(self.batch), batch_size or leading_size(self.batch))
+        example = device_copy(self.batch)
+        batch = abstract_batch(example, batch_size or leading_size(example))
         if self.mesh is None:
             return abstract(self.params), batch, None if self.state is None else device_copy(self.state)
         params_s, batch_s, replicated = self.mesh.shardings()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import signal
+import types
 from typing import Any
 
 import jax
@@ -21,6 +22,9 @@ import autoaccum
 from autoaccum._isolation import classify_exit
 from autoaccum._probe import ProbeError, Trial, TrialRunner, prepare, search
 from autoaccum._trial import is_oom
+
+# What `measured` reads of a compiled trial when `run_trial` is replaced: one device, no mesh.
+ONE_DEVICE = types.SimpleNamespace(job=types.SimpleNamespace(devices=1, mesh=None))
 
 
 def fake_device(fixed: float, per: float, boundary: int, noise: float = 0.0, seed: int = 0, page: int = 1):  # type: ignore[no-untyped-def]
@@ -148,12 +152,12 @@ def test_an_unlabelled_xla_error_under_the_cpu_cap_counts_only_if_it_runs_withou
         return _trial.Outcome("fits")
 
     monkeypatch.setattr(_trial, "run_trial", lambda c, p: flaky(c, p, 1))
-    outcome = _trial.measured(None, "cpu", 2**30)  # type: ignore[arg-type]
+    outcome = _trial.measured(ONE_DEVICE, "cpu", 2**30)  # type: ignore[arg-type]
     assert outcome.status == "oom" and "runs without it" in (outcome.message or "") and len(calls) == 2
     calls.clear()
     monkeypatch.setattr(_trial, "run_trial", lambda c, p: flaky(c, p, 2))
     with pytest.raises(jax.errors.JaxRuntimeError, match="YNNPACK"):
-        _trial.measured(None, "cpu", 2**30)  # type: ignore[arg-type]
+        _trial.measured(ONE_DEVICE, "cpu", 2**30)  # type: ignore[arg-type]
 
 
 def test_in_process_probe_leaves_the_callers_arrays_alone() -> None:
