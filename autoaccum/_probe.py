@@ -217,7 +217,7 @@ def prepare(
     update = job.update(granularity)
     info = detect_device(device)
     limit, source = resolve_memory_limit(info, memory_limit, isolate=isolate)
-    needed = state_bytes(update, job.inputs()[0]) + (0 if state is None else tree_bytes(abstract(state)))
+    needed = state_bytes(update, job.abstract_params()) + (0 if state is None else tree_bytes(abstract(state)))
     if limit <= needed:
         raise ValueError(
             f"`memory_limit`={format_bytes(limit)} ({limit} bytes) is below what the parameters, optimizer state "

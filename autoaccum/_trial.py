@@ -129,15 +129,22 @@ class Job:
         """Devices a trial's step runs on (the mesh's, or 1)."""
         return 1 if self.mesh is None else self.mesh.size
 
+    def abstract_params(self) -> PyTree:
+        """The parameters as ``jax.ShapeDtypeStruct``, laid out on the mesh when there is one."""
+        if self.mesh is None:
+            return abstract(self.params)
+        shardings = self.mesh.shardings()[0]
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.params, shardings)
+
     def inputs(self, batch_size: int | None = None) -> tuple[PyTree, PyTree, PyTree | None]:
         """Abstract parameters, batch (``batch_size`` rows, default the example's) and model state, laid out
         on the mesh when there is one (``jax.ShapeDtypeStruct`` with shardings; the state as host arrays)."""
         example = device_copy(self.batch)
         batch = abstract_batch(example, batch_size or leading_size(example))
+        params = self.abstract_params()
         if self.mesh is None:
-            return abstract(self.params), batch, None if self.state is None else device_copy(self.state)
-        params_s, batch_s, replicated = self.mesh.shardings()
-        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.params, params_s)
+            return params, batch, None if self.state is None else device_copy(self.state)
+        _, batch_s, replicated = self.mesh.shardings()
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_s), batch)
         state = None if self.state is None else jax.device_put(device_copy(self.state), replicated)
         return params, batch, state
@@ -237,7 +244,7 @@ def compile_trial(job: Job, size: int, device: Any) -> Compiled:
     start = time.perf_counter()
     update = job.update(size)
     with on_device(job, device):
-        params_s, _, _ = job.inputs()
+        params_s = job.abstract_params()
         placed: dict[str, Any] = {}
         if job.mesh is not None:  # made where the mesh's step expects them
             shardings, batch_sharding, _ = job.mesh.shardings()

@@ -76,7 +76,7 @@ class OnMesh:
 
     def stacked(self, tree: PyTree) -> PyTree:
         """Specs for values with a leading per-device axis (one row per batch shard)."""
-        return jax.tree.map(lambda _: PartitionSpec(self.layout.batch_spec()[0]), tree)
+        return jax.tree.map(lambda _: self.layout.batch_spec(), tree)
 
     def accum_specs(self, params: PyTree, dtypes: OutDtypes, *, reduced: bool) -> Accum:
         """Specs of an `Accum`: reduced sums (grads laid out like ``params``, the rest replicated), or per-device
@@ -205,7 +205,7 @@ class OnMesh:
 
     def stacked_shapes(self, tree: PyTree) -> PyTree:
         """``ShapeDtypeStruct`` of ``tree`` with a leading per-device axis, sharded over the batch's axes."""
-        sharding = NamedSharding(self.layout.mesh, PartitionSpec(self.layout.batch_spec()[0]))
+        sharding = NamedSharding(self.layout.mesh, self.layout.batch_spec())
         return jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((self.layout.shards, *x.shape), x.dtype, sharding=sharding), tree
         )
@@ -222,7 +222,7 @@ class OnMesh:
 
     def stacked_accum(self, acc: Accum, *, stack: bool) -> Accum:
         """Adds (``stack``) or drops the leading per-device axis of partial sums (not of reduced gradients)."""
-        f = expand if stack else (lambda t: jax.tree.map(lambda x: x[0], t))
+        f = expand if stack else own_row
         grads = acc.grads if self.spec.reduce_grads == "per_microbatch" else f(acc.grads)
         return Accum(grads, *f((acc.loss, acc.aux, acc.weight)))
 
@@ -236,7 +236,7 @@ class OnMesh:
         def local(acc: Accum | None, params: PyTree, batch: PyTree, state: PyTree) -> tuple[Accum, PyTree]:
             params, _ = self.start_local(params, ())
             microbatch = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, local_start, local_size), batch)
-            new, state = self.grad_fn()(params, microbatch, jax.tree.map(lambda x: x[0], state))
+            new, state = self.grad_fn()(params, microbatch, own_row(state))
             if acc is not None:
                 new = jax.tree.map(jnp.add, self.stacked_accum(acc, stack=False), new)
             return self.stacked_accum(new, stack=True), expand(state)
@@ -267,6 +267,11 @@ P0 = PartitionSpec()
 def expand(tree: PyTree) -> PyTree:
     """A leading axis of size one: each device's row of a stacked per-device value."""
     return jax.tree.map(lambda x: x[None], tree)
+
+
+def own_row(tree: PyTree) -> PyTree:
+    """Inside ``shard_map``, a device's own value of a stacked per-device value (`expand`'s inverse)."""
+    return jax.tree.map(lambda x: x[0], tree)
 
 
 def combine_state(stacked: PyTree) -> PyTree:

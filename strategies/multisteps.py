@@ -22,7 +22,7 @@ from autoaccum.strategies._base import (
     weighted_grad,
 )
 from autoaccum.strategies._layout import Layout
-from autoaccum.strategies._sharding import expand
+from autoaccum.strategies._sharding import expand, own_row
 from autoaccum.strategies._strategy import Strategy
 from jax.sharding import PartitionSpec
 
@@ -152,11 +152,10 @@ class MultiSteps(Strategy):
             return jnp.ones_like(sums.weight)  # the division happens after the reduction, in `inner`
 
         def local(params: PyTree, opt_state: Any, sums: Accum, batch: PyTree, state: PyTree) -> tuple[Any, ...]:
-            first = functools.partial(jax.tree.map, lambda x: x[0])
             microbatch = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start // shards, size // shards), batch)
-            opt_state = opt_state._replace(acc_grads=first(opt_state.acc_grads))
+            opt_state = opt_state._replace(acc_grads=own_row(opt_state.acc_grads))
             params, opt_state, sums, state = self._microbatch_step(
-                grad, params, opt_state, first(sums), microbatch, first(state), k=k, divisor=divisor,
+                grad, params, opt_state, own_row(sums), microbatch, own_row(state), k=k, divisor=divisor,
                 inner=inner if final else None,
             )  # fmt: skip
             return params, opt_state._replace(acc_grads=expand(opt_state.acc_grads)), expand(sums), expand(state)

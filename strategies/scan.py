@@ -15,7 +15,8 @@ from autoaccum.strategies._base import (
     apply_optimizer,
     output_dtypes,
 )
-from autoaccum.strategies._sharding import Layout, OnMesh
+from autoaccum.strategies._layout import Layout
+from autoaccum.strategies._sharding import OnMesh
 from autoaccum.strategies._strategy import Strategy
 
 
