@@ -119,7 +119,8 @@ def child_env(
     On a GPU: ``CUDA_VISIBLE_DEVICES`` selects the probed card (with a mesh, every card stays visible),
     ``XLA_CLIENT_MEM_FRACTION`` = ``limit`` /
     the card's total (XLA's BFC allocator then hands out at most that), ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
-    and the default allocator (the fraction is ignored by ``platform``). On the CPU: ``JAX_PLATFORMS=cpu``
+    and the default allocator (the fraction is ignored by ``platform``), ``JAX_PLATFORMS`` naming the backend
+    (``cuda``; ``rocm`` for a ROCm device). On the CPU: ``JAX_PLATFORMS=cpu``
     and glibc malloc made predictable under the cap: ``MALLOC_ARENA_MAX=1`` (no per-thread arenas, which reserve
     address space in 64 MiB heaps), ``MALLOC_MMAP_THRESHOLD_=65536`` (every large buffer is its own mapping,
     released when freed; no dynamic threshold), ``MALLOC_TOP_PAD_=0`` and ``MALLOC_TRIM_THRESHOLD_=0``. Without
@@ -131,7 +132,10 @@ def child_env(
       'cpu'
     """
     out = dict(os.environ if env is None else env)
-    out["JAX_PLATFORMS"] = info.platform
+    # The backend's own name: "cuda" (or "rocm"), never "gpu", which jax 0.11 resolves to every GPU backend it
+    # knows and fails on the one that is not installed (seen on an H100: "Unable to initialize backend 'rocm'").
+    client = getattr(info.device, "client", None)
+    out["JAX_PLATFORMS"] = getattr(client, "platform", None) or {"gpu": "cuda"}.get(info.platform, info.platform)
     if info.platform == "gpu":
         if info.total_bytes is None:
             raise ValueError(f"cannot cap {info.name}: its total memory is unknown (no NVML, no memory_stats).")
