@@ -59,6 +59,7 @@ class Outcome(JsonMixin):
         cap was set; GPU: XLA's ``peak_bytes_in_use``); None where not measurable.
       message: the OOM or error message.
       compile_seconds: time spent compiling.
+      times: each timed step's wall time (``seconds`` is their median), when it fit.
     """
 
     status: str
@@ -67,6 +68,7 @@ class Outcome(JsonMixin):
     peak_bytes: int | None = None
     message: str | None = None
     compile_seconds: float | None = None
+    times: list[float] | None = None
 
 
 def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outcome:
@@ -228,6 +230,12 @@ class ChildRunner:
         self._dir = Path(tempfile.mkdtemp(prefix="autoaccum-"))
         (self._dir / "job.pkl").write_bytes(payload(self.job, self.device.platform, self.functions))
         return self
+
+    @property
+    def directory(self) -> Path:
+        """The temporary directory holding the payload (``job.pkl``) and the children's logs."""
+        assert self._dir is not None, "use ChildRunner as a context manager"
+        return self._dir
 
     def __exit__(self, *exc: object) -> None:
         import shutil

@@ -24,6 +24,7 @@ import errno
 import functools
 import math
 import resource
+import statistics
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -235,12 +236,15 @@ class Compiled:
     seconds: float
 
 
-def compile_trial(job: Job, size: int, device: Any) -> Compiled:
-    """Builds the update `build_update` makes for ``size`` and compiles every program a trial runs.
+def compile_trial(job: Job, size: int, device: Any, rows: int | None = None) -> Compiled:
+    """Builds the update `build_update` makes for microbatch ``size`` and compiles every program a trial runs on
+    a batch of ``rows`` examples (default ``size``: one microbatch per step, the probe's trial; a tuning trial
+    gives the effective batch).
 
     Compiling works from abstract shapes and allocates no device buffer, so the memory measured (and, on
     the CPU, capped) afterwards is the step's: parameters, optimizer state, batch and temporaries.
     """
+    rows = size if rows is None else rows
     start = time.perf_counter()
     update = job.update(size)
     with on_device(job, device):
@@ -253,19 +257,22 @@ def compile_trial(job: Job, size: int, device: Any) -> Compiled:
         init = jax.jit(update.init)
         init.lower(params_s).compile()  # the jit keeps it: the call in run_trial does not compile again
         out = {} if job.mesh is None else {"out_shardings": batch_sharding}
-        resized = jax.jit(functools.partial(resize_batch, size=size), **out)
+        resized = jax.jit(functools.partial(resize_batch, size=rows), **out)
         resize = resized.lower(abstract(device_copy(job.batch))).compile()
-        for program in job.programs(update, size):
+        for program in job.programs(update, rows):
             program.lowered.compile()  # likewise kept by the strategy's jitted functions
     return Compiled(job, size, device, update, make_params, init, resize, time.perf_counter() - start)
 
 
-def run_trial(compiled: Compiled, peak: Callable[[], int | None]) -> Outcome:
-    """Runs the compiled update step twice on a batch of ``compiled.size`` rows made on the device.
+def run_trial(compiled: Compiled, peak: Callable[[], int | None], *, steps: int = 1, warmup: int = 0) -> Outcome:
+    """Runs the compiled update step ``1 + warmup + steps`` times on a batch made on the device (the trial's
+    rows); the last ``steps`` calls are timed one by one (``Outcome.times``; ``seconds`` is their median).
 
-    Raises whatever the step raises; the callers decide which errors mean "does not fit".
+    Before each call after the first, the previous one's memory is let go (`settle`). Raises whatever the step
+    raises; the callers decide which errors mean "does not fit".
     """
     job, update, device = compiled.job, compiled.update, compiled.device
+    times = []
     with on_device(job, device):
         params = compiled.make_params()
         opt_state = compiled.init(params)
@@ -274,16 +281,19 @@ def run_trial(compiled: Compiled, peak: Callable[[], int | None]) -> Outcome:
         before = proc_status("VmSize")
         start = time.perf_counter()
         params, opt_state, loss, state = jax.block_until_ready(step(update, params, opt_state, batch, state))
-        middle = time.perf_counter()
-        settle(before)
-        resume = time.perf_counter()
-        params, opt_state, loss, state = jax.block_until_ready(step(update, params, opt_state, batch, state))
-        end = time.perf_counter()
+        first = time.perf_counter() - start
+        for i in range(warmup + steps):
+            settle(before)
+            resume = time.perf_counter()
+            params, opt_state, loss, state = jax.block_until_ready(step(update, params, opt_state, batch, state))
+            if i >= warmup:
+                times.append(time.perf_counter() - resume)
     used = peak()
     del params, opt_state, loss, batch, state
     return Outcome(
-        "fits", seconds=end - resume, first_seconds=middle - start, peak_bytes=used, compile_seconds=compiled.seconds
-    )
+        "fits", seconds=statistics.median(times), first_seconds=first, peak_bytes=used,
+        compile_seconds=compiled.seconds, times=times,
+    )  # fmt: skip
 
 
 def settle(before: int | None, timeout: float = 1.0) -> None:
@@ -328,14 +338,21 @@ def proc_status(field: str) -> int | None:
 
 
 @contextmanager
-def address_space_cap(limit: int) -> Iterator[Callable[[], int | None]]:
+def address_space_cap(limit: int, *, resident: bool = False) -> Iterator[Callable[[], int | None]]:
     """Caps this process's address space (soft ``RLIMIT_AS``) at its current size plus ``limit``.
 
     Yields a function giving the bytes used above that size at the peak (None while the peak is still the
     one from before the cap). The soft limit is restored on exit.
+
+    With ``resident``, for a process that runs many trials (`autoaccum._tune.worker`), whose address-space
+    peak only ever grows: the peak is the resident memory's (``VmHWM``, reset here through
+    ``/proc/self/clear_refs``) above the resident size at entry, what the trial really touched; None where the
+    reset is refused.
     """
     baseline = proc_status("VmSize")
     before_peak = proc_status("VmPeak")
+    if resident:
+        rss = _reset_resident_peak()
     if baseline is None:
         raise OSError(errno.ENOSYS, "the CPU memory cap needs /proc/self/status (Linux)")
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -345,6 +362,9 @@ def address_space_cap(limit: int) -> Iterator[Callable[[], int | None]]:
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
 
     def used() -> int | None:
+        if resident:
+            hwm = proc_status("VmHWM")
+            return None if rss is None or hwm is None else max(hwm - rss, 0)
         peak = proc_status("VmPeak")
         if peak is None or before_peak is None or peak <= before_peak:
             return None
@@ -354,6 +374,15 @@ def address_space_cap(limit: int) -> Iterator[Callable[[], int | None]]:
         yield used
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _reset_resident_peak() -> int | None:
+    """Resets ``VmHWM`` to the resident size now (Linux 4.0+) and returns that size; None if refused."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return proc_status("VmRSS")
 
 
 def gpu_peak(device: Any) -> Callable[[], int | None]:
@@ -376,26 +405,29 @@ def warm_up(device: Any) -> None:
     jax.block_until_ready(jax.jit(lambda x: x * 2 + 1)(jax.device_put(jnp.ones(8), device)))
 
 
-def measured(compiled: Compiled, platform: str, limit: int) -> Outcome:
+def measured(
+    compiled: Compiled, platform: str, limit: int, *, steps: int = 1, warmup: int = 0, resident: bool = False
+) -> Outcome:
     """`run_trial` under the limit (per device): the CPU's address-space cap (a GPU's allocator is capped at
     start-up).
 
     On the CPU, an XLA error that is not an OOM by its code (XLA's CPU kernels, e.g. YNNPACK's dot, report a
     failed allocation as ``INTERNAL: YNNPACK operation failed``) is checked by running the same step again
     without the cap: if it then runs, the cap made it fail, and the trial does not fit; if it fails again, the
-    error stands.
+    error stands. ``steps``, ``warmup``: as `run_trial`; ``resident``: as `address_space_cap` (a reused worker).
     """
+    run = functools.partial(run_trial, steps=steps, warmup=warmup)
     n = compiled.job.devices
     if platform != "cpu":
         if compiled.job.mesh is None:
-            return run_trial(compiled, gpu_peak(compiled.device))
+            return run(compiled, gpu_peak(compiled.device))
         peaks = [gpu_peak(d) for d in jax.devices()[:n]]  # per device: the fullest one
-        return run_trial(compiled, lambda: max((p() or 0 for p in peaks), default=0) or None)
+        return run(compiled, lambda: max((p() or 0 for p in peaks), default=0) or None)
     try:
         # A mesh's CPU devices share this process: the cap is the per-device limit times the devices, the
         # peak reported per device is the process's divided by them (data parallel: equal shares).
-        with address_space_cap(limit * n) as used:
-            return run_trial(compiled, lambda: None if (u := used()) is None else u // n)
+        with address_space_cap(limit * n, resident=resident) as used:
+            return run(compiled, lambda: None if (u := used()) is None else u // n)
     except jax.errors.JaxRuntimeError as e:
         if is_oom(e):
             raise

@@ -27,11 +27,25 @@ def test_tune_prints_table_and_saves_plan(tmp_path: Path) -> None:
         "tune", LINEAR, "--max-microbatch", "16", "--n-trials", "2", "--storage", ":memory:", "--out", str(out)
     )
     assert result.exit_code == 0, explain(result)
-    assert "trials (best first)" in result.stdout
+    assert "trials (best first" in result.stdout and "race: the finalists" in result.stdout
+    assert "measured peak" in result.stdout and "ms [" in result.stdout  # the spread: median [quartiles]
     assert "best plan" in result.stdout
     assert "autoaccum.Plan.load" in result.stdout
     plan = Plan.load(out)
     assert plan.effective_batch == 64 and plan.microbatch_size <= 16
+
+
+def test_plot_of_peak_memory_against_throughput(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    path = tmp_path / "tune.png"
+    result = run(
+        "tune", LINEAR, "--max-microbatch", "16", "--n-trials", "3", "--storage", ":memory:", "--race-rounds", "1",
+        "--memory-limit", "512MiB", "--plot", str(path),
+    )  # fmt: skip
+    assert result.exit_code == 0, explain(result)
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert (width, height) == (750, 450)
 
 
 def test_tune_json(tmp_path: Path) -> None:

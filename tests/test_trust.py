@@ -50,7 +50,9 @@ def test_changed_loss_and_optimizer_never_resume_the_old_study(tmp_path: Path, m
         return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
 
     calls: list[tuple[int, str]] = []
-    kw: dict[str, Any] = dict(max_microbatch=12, strategies=["scan", "loop"], measure=constant_measure(calls))
+    kw: dict[str, Any] = dict(
+        max_microbatch=12, strategies=["scan", "loop"], measure=constant_measure(calls), race_rounds=0
+    )
     first = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1), **kw)
     assert first.resumed_trials == 0 and first.new_trials >= len(calls) > 0  # one-step configurations: timed once
 

@@ -60,8 +60,12 @@ def test_emitted_update_equals_full_batch_step(linear: autoaccum.Workload) -> No
     )
     assert result.probe is None
     assert [r.state for r in result.trials].count("COMPLETE") == 4
-    assert result.trials[0].throughput == result.plan.throughput > 0
-    assert result.plan.microbatch_size <= 8
+    # Timed in the worker, then the best configurations raced: the plan is the race's winner, at its median.
+    winner = next(r for r in result.trials if r.number == result.race[0].trial)
+    assert result.plan.throughput == pytest.approx(24 / result.race[0].quartiles[1]) and result.plan.throughput > 0
+    assert (result.plan.microbatch_size, result.plan.strategy) == (winner.microbatch_size, winner.strategy)
+    assert result.plan.microbatch_size <= 8 and all(r.peak_bytes is not None for r in result.trials)
+    assert 0 < result.peak_bytes <= result.memory_limit_bytes
 
     loss, grads = jax.value_and_grad(linear.loss_fn)(linear.params, linear.batch)
     updates, _ = optimizer.update(grads, optimizer.init(linear.params), linear.params)
@@ -84,6 +88,7 @@ def test_small_space_is_covered_completely(linear: autoaccum.Workload) -> None:
         optimizer=linear.optimizer,
         max_microbatch=4,
         storage=":memory:",
+        race_rounds=0,
         measure=fake_measure(calls),
     )
     # sizes 1, 2, 3, 4 x 4 variants = 16 > DEFAULT_TRIALS, so pass n_trials to cover it all:
@@ -96,6 +101,7 @@ def test_small_space_is_covered_completely(linear: autoaccum.Workload) -> None:
         max_microbatch=4,
         storage=":memory:",
         n_trials=16,
+        race_rounds=0,
         measure=fake_measure(calls := []),
     )
     assert sorted(calls) == sorted(
@@ -188,7 +194,7 @@ def test_interrupted_tune_resumes_without_rerunning(linear: autoaccum.Workload, 
             raise KeyboardInterrupt  # Ctrl-C during the sixth trial
         return inner(update, params, batch)
 
-    kwargs: dict[str, Any] = dict(max_microbatch=4, n_trials=16, storage=storage, study_name="resume")
+    kwargs: dict[str, Any] = dict(max_microbatch=4, n_trials=16, storage=storage, study_name="resume", race_rounds=0)
     with pytest.raises(KeyboardInterrupt):
         tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, measure=interrupting, **kwargs)
     assert len(first) == 5
@@ -347,12 +353,46 @@ def test_one_step_configurations_are_timed_once(linear: autoaccum.Workload) -> N
     calls: list[Any] = []
     result = tune(
         linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, effective_batch=8, max_microbatch=8,
-        storage=":memory:", measure=fake_measure(calls),
+        storage=":memory:", measure=fake_measure(calls), race_rounds=0,
     )  # fmt: skip
     assert [m for m, _, _ in calls].count(8) == 1
     at_full = [r for r in result.trials if r.microbatch_size == 8]
     assert len(at_full) == len(variants(autoaccum.strategies.available()))  # every configuration is reported
     assert sum(r.same_program_as is None for r in at_full) == 1
+
+
+def test_the_finalists_race_and_a_lucky_trial_loses(linear: autoaccum.Workload) -> None:
+    """The study's best few are re-timed side by side, interleaved; a configuration whose one trial was lucky
+    (microbatch 2: 8 ms once, 10.5 ms ever after) loses to the one that is really faster (4: 10 ms)."""
+    counts: dict[int, int] = {}
+    order: list[int] = []
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        m = update.microbatch_size
+        counts[m] = counts.get(m, 0) + 1
+        order.append(m)
+        base = 0.008 if (m, counts[m]) == (2, 1) else {4: 0.010, 2: 0.0105}.get(m, 0.03)
+        times = tuple(base * (1 + 0.01 * i) for i in range(5))
+        return Timing(times[2], 0.1, 5, times)
+
+    kw: dict[str, Any] = dict(max_microbatch=4, strategies=["loop"], storage=":memory:", measure=measure)
+    unraced = tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, race_rounds=0, **kw)
+    assert unraced.plan.microbatch_size == 2 and unraced.race == ()
+    counts.clear()
+    order.clear()
+    result = tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, **kw)
+    assert result.plan.microbatch_size == 4
+    by_number = {r.number: r.microbatch_size for r in result.trials}
+    sizes = [by_number[r.trial] for r in result.race]
+    assert sizes == [4, 2, 3]  # the winner, then the others by median
+    winner, lucky, slow = result.race
+    assert winner.out_after is None and lucky.out_after is not None and slow.out_after == 1
+    assert result.plan.throughput == pytest.approx(24 / winner.quartiles[1])
+    # Interleaved: the race's first round times each finalist once, before any is timed twice.
+    assert sorted(order[4:7]) == [2, 3, 4]
+    counts.clear()
+    again = tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, **kw)
+    assert again.race == result.race  # deterministic given the timings
 
 
 def test_the_plan_records_the_accumulator_dtype_it_was_tuned_with(linear: autoaccum.Workload) -> None:

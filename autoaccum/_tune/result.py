@@ -11,6 +11,7 @@ import optuna
 from autoaccum._json import NOT_JSON, JsonMixin
 from autoaccum._plan import Plan
 from autoaccum._probe import ProbeResult
+from autoaccum._tune.race import Runner, quartiles
 from autoaccum._update import Update
 from autoaccum.strategies import PyTree
 
@@ -28,6 +29,10 @@ class TrialRecord(JsonMixin):
       reason: why it failed, if it did.
       same_program_as: the trial whose timing this one reuses: with one accumulation step every strategy runs
         the same plain step, which is timed once.
+      seconds: ``(q1, median, q3)`` of the trial's step times, in seconds (None unless it completed);
+        ``throughput`` is the effective batch over the median.
+      peak_bytes: the trial's measured peak memory per device, in the timing worker (None where not measured:
+        in this process, or on a GPU once an earlier trial's peak was higher; `autoaccum._tune.worker`).
     """
 
     number: int
@@ -40,6 +45,8 @@ class TrialRecord(JsonMixin):
     state: str
     reason: str | None = None
     same_program_as: int | None = None
+    seconds: tuple[float, float, float] | None = None
+    peak_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +55,12 @@ class TuneResult(JsonMixin):
 
     Attributes:
       plan: the best configuration, ready to `Plan.save`.
-      trials: every trial of the study (earlier runs' too when it was resumed), best first.
+      trials: every trial of the study (earlier runs' too when it was resumed), best first (as the study
+        measured them; the race may then reorder the best few).
+      race: the finalists re-timed side by side (`autoaccum._tune.race`), the winner (the plan) first; empty
+        when there was no race (one measured configuration, or ``race_rounds=0``).
+      memory_limit_bytes: the limit every trial ran under (per device).
+      peak_bytes: the plan's measured peak memory in its trial (per device; None where not measured).
       probe: the probe's result, or ``None`` when a bound was given (``max_microbatch``).
       study_name: the Optuna study (named after `fingerprint` unless given).
       storage: where the study lives (an RDB URL, or ``":memory:"``).
@@ -66,6 +78,9 @@ class TuneResult(JsonMixin):
 
     plan: Plan
     trials: tuple[TrialRecord, ...]
+    race: tuple[Runner, ...]
+    memory_limit_bytes: int | None
+    peak_bytes: int | None
     probe: ProbeResult | None
     study_name: str
     storage: str
@@ -86,6 +101,8 @@ def record(trial: optuna.trial.FrozenTrial, effective_batch: int, labels: dict[s
     """The `TrialRecord` of an Optuna trial of the space ``labels`` (`autoaccum._tune.space.variants`)."""
     m = int(trial.params.get("microbatch_size", 0))
     label = trial.params.get("strategy", "")
+    complete = trial.state == optuna.trial.TrialState.COMPLETE
+    times = trial.user_attrs.get("times")
     name, options = labels.get(label, (label, {}))
     return TrialRecord(
         number=trial.number,
@@ -98,4 +115,6 @@ def record(trial: optuna.trial.FrozenTrial, effective_batch: int, labels: dict[s
         state=trial.state.name,
         reason=trial.user_attrs.get("reason"),
         same_program_as=trial.user_attrs.get("same_program_as"),
+        seconds=quartiles(times) if complete and times else None,
+        peak_bytes=trial.user_attrs.get("peak_bytes"),
     )

@@ -17,18 +17,23 @@ import optuna
 from autoaccum._batch import abstract, abstract_batch, resize_batch
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum._plan import Plan, params_signature
-from autoaccum._probe import probe
+from autoaccum._probe import prepare, probe
 from autoaccum._tune.claims import config_key, open_claims, settled
+from autoaccum._tune.race import FINALISTS, ROUNDS, Runner, race
 from autoaccum._tune.result import TrialRecord, TuneResult, record
 from autoaccum._tune.space import microbatch_candidates, variants
 from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
 from autoaccum._tune.timing import Timing, TrialFailed, time_update
-from autoaccum._units import parse_bytes
+from autoaccum._tune.worker import Request, TimingWorker
+from autoaccum._units import format_bytes, parse_bytes
 from autoaccum._update import Update, build_update
 from autoaccum._version import __version__
 from autoaccum.strategies import PyTree, check_params, layout_of, leading_size
 from autoaccum.strategies import available as available_strategies
 from autoaccum.strategies import get as get_strategy
+
+STEPS, WARMUP = 5, 1
+"""Timed steps and warm-up steps of one trial in the worker (after the compiling call)."""
 
 DEFAULT_TRIALS = 12
 """Trials the tuner runs when ``n_trials`` is not given and the search space is larger than this."""
@@ -50,6 +55,25 @@ def _settled_configs(study: optuna.Study) -> dict[str, int]:
 def _heartbeats(storage: optuna.storages.BaseStorage) -> bool:
     """Whether a dead worker's running trial is ever noticed (an RDB storage with heartbeats)."""
     return isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval() is not None
+
+
+def _entrants(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """The study's measured configurations (each program once), fastest first: who may enter the race."""
+    done = study.get_trials(deepcopy=False, states=(_COMPLETE,))
+    distinct = [t for t in done if not ({"duplicate_of", "same_program_as"} & t.user_attrs.keys())]
+    return sorted(distinct, key=lambda t: (-float(t.value), t.number))  # type: ignore[arg-type]
+
+
+def _retime(
+    trial: optuna.trial.FrozenTrial, labels: dict[str, Any], time_config: Callable[[str, dict[str, Any], int], Timing]
+) -> tuple[float, ...] | None:
+    """A finalist's step times measured again (None if it failed this time)."""
+    strategy, options = labels[trial.params["strategy"]]
+    try:
+        timing = time_config(strategy, dict(options), int(trial.params["microbatch_size"]))
+    except TrialFailed:
+        return None
+    return timing.times or (timing.seconds_per_step,)
 
 
 def _versions() -> dict[str, str]:
@@ -84,6 +108,9 @@ def tune(
     accumulator_dtype: Any = jnp.float32,
     max_microbatch: int | None = None,
     trial_timeout: float | None = 120.0,
+    compile_timeout: float | None = 600.0,
+    isolate: bool = True,
+    race_rounds: int = ROUNDS,
     measure: Callable[[Update, PyTree, PyTree], Timing] | None = None,
     callbacks: Sequence[Callable[[TrialRecord, int, int], None]] = (),
 ) -> TuneResult:
@@ -128,10 +155,18 @@ def tune(
         `autoaccum.build_update`.
       accumulator_dtype: the dtype gradients accumulate in, as for `autoaccum.build_update` (recorded in the plan).
       max_microbatch: skip the probe and use this bound instead.
-      trial_timeout: seconds a trial may take (its compile included) before it is recorded as failed.
-      measure: how a configuration is timed, ``measure(update, params, batch) -> Timing`` (with ``state``
-        given: ``measure(update, params, batch, state=state)``); default
-        `autoaccum._tune.timing.time_update` (tests inject a deterministic one).
+      trial_timeout: seconds a trial's steps (warm-up and timed) may take before the trial is recorded as failed
+        (a hang: the worker is killed and restarted).
+      compile_timeout: seconds a trial's compiling may take, likewise.
+      isolate: time each configuration in a worker process under the probe's memory limit (the default; see
+        `autoaccum._tune.worker`): an out-of-memory, a crash or a hang is recorded as the trial's failure, the
+        worker restarts, and the caller's process never runs a trial. ``False``: time in this process, with no
+        cap (faster to start; a trial that does not fit fails here).
+      race_rounds: rounds of re-timing the study's best configurations side by side before the pick
+        (`autoaccum._tune.race`; 0: pick the study's best as measured).
+      measure: how a configuration is timed in this process, ``measure(update, params, batch) -> Timing``
+        (with ``state`` given: ``measure(update, params, batch, state=state)``), instead of the worker (tests
+        inject a deterministic one); with ``isolate=False`` the default is `autoaccum._tune.timing.time_update`.
       callbacks: called as ``callback(record, done, total)`` after each trial: its `TrialRecord`, the distinct
         configurations settled so far and the number the study aims for (the CLI's progress bar).
 
@@ -147,6 +182,12 @@ def tune(
     check_optimizer(optimizer)
     check_params(params)
     check_bool(fresh, "fresh")
+    check_bool(isolate, "isolate")
+    if not (isinstance(race_rounds, int) and not isinstance(race_rounds, bool) and race_rounds >= 0):
+        raise ValueError(f"`race_rounds` must be an int >= 0 (0: no race), got race_rounds={race_rounds!r}.")
+    for label, seconds in (("trial_timeout", trial_timeout), ("compile_timeout", compile_timeout)):
+        if seconds is not None and not (isinstance(seconds, (int, float)) and seconds > 0):
+            raise ValueError(f"`{label}` must be a positive number of seconds or None, got {label}={seconds!r}.")
     effective_batch = batch_size if effective_batch is None else check_positive_int(effective_batch, "effective_batch")
     if n_trials is not None:
         check_positive_int(n_trials, "n_trials")
@@ -181,6 +222,13 @@ def tune(
     # Build one update per strategy so bad input (optimizer, loss, options) fails here, not in trial 0.
     for name in names:
         build_update(loss_fn, optimizer, microbatch_size=1, strategy=name, **loss_kw)
+    setup = None
+    if measure is None and isolate:  # the worker's job and limit: the probe's (checked here, before anything runs)
+        setup = prepare(
+            loss_fn, params, batch, optimizer=optimizer, strategy=names[0], memory_limit=memory_limit,
+            max_microbatch=effective_batch, has_aux=has_aux, state=state, loss_reduction=loss_reduction,
+            options={"accumulator_dtype": accumulator_dtype},
+        )  # fmt: skip
     opened, storage_label = open_storage(storage)
 
     probed = None
@@ -275,7 +323,25 @@ def tune(
         full_batch = jax.tree.map(lambda r, x: jax.device_put(r, x.sharding), resized, batch)
     timer = measure or functools.partial(time_update, time_limit=trial_timeout)
     with_state: dict[str, Any] = {} if state is None else {"state": state}
-    best: dict[str, Any] = {}
+    worker = None
+    if setup is not None:
+        worker = TimingWorker(
+            setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=compile_timeout,
+            step_timeout=trial_timeout,
+        )  # fmt: skip
+    limit_label = None if setup is None else format_bytes(setup.memory_limit_bytes)
+
+    def time_config(strategy: str, options: dict[str, Any], m: int) -> Timing:
+        if worker is None:
+            update = build_update(loss_fn, optimizer, microbatch_size=m, strategy=strategy, **loss_kw, **options)
+            return timer(update, params, full_batch, **with_state)
+        outcome = worker.time(Request({"strategy": strategy, **options}, m, effective_batch, STEPS, WARMUP))
+        if outcome.status == "oom":
+            raise TrialFailed(f"out of memory in the worker (limit {limit_label}): {outcome.message}")
+        if outcome.status != "fits":
+            raise TrialFailed(f"failed in the worker: {(outcome.message or '').strip()[-400:]}")
+        times = tuple(outcome.times or ())
+        return Timing(outcome.seconds or 0.0, outcome.compile_seconds or 0.0, len(times), times, outcome.peak_bytes)
 
     def objective(trial: optuna.Trial) -> float:
         m = trial.suggest_categorical("microbatch_size", sizes)
@@ -301,20 +367,19 @@ def tune(
                 # would only let noise pick between identical programs.
                 trial.set_user_attr("same_program_as", other.number)
                 return float(other.value)  # type: ignore[arg-type]
-        update = build_update(loss_fn, optimizer, microbatch_size=m, strategy=strategy, **loss_kw, **options)
         try:
-            timing = timer(update, params, full_batch, **with_state)
+            timing = time_config(strategy, dict(options), m)
         except TrialFailed as e:
             trial.set_user_attr("reason", str(e))
             raise
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
             raise
-        throughput = effective_batch / timing.seconds_per_step
         trial.set_user_attr("compile_seconds", timing.compile_seconds)
-        if throughput > best.get("throughput", -1.0):
-            best.update(throughput=throughput, update=update, params=trial.params)
-        return throughput
+        trial.set_user_attr("times", list(timing.times or (timing.seconds_per_step,)))
+        if timing.peak_bytes is not None:
+            trial.set_user_attr("peak_bytes", timing.peak_bytes)
+        return effective_batch / timing.seconds_per_step
 
     def report(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         count = len(_settled_configs(study))
@@ -328,25 +393,48 @@ def tune(
     # trials, wait for them: a trial whose worker died goes stale and is queued again, for this worker to run.
     deadline = None if timeout is None else time.monotonic() + timeout
     after_round = -1
-    while True:
-        count = len(_settled_configs(study))
-        left = None if deadline is None else deadline - time.monotonic()
-        if count >= budget or (left is not None and left <= 0):
-            break
-        trials = study.get_trials(deepcopy=False)
-        if after_round >= 0 and not any(t.state == _WAITING for t in trials):
-            holders = {number for _, number in claims.rows().values()}
-            if _heartbeats(opened) and any(t.state == _RUNNING and t.number in holders for t in trials):
-                time.sleep(POLL_SECONDS if left is None else min(POLL_SECONDS, left))
-                optuna.storages.fail_stale_trials(study)
-                continue
-            if count == after_round:  # the sampler has nothing new to offer, and no other worker is running
+    with contextlib.ExitStack() as stack:
+        if worker is not None:
+            stack.enter_context(worker)
+        while True:
+            count = len(_settled_configs(study))
+            left = None if deadline is None else deadline - time.monotonic()
+            if count >= budget or (left is not None and left <= 0):
                 break
-        # Proposals of an already measured point cost nothing and don't count; the cap only bounds the loop.
-        study.optimize(
-            objective, n_trials=4 * (budget - count) + 16, timeout=left, catch=(TrialFailed,), callbacks=[report]
-        )
-        after_round = len(_settled_configs(study))
+            trials = study.get_trials(deepcopy=False)
+            if after_round >= 0 and not any(t.state == _WAITING for t in trials):
+                holders = {number for _, number in claims.rows().values()}
+                if _heartbeats(opened) and any(t.state == _RUNNING and t.number in holders for t in trials):
+                    time.sleep(POLL_SECONDS if left is None else min(POLL_SECONDS, left))
+                    optuna.storages.fail_stale_trials(study)
+                    continue
+                if count == after_round:  # the sampler has nothing new to offer, and no other worker is running
+                    break
+            # Proposals of an already measured point cost nothing and don't count; the cap only bounds the loop.
+            study.optimize(
+                objective, n_trials=4 * (budget - count) + 16, timeout=left, catch=(TrialFailed,), callbacks=[report]
+            )
+            after_round = len(_settled_configs(study))
+
+        # The finalists, re-timed side by side (`autoaccum._tune.race`): the pick is not decided by one
+        # trial's noise. Several workers on one study race once: the first to finish records its race, the
+        # others take it.
+        entrants = _entrants(study)
+        settled_key = [t.number for t in entrants]
+        race_record = study.user_attrs.get("race")
+        if (race_record is None or race_record["entrants"] != settled_key) and race_rounds > 0 and len(entrants) > 1:
+            runners = race(
+                [(t.number, t.number, t.user_attrs.get("times") or ()) for t in entrants[:FINALISTS]],
+                lambda number: _retime(by_number()[number], labels, time_config),
+                rounds=race_rounds,
+            )
+            race_record = study.user_attrs.get("race")
+            if race_record is None or race_record["entrants"] != settled_key:
+                race_record = {"entrants": settled_key, "runners": [r.to_dict() for r in runners]}
+                study.set_user_attr("race", race_record)
+    runners = []
+    if race_record is not None and race_record["entrants"] == [t.number for t in _entrants(study)]:
+        runners = [Runner.from_dict(r) for r in race_record["runners"]]
 
     records = sorted(
         (
@@ -361,6 +449,10 @@ def tune(
         reasons = "; ".join(f"#{r.number} {r.reason}" for r in records if r.reason)[:500]
         raise RuntimeError(f"every trial failed ({reasons}); lower the effective batch or raise `memory_limit`.")
     top = max(completed, key=lambda t: float(t.value))  # type: ignore[arg-type]
+    throughput = float(top.value)  # type: ignore[arg-type]
+    if runners:  # the race's winner, at the median of every step it was timed
+        top = by_number()[runners[0].trial]
+        throughput = effective_batch / runners[0].quartiles[1]
     strategy, options = labels[top.params["strategy"]]
     plan = Plan(
         effective_batch=effective_batch,
@@ -368,7 +460,7 @@ def tune(
         accumulation_steps=-(-effective_batch // int(top.params["microbatch_size"])),
         strategy=strategy,
         options=dict(options),
-        throughput=float(top.value),  # type: ignore[arg-type]
+        throughput=throughput,
         device=jax.devices()[0].device_kind,
         has_aux=has_aux,
         has_state=state is not None,
@@ -377,13 +469,14 @@ def tune(
         params=params_signature(params),
         versions=_versions(),
     )
-    if best.get("params") == top.params:
-        update_fn = best["update"]  # measured in this process: already compiled
-    else:  # the best trial ran in an earlier or another process: compile it now, on copies
-        update_fn = plan.build(loss_fn, optimizer)
-        copies = jax.tree.map(jnp.array, params)
-        state_copy = () if state is None else (jax.tree.map(jnp.array, state),)
-        jax.block_until_ready(update_fn(copies, update_fn.init(copies), full_batch, *state_copy))
+    # Compiled here from shapes for the effective batch (nothing runs: the step ran in the worker, under the
+    # limit); the jitted functions keep the executables, so the caller's first call does not compile again.
+    update_fn = plan.build(loss_fn, optimizer)
+    params_a = abstract(params)
+    for program in update_fn.programs(
+        params_a, jax.eval_shape(update_fn.init, params_a), abstract_batch(full_batch, effective_batch), *state_s
+    ):
+        program.lowered.compile()
     new = len(_settled_configs(study)) - resumed
     if resumed:
         message = (
@@ -391,9 +484,16 @@ def tune(
         )
     else:
         message = f"new study {name}: {new} trials"
+    if setup is not None:
+        limit_bytes = setup.memory_limit_bytes
+    elif probed is not None:
+        limit_bytes = probed.memory_limit_bytes
     return TuneResult(
         plan=plan,
         trials=tuple(records),
+        race=tuple(runners),
+        memory_limit_bytes=limit_bytes,
+        peak_bytes=top.user_attrs.get("peak_bytes"),
         probe=probed,
         study_name=name,
         storage=storage_label,

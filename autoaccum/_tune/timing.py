@@ -23,11 +23,15 @@ class Timing:
       seconds_per_step: the median over the timed steps (compile and warm-up excluded).
       compile_seconds: the first call (tracing, compiling and one step).
       steps: timed steps.
+      times: each timed step's seconds (empty when only the median is known).
+      peak_bytes: the trial's measured peak memory (per device), when measured (`autoaccum._tune.worker`).
     """
 
     seconds_per_step: float
     compile_seconds: float
     steps: int
+    times: tuple[float, ...] = ()
+    peak_bytes: int | None = None
 
 
 class TrialFailed(Exception):
@@ -79,4 +83,4 @@ def time_update(
         if is_oom(e):  # the probe's rules: XLA's RESOURCE_EXHAUSTED, the CPU's allocation failures
             raise TrialFailed(f"out of memory: {(str(e) or type(e).__name__).splitlines()[0][:300]}") from e
         raise
-    return Timing(statistics.median(times), compile_seconds, steps)
+    return Timing(statistics.median(times), compile_seconds, steps, tuple(times))

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from autoaccum import strategies as strategies_lib
+from autoaccum._units import format_bytes
 from autoaccum.cli._common import resolve_workload, workload_arguments
 
 SNIPPET = """\
@@ -43,7 +44,26 @@ params, opt_state, loss = update(params, opt_state, batch)   # batch: {batch} ex
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed.")
 @click.option("--max-microbatch", type=click.IntRange(min=1), help="Skip the probe; use this bound instead.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Save the best plan as JSON here.")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Save throughput vs microbatch (PNG).")
+@click.option(
+    "--trial-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+    help="Seconds a trial's steps may take before it is recorded as failed (a hang).",
+)  # fmt: skip
+@click.option(
+    "--compile-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+    help="Seconds a trial's compiling may take, likewise.",
+)  # fmt: skip
+@click.option(
+    "--race-rounds", type=click.IntRange(min=0), default=4, show_default=True,
+    help="Rounds of re-timing the best configurations side by side before the pick (0: none).",
+)  # fmt: skip
+@click.option(
+    "--no-isolate", is_flag=True,
+    help="Time trials in this process (no worker, no memory cap; a trial that does not fit fails here).",
+)  # fmt: skip
+@click.option(
+    "--plot", type=click.Path(dir_okay=False, path_type=Path),
+    help="Save a PNG: each trial's measured peak memory against its throughput, the limit, the pick.",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON (plan, trials, probe).")
 def tune(
     workload: str | None,
@@ -58,6 +78,10 @@ def tune(
     fresh: bool,
     seed: int,
     max_microbatch: int | None,
+    trial_timeout: float,
+    compile_timeout: float,
+    race_rounds: int,
+    no_isolate: bool,
     out: Path | None,
     plot: Path | None,
     as_json: bool,
@@ -109,6 +133,10 @@ def tune(
                 state=w.state,
                 loss_reduction=w.loss_reduction,
                 max_microbatch=max_microbatch,
+                trial_timeout=trial_timeout,
+                compile_timeout=compile_timeout,
+                race_rounds=race_rounds,
+                isolate=not no_isolate,
                 callbacks=[on_trial],
             )
         except (ValueError, TypeError) as e:
@@ -122,7 +150,7 @@ def tune(
     if out is not None:
         result.plan.save(out)
     if plot is not None:
-        _plot(result.trials, plot)
+        _plot(result, plot)
     if as_json:
         click.echo(result.to_json())
         return
@@ -134,6 +162,13 @@ def tune(
         f"{plan.throughput:,.1f} examples/s on {plan.device}",
         soft_wrap=True,
     )
+    if result.memory_limit_bytes is not None and not no_isolate:
+        peak = "not measured" if result.peak_bytes is None else format_bytes(result.peak_bytes)
+        limit = format_bytes(result.memory_limit_bytes)
+        console.print(
+            f"the plan's step: measured peak {peak}, limit {limit} (every trial ran in an isolated worker under it)",
+            highlight=False,
+        )
     console.print(f"{result.message}; stored in {result.storage}", highlight=False)
     if out is not None:
         console.print(f"plan saved to {out}\n")
@@ -147,16 +182,24 @@ def _describe(record: Any) -> str:
     what += f" {record.strategy}"
     what += "".join(f" {k}={v}" for k, v in record.options.items())
     if record.throughput is not None:
-        return f"{what}: {record.throughput:,.1f} examples/s"
+        spread = "" if record.seconds is None else f" (step {_ms_spread(record.seconds)})"
+        return f"{what}: {record.throughput:,.1f} examples/s{spread}"
     return f"{what}: {record.state} {record.reason or ''}".rstrip()
+
+
+def _ms_spread(seconds: tuple[float, float, float]) -> str:
+    """``median ms [q1-q3]`` of a trial's step times."""
+    q1, median, q3 = (1e3 * t for t in seconds)
+    return f"{median:.3g} ms [{q1:.3g}-{q3:.3g}]"
 
 
 def _print_table(console: Any, result: Any) -> None:
     from rich.table import Table
 
-    table = Table(title="trials (best first)")
-    for column in ("#", "microbatch", "steps", "strategy", "examples/s", "compile s", "state"):
-        table.add_column(column, justify="right" if column not in ("strategy", "state") else "left")
+    table = Table(title="trials (best first; step time: median [quartiles] of its timed steps)")
+    columns = ("#", "microbatch", "steps", "strategy", "examples/s", "step time", "peak", "compile s", "state")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("strategy", "state", "step time") else "right")
     for r in result.trials:
         options = "".join(f" {k}={v}" for k, v in r.options.items())
         table.add_row(
@@ -165,11 +208,27 @@ def _print_table(console: Any, result: Any) -> None:
             str(r.accumulation_steps),
             r.strategy + options,
             "" if r.throughput is None else f"{r.throughput:,.1f}",
+            "" if r.seconds is None else _ms_spread(r.seconds),
+            "" if r.peak_bytes is None else format_bytes(r.peak_bytes),
             "" if r.compile_seconds is None else f"{r.compile_seconds:.2f}",
             (r.state if r.reason is None else f"{r.state}: {r.reason[:60]}")
             + ("" if r.same_program_as is None else f" (same program as #{r.same_program_as}, timed once)"),
         )
     console.print(table)
+    if result.race:
+        race = Table(title="race: the finalists re-timed side by side, interleaved (winner first)")
+        for column in ("#", "rounds", "steps timed", "examples/s (median)", "step time", "result"):
+            race.add_column(column, justify="left" if column in ("step time", "result") else "right")
+        batch = result.plan.effective_batch
+        for i, runner in enumerate(result.race):
+            outcome = "winner: the plan" if i == 0 else "finished" if runner.out_after is None else ""
+            if runner.out_after is not None:
+                outcome = f"out after round {runner.out_after}"
+            race.add_row(
+                str(runner.trial), str(runner.rounds), str(len(runner.times)),
+                f"{batch / runner.quartiles[1]:,.1f}", _ms_spread(runner.quartiles), outcome,
+            )  # fmt: skip
+        console.print(race)
 
 
 def _require_matplotlib() -> None:
@@ -179,26 +238,44 @@ def _require_matplotlib() -> None:
         raise click.UsageError("--plot needs matplotlib: pip install 'autoaccum[plot]'.") from e
 
 
-def _plot(trials: Any, path: Path) -> None:
+def _plot(result: Any, path: Path) -> None:
+    """Measured peak memory (x) against throughput (y) for every trial that fit: the Pareto front (no other
+    trial is both leaner and faster) joined by a line, the pick circled, the memory limit as a vertical line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    by_strategy: dict[str, list[tuple[int, float]]] = {}
-    for r in trials:
-        if r.throughput is not None:
-            label = r.strategy + "".join(f" {k}={v}" for k, v in r.options.items())
-            by_strategy.setdefault(label, []).append((r.microbatch_size, r.throughput))
-    for label, points in sorted(by_strategy.items()):
-        xs, ys = zip(*sorted(points), strict=True)
-        ax.plot(xs, ys, marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("microbatch size")
+    mib = 2**20
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    points = [(r.peak_bytes / mib, r.throughput, r) for r in result.trials if r.throughput and r.peak_bytes is not None]
+    by_strategy: dict[str, list[tuple[float, float]]] = {}
+    for x, y, r in points:
+        label = r.strategy + "".join(f" {k}={v}" for k, v in r.options.items())
+        by_strategy.setdefault(label, []).append((x, y))
+    for label, xy in sorted(by_strategy.items()):
+        xs, ys = zip(*xy, strict=True)
+        ax.scatter(xs, ys, label=label, s=28, alpha=0.8)
+    front, best = [], -1.0
+    for x, y, _ in sorted(points, key=lambda p: (p[0], -p[1])):
+        if y > best:
+            front.append((x, y))
+            best = y
+    if front:
+        ax.plot(*zip(*front, strict=True), color="0.4", linewidth=1, linestyle="--", label="Pareto front")
+    plan = result.plan
+    pick = next(
+        (p for p in points if (p[2].microbatch_size, p[2].strategy, p[2].options)
+         == (plan.microbatch_size, plan.strategy, plan.options)), None,
+    )  # fmt: skip
+    if pick is not None:
+        ax.scatter([pick[0]], [pick[1]], s=220, facecolors="none", edgecolors="red", linewidths=1.5, label="pick")
+    if result.memory_limit_bytes is not None:
+        ax.axvline(result.memory_limit_bytes / mib, color="red", linewidth=1, label="memory limit")
+    ax.set_xlabel("measured peak memory of the step (MiB)")
     ax.set_ylabel("examples / s")
-    ax.set_title("autoaccum tune: measured throughput")
-    ax.legend()
+    ax.set_title(f"autoaccum tune: effective batch {plan.effective_batch}", fontsize=11)
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -1,0 +1,109 @@
+"""Racing the finalists: the study's best configurations re-timed side by side until their order is settled.
+
+One trial's timing is a few steps on a shared, noisy machine; two configurations a few percent apart swap
+places from run to run. So the study's best few (`FINALISTS`, distinct programs) are timed again in rounds,
+interleaved (each round times every finalist still in the race, in an order rotated round by round, so that
+a slow spell of the machine falls on all of them), and every step time of every round is pooled per finalist.
+After each round a finalist whose lower quartile is slower than the leader's upper quartile is out (its
+distribution is clearly worse); the race ends when one is left or after ``rounds`` rounds, and the fastest
+median of the pooled step times wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
+
+from autoaccum._json import JsonMixin
+
+FINALISTS = 3
+"""Configurations the race re-times (the study's best by throughput)."""
+
+ROUNDS = 4
+"""Rounds the race runs at most."""
+
+K = TypeVar("K", bound=Hashable)
+
+
+def quartiles(times: Sequence[float]) -> tuple[float, float, float]:
+    """``(q1, median, q3)`` of ``times`` (one time: itself three times).
+
+    Example:
+      >>> quartiles([1.0, 2.0, 3.0, 4.0, 5.0])
+      (1.5, 3.0, 4.5)
+    """
+    if len(times) == 1:
+        return (times[0],) * 3
+    q1, q2, q3 = statistics.quantiles(times, n=4)
+    return q1, q2, q3
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner(JsonMixin):
+    """One finalist of the race.
+
+    Attributes:
+      trial: the study's trial number of the configuration.
+      times: every step time, seconds (the study's trial's first, then each round's).
+      rounds: the rounds it ran (0: it was out before the first, or the race was not run).
+      out_after: the round after which it was dropped (None: it finished the race).
+    """
+
+    trial: int
+    times: tuple[float, ...]
+    rounds: int
+    out_after: int | None = None
+
+    @property
+    def quartiles(self) -> tuple[float, float, float]:
+        """``(q1, median, q3)`` of `times`."""
+        return quartiles(self.times)
+
+
+def race(
+    finalists: Sequence[tuple[K, int, Sequence[float]]],
+    time_one: Callable[[K], Sequence[float] | None],
+    *,
+    rounds: int = ROUNDS,
+) -> list[Runner]:
+    """Races ``finalists`` (``(key, trial number, step times so far)``); ``time_one(key)`` times one again and
+    returns its step times (None: it failed this time, and is out). Returns the runners, the winner first
+    (fastest median of the pooled times among those that finished), then the others by median.
+
+    Pure Python and deterministic given ``time_one``: testable with made-up timings.
+
+    Example:
+      >>> fast = iter([[1.0, 1.1], [0.9, 1.0]])
+      >>> slow = iter([[2.0, 2.1], [2.2, 1.9]])
+      >>> [r.trial for r in race([("a", 0, [1.5]), ("b", 1, [1.4])], lambda k: next(fast if k == "a" else slow))]
+      [0, 1]
+    """
+    pooled = {key: list(times) for key, _, times in finalists}
+    ran = dict.fromkeys(pooled, 0)
+    out: dict[K, int] = {}
+    alive = [key for key, _, _ in finalists]
+    for r in range(1, rounds + 1):
+        if len(alive) < 2:
+            break
+        shift = (r - 1) % len(alive)
+        for key in alive[shift:] + alive[:shift]:
+            times = time_one(key)
+            if times is None:
+                out[key] = r
+                continue
+            pooled[key].extend(times)
+            ran[key] += 1
+        alive = [k for k in alive if k not in out]
+        if not alive:
+            break
+        leader = min(alive, key=lambda k: quartiles(pooled[k])[1])
+        worst_of_leader = quartiles(pooled[leader])[2]
+        for key in alive:
+            if key != leader and quartiles(pooled[key])[0] > worst_of_leader:
+                out[key] = r
+        alive = [k for k in alive if k not in out]
+    numbers = {key: number for key, number, _ in finalists}
+    runners = [Runner(numbers[k], tuple(pooled[k]), ran[k], out.get(k)) for k, _, _ in finalists]
+    return sorted(runners, key=lambda x: (x.out_after is not None, x.quartiles[1]))

@@ -1,0 +1,219 @@
+"""Timing trials in an isolated worker process, under the probe's memory limit, reused from trial to trial.
+
+A `TimingWorker` starts ``python -m autoaccum._child worker PAYLOAD FD ...`` under the probe's `child_env` (on
+the CPU the address-space cap, on a GPU the allocator fraction; one device, or the caller's mesh) and sends it
+one configuration at a time on its stdin. The worker (`serve`) builds the update for the configuration, compiles
+it from shapes, makes the parameters and the effective batch on the device, and times real steps under the cap
+(`autoaccum._trial.measured`); it answers on a pipe of its own, in two messages, so that compiling and stepping
+have separate time limits: ``{"event": "compiled"}`` once the programs are compiled, ``{"event": "done",
+"outcome": ...}`` once the steps are timed. Its compiled programs stay cached (the finalists' re-timing
+compiles nothing again).
+
+The parent restarts the worker after anything but a clean fit: an out-of-memory (the allocator's state is not
+trusted after one), an error, a crash (classified from the exit status and output as the probe's children are:
+`autoaccum._isolation.classify_exit`) or a hang (killed with its process group when a limit passes). None of
+these reaches the caller: each is an `Outcome` with its reason, and the study goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from autoaccum._isolation import ChildRunner, Outcome, child_env, classify_exit
+from autoaccum._trial import Job
+
+_TIMEOUT: dict[str, Any] = {"event": "timeout"}
+
+MAX_CACHED = 4
+"""Configurations whose compiled programs a worker keeps (the most recently timed ones)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One configuration to time: ``build`` (`autoaccum.build_update`'s strategy and options), the microbatch,
+    and the batch's rows (the effective batch)."""
+
+    build: Mapping[str, Any]
+    microbatch_size: int
+    rows: int
+    steps: int
+    warmup: int
+
+
+class TimingWorker:
+    """Times configurations of one job in a child process under ``limit`` bytes (per device); see the module
+    docstring. Use as a context manager; ``worker.time(request) -> Outcome``.
+
+    Args:
+      job: the probe's `Job` (parameters as shapes, the example batch, the model state).
+      device: the `autoaccum.DeviceInfo` the trials run on.
+      limit: bytes a trial may use, as the probe's.
+      compile_timeout, step_timeout: seconds the compiling and the stepping (warm-up and timed steps) may take
+        before the worker is killed as hung (None: no limit).
+    """
+
+    def __init__(
+        self, job: Job, device: Any, limit: int, *, compile_timeout: float | None, step_timeout: float | None
+    ) -> None:
+        self.job, self.device, self.limit = job, device, limit
+        self.compile_timeout, self.step_timeout = compile_timeout, step_timeout
+        self.restarts = 0
+        self._files = ChildRunner(job, device, limit, [job.loss_fn])
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._answers: int | None = None
+        self._buffer = b""
+        self._log: IO[bytes] | None = None
+        self._log_path: Path | None = None
+
+    def __enter__(self) -> TimingWorker:
+        self._files.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop()
+        self._files.__exit__(*exc)
+
+    def time(self, request: Request) -> Outcome:
+        """Times one configuration; never raises for what happens in the worker (see the module docstring)."""
+        if self._proc is None:
+            self._start()
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write((json.dumps(dataclasses.asdict(request)) + "\n").encode())
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            return self._dead()
+        outcome: Outcome | None = None
+        for event, limit, doing in (("compiled", self.compile_timeout, "compiling"), ("done", self.step_timeout, "")):
+            message = self._read(limit)
+            if message is None:
+                return self._dead()
+            if message is _TIMEOUT:
+                self._stop()
+                what = doing or f"stepping ({request.warmup} warm-up and {request.steps} timed steps)"
+                return Outcome(
+                    "error", message=f"timed out: {what} ran over {limit:g} s and the worker was killed (a hang? "
+                    "raise the time limit if it is only slow)."
+                )  # fmt: skip
+            if message["event"] == "done":  # failed while compiling: no "compiled" message
+                outcome = Outcome.from_dict(message["outcome"])
+                break
+            assert message["event"] == event, message
+        if outcome is None:
+            raise AssertionError("the worker answered without an outcome")
+        if outcome.status != "fits":
+            self._stop()  # a fresh worker for the next trial: nothing of a failed one carries over
+        return outcome
+
+    def _start(self) -> None:
+        directory = self._files.directory
+        read_end, write_end = os.pipe()
+        self._log_path = directory / f"worker-{self.restarts}.log"
+        self._log = open(self._log_path, "wb")  # noqa: SIM115 (closed in _stop)
+        command = [sys.executable, "-m", "autoaccum._child", "worker", str(directory / "job.pkl"), str(write_end)]
+        command += [str(self.limit), str(directory / "unused.json")]
+        self._proc = subprocess.Popen(
+            command, env=child_env(self.device, self.limit, devices=self.job.devices), stdin=subprocess.PIPE,
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(write_end,),
+        )  # fmt: skip
+        os.close(write_end)
+        self._answers, self._buffer = read_end, b""
+        self.restarts += 1
+
+    def _read(self, limit: float | None) -> dict[str, Any] | None:
+        """The worker's next message; `_TIMEOUT` after ``limit`` seconds; None if it died first."""
+        assert self._answers is not None
+        deadline = None if limit is None else time.monotonic() + limit
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return _TIMEOUT
+            ready, _, _ = select.select([self._answers], [], [], left)
+            if not ready:
+                return _TIMEOUT
+            chunk = os.read(self._answers, 1 << 16)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    def _dead(self) -> Outcome:
+        """The outcome of a worker that died mid-trial, classified from its exit and output; then cleaned up."""
+        from autoaccum._device import oom_kills
+
+        assert self._proc is not None and self._log_path is not None
+        kills = oom_kills()
+        returncode = self._proc.wait()
+        output = self._log_path.read_bytes()[-20000:].decode(errors="replace")
+        after = oom_kills()
+        self._stop()
+        killed = None if kills is None or after is None else after > kills
+        return classify_exit(returncode, output, killed)
+
+    def _stop(self) -> None:
+        from autoaccum._isolation import _kill_group
+
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                _kill_group(self._proc)
+            self._proc.wait()
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
+            self._proc = None
+        if self._answers is not None:
+            os.close(self._answers)
+            self._answers = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def serve(payload_path: str, answers_fd: int, limit: int) -> None:
+    """The worker's loop (in the child): one `Request` per line of stdin, its `Outcome` on ``answers_fd``."""
+    import jax
+
+    from autoaccum._isolation import load_payload
+    from autoaccum._trial import compile_trial, is_oom, measured, oom_outcome, warm_up
+
+    job, platform = load_payload(payload_path)
+    device = jax.devices()[0]
+    warm_up(device)
+    answers = os.fdopen(answers_fd, "w", buffering=1)
+    cache: dict[str, Any] = {}
+    for line in sys.stdin:
+        request = Request(**json.loads(line))
+        key = json.dumps([request.build, request.microbatch_size, request.rows], sort_keys=True, default=str)
+        outcome: Outcome
+        try:
+            try:
+                compiled = cache.pop(key, None)
+                if compiled is None:
+                    sub = dataclasses.replace(job, build={**job.build, **request.build})
+                    compiled = compile_trial(sub, request.microbatch_size, device, rows=request.rows)
+                cache[key] = compiled
+                while len(cache) > MAX_CACHED:
+                    cache.pop(next(iter(cache)))
+                answers.write(json.dumps({"event": "compiled"}) + "\n")
+                outcome = measured(compiled, platform, limit, steps=request.steps, warmup=request.warmup, resident=True)
+            except (jax.errors.JaxRuntimeError, MemoryError, OSError) as e:
+                if not is_oom(e):
+                    raise
+                outcome = oom_outcome(e)
+        # A process boundary: every other failure is reported to the parent, which makes it a trial error.
+        except Exception as e:
+            outcome = Outcome("error", message="".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:])
+        answers.write(json.dumps({"event": "done", "outcome": outcome.to_dict()}) + "\n")
+        if outcome.status != "fits":
+            return

@@ -1,0 +1,77 @@
+"""Timing trials in the isolated worker: under the limit, and an OOM, a crash or a hang never reaches the caller."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from autoaccum import tune
+from autoaccum._probe import prepare
+from autoaccum._tune.worker import Request, TimingWorker
+
+
+def linear_loss(params: Any, batch: Any) -> jax.Array:
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+
+def troubled_loss(params: Any, batch: Any) -> jax.Array:
+    """Crashes the process when traced for microbatch 2; hangs in every step of microbatch 4."""
+    m = batch["x"].shape[0]
+    if m == 2:
+        os.abort()
+    loss = linear_loss(params, batch)
+    if m == 4:
+        jax.debug.callback(lambda: time.sleep(600))
+    return loss
+
+
+def problem(features: int = 256) -> tuple[Any, Any]:
+    params = {"w": jnp.zeros((features, 8))}
+    batch = {"x": jnp.ones((4, features)), "y": jnp.ones((4, 8))}
+    return params, batch
+
+
+def test_a_trial_over_the_limit_fails_in_the_worker_which_restarts() -> None:
+    params, batch = problem()
+    setup = prepare(linear_loss, params, batch, optimizer=optax.adam(1e-3), memory_limit="128MiB")
+    with TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+        fits = w.time(Request({"strategy": "scan"}, 16, 64, 3, 1))
+        assert fits.status == "fits" and fits.times is not None and len(fits.times) == 3
+        assert fits.seconds == sorted(fits.times)[1] and fits.peak_bytes is not None
+        assert fits.peak_bytes < setup.memory_limit_bytes
+        # 300,000 rows of 256 float32 features: a 307 MB batch, over the 128 MiB limit (1 accumulation step).
+        over = w.time(Request({"strategy": "scan"}, 300_000, 300_000, 3, 1))
+        assert over.status == "oom" and "Out of memory" in (over.message or "")
+        again = w.time(Request({"strategy": "loop"}, 16, 64, 3, 1))  # a fresh worker after the OOM
+        assert again.status == "fits" and w.restarts == 2
+    assert params["w"].shape == (256, 8) and not params["w"].is_deleted()  # the caller's arrays untouched
+
+
+def test_a_crashing_and_a_hanging_trial_are_recorded_and_the_study_goes_on() -> None:
+    params, batch = problem(features=16)
+    result = tune(
+        troubled_loss, params, batch, optimizer=optax.sgd(0.1), max_microbatch=4, strategies=["loop"],
+        storage=":memory:", compile_timeout=120, trial_timeout=8, memory_limit="256MiB",
+    )  # fmt: skip
+    reasons = {r.microbatch_size: r.reason or "" for r in result.trials}
+    assert "SIGABRT" in reasons[2], reasons[2]
+    assert "timed out: stepping" in reasons[4], reasons[4]
+    assert result.plan.microbatch_size == 1 and {r.microbatch_size: r.state for r in result.trials} == {
+        1: "COMPLETE",
+        2: "FAIL",
+        4: "FAIL",
+    }
+    assert result.peak_bytes is not None and result.peak_bytes <= result.memory_limit_bytes
+
+
+def test_bad_time_limits_are_refused_before_anything_runs() -> None:
+    params, batch = problem(features=16)
+    for kw in ({"trial_timeout": 0}, {"compile_timeout": -1.0}, {"race_rounds": -1}, {"isolate": "yes"}):
+        with pytest.raises((ValueError, TypeError), match=next(iter(kw))):
+            tune(linear_loss, params, batch, optimizer=optax.sgd(0.1), max_microbatch=4, storage=":memory:", **kw)
