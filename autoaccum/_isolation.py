@@ -113,6 +113,27 @@ _CPU_COLLECTIVE_TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=1
 others give up after this long (XLA's default: 40 s) and the trial counts as out of memory (`OOM_MARKERS`)."""
 
 
+def backend_name(info: DeviceInfo) -> str:
+    """The name of the JAX backend that runs ``info``'s device, as ``JAX_PLATFORMS`` takes it: ``"cpu"``,
+    ``"tpu"``, ``"cuda"`` or ``"rocm"``; never ``"gpu"``, which jax 0.11 resolves to every GPU backend it knows,
+    failing on the one not installed (seen on an H100 with jax 0.11.2: "Unable to initialize backend 'rocm'").
+
+    Example:
+      >>> backend_name(DeviceInfo("cpu", "cpu", 2**33, 2**32, None))
+      'cpu'
+    """
+    if info.platform != "gpu":
+        return info.platform
+    client = getattr(info.device, "client", None)
+    if client is not None:
+        from jax._src import xla_bridge  # the registry of initialised backends, by name
+
+        for name, backend in xla_bridge.backends().items():
+            if backend is client and name != "gpu":
+                return str(name)
+    return "rocm" if any(v in info.name for v in ("AMD", "Radeon", "Instinct")) else "cuda"
+
+
 def child_env(
     info: DeviceInfo, limit: int, env: Mapping[str, str] | None = None, *, devices: int = 1
 ) -> dict[str, str]:
@@ -134,10 +155,7 @@ def child_env(
       'cpu'
     """
     out = dict(os.environ if env is None else env)
-    # The backend's own name: "cuda" (or "rocm"), never "gpu", which jax 0.11 resolves to every GPU backend it
-    # knows and fails on the one that is not installed (seen on an H100: "Unable to initialize backend 'rocm'").
-    client = getattr(info.device, "client", None)
-    out["JAX_PLATFORMS"] = getattr(client, "platform", None) or {"gpu": "cuda"}.get(info.platform, info.platform)
+    out["JAX_PLATFORMS"] = backend_name(info)
     if info.platform == "gpu":
         if info.total_bytes is None:
             raise ValueError(f"cannot cap {info.name}: its total memory is unknown (no NVML, no memory_stats).")

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from autoaccum._batch import abstract, abstract_batch, device_copy, resize_batch
+from autoaccum._device import memory_stats
 from autoaccum._isolation import Outcome, load_payload, write_result
 from autoaccum.strategies import Program, PyTree, layout_of, leading_size
 
@@ -234,6 +235,9 @@ class Compiled:
     init: Callable[[PyTree], PyTree]
     resize: Callable[[PyTree], PyTree]
     seconds: float
+    step_bytes: int | None = None
+    """The most any of the step's programs allocates beyond its inputs (temporaries and outputs not aliased to
+    an input, XLA's memory analysis, per device); None where unknown."""
 
 
 def compile_trial(job: Job, size: int, device: Any, rows: int | None = None) -> Compiled:
@@ -259,9 +263,13 @@ def compile_trial(job: Job, size: int, device: Any, rows: int | None = None) -> 
         out = {} if job.mesh is None else {"out_shardings": batch_sharding}
         resized = jax.jit(functools.partial(resize_batch, size=rows), **out)
         resize = resized.lower(abstract(device_copy(job.batch))).compile()
+        extra = []
         for program in job.programs(update, rows):
-            program.lowered.compile()  # likewise kept by the strategy's jitted functions
-    return Compiled(job, size, device, update, make_params, init, resize, time.perf_counter() - start)
+            analysis = program.lowered.compile().memory_analysis()  # likewise kept by the strategy's jitted functions
+            if analysis is not None:
+                extra.append(analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+    seconds = time.perf_counter() - start
+    return Compiled(job, size, device, update, make_params, init, resize, seconds, max(extra) if extra else None)
 
 
 def run_trial(compiled: Compiled, peak: Callable[[], int | None], *, steps: int = 1, warmup: int = 0) -> Outcome:
@@ -278,6 +286,8 @@ def run_trial(compiled: Compiled, peak: Callable[[], int | None], *, steps: int 
         opt_state = compiled.init(params)
         batch = compiled.resize(device_copy(job.batch))
         state = job.inputs(1)[2]
+        jax.block_until_ready((params, opt_state, batch, state))
+        inputs = memory_stats(device).get("bytes_in_use")  # a GPU's live bytes now; None on the CPU
         before = proc_status("VmSize")
         start = time.perf_counter()
         params, opt_state, loss, state = jax.block_until_ready(step(update, params, opt_state, batch, state))
@@ -289,6 +299,11 @@ def run_trial(compiled: Compiled, peak: Callable[[], int | None], *, steps: int 
             if i >= warmup:
                 times.append(time.perf_counter() - resume)
     used = peak()
+    if used is None and inputs is not None and compiled.step_bytes is not None:
+        # A GPU's peak_bytes_in_use never goes down: in a process that ran bigger work before (a reused tuning
+        # worker; the compiler's autotuning), it says nothing of this step. Then: the live bytes with the
+        # inputs made, plus what the step's largest program allocates beyond them (XLA's buffer assignment).
+        used = inputs + compiled.step_bytes
     del params, opt_state, loss, batch, state
     return Outcome(
         "fits", seconds=statistics.median(times), first_seconds=first, peak_bytes=used,

@@ -33,6 +33,8 @@ class Workload:
       state: the model state, when ``loss_fn(params, batch, state) -> (loss, state)`` takes one.
       loss_reduction: ``"mean"`` or ``"sum"`` (`autoaccum.build_update`).
       name: a short name for reports.
+      memory_limit: the memory limit the CLI uses when ``--memory-limit`` is not given (e.g. ``"64MiB"``);
+        None: the device's default. The demo sets one, so that its effective batch does not fit in one step.
     """
 
     loss_fn: Callable[..., Any]
@@ -43,6 +45,7 @@ class Workload:
     state: PyTree | None = None
     loss_reduction: str = "mean"
     name: str = "workload"
+    memory_limit: str | int | None = None
 
     def __post_init__(self) -> None:
         check_loss_fn(self.loss_fn)

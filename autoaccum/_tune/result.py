@@ -31,8 +31,10 @@ class TrialRecord(JsonMixin):
         the same plain step, which is timed once.
       seconds: ``(q1, median, q3)`` of the trial's step times, in seconds (None unless it completed);
         ``throughput`` is the effective batch over the median.
-      peak_bytes: the trial's measured peak memory per device, in the timing worker (None where not measured:
-        in this process, or on a GPU once an earlier trial's peak was higher; `autoaccum._tune.worker`).
+      peak_bytes: the trial's peak memory per device, in the timing worker (`autoaccum._tune.worker`): on the
+        CPU the resident memory the trial touched; on a GPU XLA's ``peak_bytes_in_use`` when it rose during the
+        trial, else (an earlier trial or the compiler's autotuning peaked higher) the live bytes once the inputs
+        were made plus the step's largest program's buffers. None when timed in this process.
     """
 
     number: int

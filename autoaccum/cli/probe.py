@@ -69,6 +69,9 @@ def probe(
             raise click.BadParameter(str(e), param_hint="--memory-limit") from e
     w = resolve_workload(workload, demo)
     console = Console(stderr=as_json, quiet=as_json)
+    if memory_limit is None and w.memory_limit is not None:
+        memory_limit = str(w.memory_limit)
+        console.print(f"memory limit {memory_limit}: the workload's own (--memory-limit overrides it)")
 
     def show(t: Trial) -> None:
         if t.fits:

@@ -105,6 +105,9 @@ def tune(
     w = resolve_workload(workload, demo)
     console = Console(stderr=as_json, quiet=as_json)
     console.print(f"[bold]workload[/] {w.name}: effective batch {effective_batch or w.batch_size}")
+    if memory_limit is None and w.memory_limit is not None:
+        memory_limit = str(w.memory_limit)
+        console.print(f"memory limit {memory_limit}: the workload's own (--memory-limit overrides it)")
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as progress:
@@ -156,6 +159,15 @@ def tune(
         return
     _print_table(console, result)
     plan = result.plan
+    if result.probe is not None:
+        probed = result.probe
+        fits = "fits in one step" if probed.max_microbatch >= plan.effective_batch else "does not fit in one step"
+        console.print(
+            f"\nprobe: at most {probed.max_microbatch} examples per step fit under "
+            f"{format_bytes(probed.memory_limit_bytes)} ({probed.runs} real runs): the effective batch of "
+            f"{plan.effective_batch} {fits}",
+            highlight=False,
+        )
     console.print(
         f"\n[bold green]best plan[/]: microbatch {plan.microbatch_size} x {plan.accumulation_steps} steps "
         f"= {plan.effective_batch} examples, strategy {plan.strategy} {plan.options or ''}, "
