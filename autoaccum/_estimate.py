@@ -473,6 +473,10 @@ def runtime_bytes(platform: str, compiled: Sequence[jax.stages.Compiled]) -> int
 # -- measuring -------------------------------------------------------------------------------------------------
 
 
+COMPILE_ONLY_GPU = "gpu (compile-only)"
+"""How `_analyse` is told its programs were laid out on compile-only GPU devices (`autoaccum._gpu_compile`)."""
+
+
 class _Analysis(NamedTuple):
     peak_bytes: int
     flops: float
@@ -485,19 +489,22 @@ def _analyse(programs: Sequence[Program], options: dict[str, Any], platform: str
 
     Our speed-up options (`COMPILER_OPTIONS`, `CPU_SINGLE_STEP_OPTIONS`) are only that: one this jaxlib does
     not know is dropped and the programs compiled without it (the user's own options are never dropped).
-    ``platform="gpu"``: the programs are laid out on compile-only GPU devices (`autoaccum._gpu_compile`); they
-    must have compiled for GPUs, and their costs come from XLA's HLO cost analysis of the GPU programs.
+    ``platform=COMPILE_ONLY_GPU``: the programs are laid out on compile-only GPU devices
+    (`autoaccum._gpu_compile`); they must have compiled for GPUs, and their costs come from XLA's HLO cost
+    analysis of the GPU programs (`GPU_COMPILER_OPTIONS` are ours too: dropped if this jaxlib lacks one).
     """
     platform = platform or jax.default_backend()
     try:
         memory, compiled = analyse(programs, compiler_options=options)
     except jax.errors.JaxRuntimeError as e:
-        ours = {**COMPILER_OPTIONS, **CPU_SINGLE_STEP_OPTIONS}
+        from autoaccum._gpu_compile import GPU_COMPILER_OPTIONS
+
+        ours = {**COMPILER_OPTIONS, **CPU_SINGLE_STEP_OPTIONS, **GPU_COMPILER_OPTIONS}
         unknown = [k for k in options if k in ours and options[k] == ours[k] and f"compile option: '{k}'" in str(e)]
         if "No such compile option" not in str(e) or not unknown:
             raise
         return _analyse(programs, {k: v for k, v in options.items() if k not in unknown}, platform)
-    if platform == "gpu":
+    if platform == COMPILE_ONLY_GPU:
         from autoaccum._gpu_compile import check_gpu, gpu_cost
 
         flops = moved = 0.0
@@ -727,7 +734,7 @@ def estimate(
         dict(strategy=strategy, has_aux=has_aux, loss_reduction=loss_reduction, **options),
         compile_options,
         workers,
-        platform,
+        COMPILE_ONLY_GPU if platform == "gpu" and target is not None else platform,
     ) as measurer:
         s1 = units(min(max(FIRST_SIZE, 2 * g), cap))
         sizes = [(s1, s1)]
