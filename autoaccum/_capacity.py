@@ -180,7 +180,7 @@ def capacity(
     flops = moved = 0.0
     if resolved.accelerator is not None and largest >= 1:
         seconds, bound, flops, moved = cost.step_time(total, microbatch, resolved.accelerator)
-    compiler = f"XLA:{model.platform.upper()}" + (" (proxy)" if resolved.accelerator is not None else "")
+    compiler = _compiler(model, resolved)
     return Capacity(
         target=resolved.name,
         memory_limit_bytes=resolved.memory_limit_bytes,
@@ -198,3 +198,23 @@ def capacity(
         compiler=compiler,
         devices=cost.devices,
     )
+
+
+def _compiler(model: MemoryModel, target: Target) -> str:
+    """Which compiler's figures answer for ``target``: the model's own label (an estimate made for a GPU target),
+    marked a proxy when ``target`` is another accelerator; else the platform's compiler, a proxy for any
+    accelerator.
+
+    Example:
+      >>> class Model:
+      ...     memory_limit_bytes, platform, compiler, target = 1, "gpu", "XLA:GPU sm_90 (compile-only)", "H100-80GB"
+      >>> _compiler(Model(), Target.gpu("H100")), _compiler(Model(), Target.gpu("L4"))
+      ('XLA:GPU sm_90 (compile-only)', 'XLA:GPU sm_90 for H100-80GB (proxy)')
+    """
+    own: str = getattr(model, "compiler", "")
+    compiled_for: str | None = getattr(model, "target", None)
+    if not own:
+        return f"XLA:{model.platform.upper()}" + (" (proxy)" if target.accelerator is not None else "")
+    if target.accelerator is None or compiled_for is None or target.accelerator == compiled_for or "proxy" in own:
+        return own
+    return f"{own.replace(' (compile-only)', '')} for {compiled_for} (proxy)"

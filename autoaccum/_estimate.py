@@ -44,6 +44,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -52,7 +53,7 @@ import optax
 
 from autoaccum._batch import abstract, abstract_batch
 from autoaccum._capacity import Capacity, Target, capacity
-from autoaccum._catalog import DEFAULT_SAFETY_MARGIN, Accelerator
+from autoaccum._catalog import DEFAULT_GPU_MEM_FRACTION, DEFAULT_SAFETY_MARGIN, Accelerator
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum._json import JsonMixin
 from autoaccum._memory import analyse
@@ -136,6 +137,10 @@ class Estimate(JsonMixin):
       shards: on a mesh, the number of pieces the batch is sharded into: microbatch sizes are global and
         multiples of it, and every byte figure is per device (XLA's analysis of the mesh's program); 1 on one
         device.
+      compiler: which compiler answered: ``"XLA:GPU sm_90 (compile-only)"`` for a GPU target compiled by XLA's
+        GPU compiler, ``"XLA:CPU (proxy)"`` for a target planned from the CPU compiler's figures, ``""`` (this
+        machine's own compiler) without a target.
+      target: the catalogued accelerator given as ``target`` (``None`` without one).
     """
 
     strategy: str
@@ -151,6 +156,8 @@ class Estimate(JsonMixin):
     seconds: float
     accumulation_runtime_bytes_per_example: float = 0.0
     shards: int = 1
+    compiler: str = ""
+    target: str | None = None
 
     json_format = "autoaccum.estimate/1"
     json_properties = ("fixed_bytes", "per_example_bytes", "max_microbatch")
@@ -466,6 +473,10 @@ def runtime_bytes(platform: str, compiled: Sequence[jax.stages.Compiled]) -> int
 # -- measuring -------------------------------------------------------------------------------------------------
 
 
+COMPILE_ONLY_GPU = "gpu (compile-only)"
+"""How `_analyse` is told its programs were laid out on compile-only GPU devices (`autoaccum._gpu_compile`)."""
+
+
 class _Analysis(NamedTuple):
     peak_bytes: int
     flops: float
@@ -473,23 +484,36 @@ class _Analysis(NamedTuple):
     runtime_bytes: int
 
 
-def _analyse(programs: Sequence[Program], options: dict[str, Any]) -> _Analysis:
+def _analyse(programs: Sequence[Program], options: dict[str, Any], platform: str | None = None) -> _Analysis:
     """`autoaccum._memory.analyse`, plus what the runtime needs beyond XLA's accounting.
 
     Our speed-up options (`COMPILER_OPTIONS`, `CPU_SINGLE_STEP_OPTIONS`) are only that: one this jaxlib does
     not know is dropped and the programs compiled without it (the user's own options are never dropped).
+    ``platform=COMPILE_ONLY_GPU``: the programs are laid out on compile-only GPU devices
+    (`autoaccum._gpu_compile`); they must have compiled for GPUs, and their costs come from XLA's HLO cost
+    analysis of the GPU programs (`GPU_COMPILER_OPTIONS` are ours too: dropped if this jaxlib lacks one).
     """
+    platform = platform or jax.default_backend()
     try:
         memory, compiled = analyse(programs, compiler_options=options)
     except jax.errors.JaxRuntimeError as e:
-        ours = {**COMPILER_OPTIONS, **CPU_SINGLE_STEP_OPTIONS}
+        from autoaccum._gpu_compile import GPU_COMPILER_OPTIONS
+
+        ours = {**COMPILER_OPTIONS, **CPU_SINGLE_STEP_OPTIONS, **GPU_COMPILER_OPTIONS}
         unknown = [k for k in options if k in ours and options[k] == ours[k] and f"compile option: '{k}'" in str(e)]
         if "No such compile option" not in str(e) or not unknown:
             raise
-        return _analyse(programs, {k: v for k, v in options.items() if k not in unknown})
-    return _Analysis(
-        memory.peak_bytes, memory.flops, memory.bytes_accessed, runtime_bytes(jax.default_backend(), compiled)
-    )
+        return _analyse(programs, {k: v for k, v in options.items() if k not in unknown}, platform)
+    if platform == COMPILE_ONLY_GPU:
+        from autoaccum._gpu_compile import check_gpu, gpu_cost
+
+        flops = moved = 0.0
+        for c, program in zip(compiled, programs, strict=True):
+            check_gpu(c)
+            f, b = gpu_cost(c, program.lowered)
+            flops, moved = flops + f, moved + b
+        return _Analysis(memory.peak_bytes, flops, moved, 0)
+    return _Analysis(memory.peak_bytes, memory.flops, memory.bytes_accessed, runtime_bytes(platform, compiled))
 
 
 class _Measurer:
@@ -509,13 +533,15 @@ class _Measurer:
         build: dict[str, Any],
         compiler_options: dict[str, Any],
         workers: int,
+        platform: str | None = None,
     ) -> None:
+        self.platform = platform or jax.default_backend()
         self.params = abstract(params)
         self.batch = batch
         self.state = () if state is None else (abstract(state),)
         self.optimizer = optimizer
         self.compiler_options = compiler_options
-        fast = CPU_SINGLE_STEP_OPTIONS if jax.default_backend() == "cpu" else {}
+        fast = CPU_SINGLE_STEP_OPTIONS if self.platform == "cpu" else {}
         self.single_step_options = {**fast, **compiler_options}  # compiler_options holds COMPILER_OPTIONS
         self._build: Callable[[int], Update] = lambda m: build_update(
             loss_fn, optimizer, microbatch_size=m, has_state=state is not None, **build
@@ -541,7 +567,7 @@ class _Measurer:
                 batch = abstract_batch(self.batch, total)
                 programs = self._build(m).programs(self.params, self.opt_state, batch, *self.state)
                 options = self.single_step_options if m == total else self.compiler_options
-                self._pending[m, total] = self._pool.submit(_analyse, programs, options)
+                self._pending[m, total] = self._pool.submit(_analyse, programs, options, self.platform)
 
     def measure(self, sizes: Iterable[tuple[int, int]]) -> list[Point]:
         """`Point` for each ``(microbatch, batch_size)``, compiling those not measured yet."""
@@ -561,7 +587,7 @@ class _Measurer:
             return optax.apply_updates(params, updates), opt_state
 
         lowered = jax.jit(step, donate_argnums=(0, 1)).lower(self.params, self.opt_state, self.params)
-        return self._pool.submit(_analyse, [Program(lowered, 0)], self.compiler_options)
+        return self._pool.submit(_analyse, [Program(lowered, 0)], self.compiler_options, self.platform)
 
 
 def _affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -587,6 +613,7 @@ def estimate(
     refine_for: Sequence[int | str] = (),
     compiler_options: dict[str, Any] | None = None,
     workers: int = 2,
+    target: str | Path | None = None,
     **options: Any,
 ) -> Estimate:
     """Predicts, by compiling only, the peak memory of the update step at every microbatch size.
@@ -626,13 +653,20 @@ def estimate(
         the memory limit of each target of a capacity plan.
       compiler_options: XLA options for the analysis compilations, on top of `COMPILER_OPTIONS`.
       workers: compilations run in parallel.
+      target: a catalogued GPU (``"H100"``, ``"A100-40GB"``, ... `autoaccum._gpu_compile.known_targets`) or the
+        path of a target description: compile with XLA's GPU compiler for that card, on compile-only devices
+        (the ``gpu-plan`` extra; no GPU needed), laid out as ``params`` and ``batch`` are (on a mesh, a mesh of
+        as many GPUs). ``memory_limit`` then defaults to the card's (`autoaccum.Target.gpu`). Without the
+        extra, the CPU compiler's figures stand in, labelled ``Estimate.compiler == "XLA:CPU (proxy)"``
+        (`autoaccum._gpu_compile.compiler_status` says why and what to install).
       **options: the strategy's options (e.g. ``unroll=2``).
 
     Returns:
       An `Estimate`.
 
     Raises:
-      TypeError, ValueError: bad arguments (named in the message), before anything is compiled.
+      TypeError, ValueError: bad arguments (named in the message), before anything is compiled; an unknown
+        ``target`` (`autoaccum._catalog.UnknownAcceleratorError`, naming the known ones).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -653,6 +687,24 @@ def estimate(
         check_positive_int(effective_batch, "effective_batch")
     check_positive_int(workers, "workers")
     check_bool(accumulation, "accumulation")
+    platform, compiler, target_name = jax.default_backend(), "", None
+    if target is not None:
+        from autoaccum._gpu_compile import compiler_status, describe, on_gpu
+
+        description = describe(target)  # an unknown target fails here, naming the known ones
+        target_name = description.name
+        if memory_limit is None and not isinstance(target, Path):
+            memory_limit = Target.gpu(target_name).memory_limit_bytes
+        elif memory_limit is None:  # a card of the user's own: the GPU policy of `Accelerator.memory_limit_bytes`
+            memory_limit = int(description.memory_bytes * (DEFAULT_GPU_MEM_FRACTION - DEFAULT_SAFETY_MARGIN))
+        if compiler_status() is None:
+            from autoaccum._gpu_compile import GPU_COMPILER_OPTIONS
+
+            platform, compiler = "gpu", f"XLA:GPU {description.arch} (compile-only)"
+            compiler_options = {**GPU_COMPILER_OPTIONS, **(compiler_options or {})}
+            params, batch, state = on_gpu(target, params, batch, state)
+        else:
+            compiler = "XLA:CPU (proxy)"
     if memory_limit is None:
         from autoaccum._device import detect_device, resolve_memory_limit
 
@@ -682,6 +734,7 @@ def estimate(
         dict(strategy=strategy, has_aux=has_aux, loss_reduction=loss_reduction, **options),
         compile_options,
         workers,
+        COMPILE_ONLY_GPU if platform == "gpu" and target is not None else platform,
     ) as measurer:
         s1 = units(min(max(FIRST_SIZE, 2 * g), cap))
         sizes = [(s1, s1)]
@@ -741,9 +794,11 @@ def estimate(
                     reduction_bytes=float(sum(x.size for x in jax.tree.leaves(params)) * 4) if g > 1 else 0.0,
                 ),
                 microbatch_cap=cap,
-                platform=jax.default_backend(),
+                platform=platform,
                 seconds=time.perf_counter() - start,
                 shards=g,
+                compiler=compiler,
+                target=target_name,
             )
 
         est = current()

@@ -192,6 +192,43 @@ def demo() -> Workload:
     return dataclasses.replace(transformer(batch_size=128), name="demo transformer", memory_limit=DEMO_MEMORY_LIMIT)
 
 
+def sized_transformer(
+    name: str, *, vocab: int, dim: int, heads: int, layers: int, seq_len: int, batch_size: int
+) -> Workload:
+    """A transformer language model built from shapes only: parameters and batch are ``jax.ShapeDtypeStruct``
+    (nothing is allocated), for planning models larger than this machine (`autoaccum plan`). AdamW(3e-4).
+
+    Example:
+      >>> w = sized_transformer("tiny", vocab=64, dim=32, heads=2, layers=1, seq_len=16, batch_size=4)
+      >>> type(w.batch["tokens"]).__name__, w.batch_size
+      ('ShapeDtypeStruct', 4)
+    """
+    model = nnx.eval_shape(lambda: TransformerLM(vocab, dim, heads, layers, seq_len, rngs=nnx.Rngs(0)))
+
+    def loss(model: Any, batch: Any) -> jax.Array:
+        logits = model(batch["tokens"][:, :-1])
+        return _cross_entropy(logits, batch["tokens"][:, 1:])
+
+    loss_fn, params = _functional(model, loss)
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
+    return Workload(loss_fn, params, {"tokens": tokens}, optax.adamw(3e-4), name=name)
+
+
+def planning_demos() -> tuple[Workload, ...]:
+    """What ``autoaccum plan --demo`` plans: models people size, from shapes only, at an effective batch of 512
+    sequences of 1024 tokens (about half a million tokens per update, GPT-2's).
+
+    * ``gpt2-small``: GPT-2 small's shape (vocabulary 50257, width 768, 12 heads, 12 layers: 124M parameters
+      with its own head, here untied: 163M);
+    * ``transformer-1b``: width 2048, 16 heads, 18 layers, the same vocabulary (about 1.1B parameters).
+    """
+    common = dict(vocab=50257, seq_len=1024, batch_size=512)
+    return (
+        sized_transformer("gpt2-small", dim=768, heads=12, layers=12, **common),
+        sized_transformer("transformer-1b", dim=2048, heads=16, layers=18, **common),
+    )
+
+
 BUILTIN: dict[str, Callable[..., Workload]] = {
     "mlp": mlp,
     "linear": linear,

@@ -46,7 +46,10 @@ def test_json_output() -> None:
     assert h100["bound"] in ("compute", "memory")
     assert budget["accelerator"] is None and budget["accumulation_steps"] > 1 and budget["step_seconds"] is None
     assert budget["peak_bytes"] <= budget["memory_limit_bytes"] == 64 * 2**20
-    assert data["estimate"]["points"] and data["estimate"]["platform"] == "cpu"
+    # the H100 is compiled for by XLA's GPU compiler when the gpu-plan extra is installed (tests/test_gpu_plan.py)
+    gpu = data["gpu_compiler"] is None
+    assert data["estimate"]["points"] and data["estimate"]["platform"] == ("gpu" if gpu else "cpu")
+    assert h100["compiler"] == ("XLA:GPU sm_90 (compile-only)" if gpu else "XLA:CPU (proxy)")
 
 
 def test_mem_fraction_changes_the_usable_memory() -> None:

@@ -14,11 +14,15 @@ from autoaccum import strategies as strategies_lib
 from autoaccum.cli._common import resolve_workload, workload_arguments
 
 NOTE = (
-    "Predicted from XLA's compile-only analysis on {platform} (nothing was run). Usable memory = the card's "
+    "Predicted from XLA's compile-only analysis ({compilers}; nothing was run). Usable memory = the card's "
     "memory x mem-fraction ({fraction}) - a {margin:.0%} safety margin: JAX preallocates 75% of a GPU; set "
     "XLA_PYTHON_CLIENT_MEM_FRACTION=.9 (and pass --mem-fraction .9) or XLA_PYTHON_CLIENT_PREALLOCATE=false to "
     "use more. Step time is a roofline ESTIMATE (XLA's FLOPs and bytes accessed against the datasheet peaks), "
     "a lower bound rather than a measurement."
+)
+GPU_NOTE = (
+    "XLA:GPU sm_XY (compile-only): XLA's own GPU compiler for that card, on compile-only devices (no GPU used). "
+    "XLA:CPU (proxy): the CPU compiler's figures stand in for the card's."
 )
 
 
@@ -51,7 +55,7 @@ NOTE = (
     show_default=True,
     help="Plan for this many devices of each target, the batch sharded over them (data parallel): the "
     "microbatch is global, memory per device, and the step time includes the gradient reduction over the "
-    "interconnect. Compiled for as many CPU devices.",
+    "interconnect. Compiled for as many GPUs of each --gpu target (with the gpu-plan extra), else CPU devices.",
 )
 @click.option("--list-gpus", is_flag=True, help="List the catalogued accelerators and exit.")
 @click.option(
@@ -98,8 +102,11 @@ def plan(
     """Predict microbatch, accumulation steps, peak memory and step time on each target, before any run.
 
     WORKLOAD is path/to/file.py:function or package.module:function returning an autoaccum.Workload;
-    --demo uses the built-in transformer language model. Targets are catalogued accelerators (--gpu) and
-    bare memory limits (--memory-limit); with neither, this machine's default device.
+    --demo plans two models people size (GPT-2 small at sequence 1024, and a ~1B transformer), built from
+    shapes only. Targets are catalogued accelerators (--gpu) and bare memory limits (--memory-limit); with
+    neither, this machine's default device. With the gpu-plan extra (pip install "autoaccum[gpu-plan]",
+    jax-cuda12-plugin at jax's version) each catalogued GPU is compiled for by XLA's GPU compiler itself,
+    without a GPU; otherwise the CPU compiler's figures stand in (labelled "XLA:CPU (proxy)").
 
     \b
     Exit codes: 0 a capacity for every target; 1 nothing fits on some target; 2 bad usage or bad input.
@@ -107,8 +114,6 @@ def plan(
     from rich.console import Console
 
     from autoaccum._capacity import Target
-    from autoaccum._device import detect_device, resolve_memory_limit
-    from autoaccum._estimate import estimate
 
     console = Console(stderr=as_json, quiet=as_json, width=None if sys.stdout.isatty() else 130)
     if list_gpus or any(g.strip().lower() == "list" for g in gpus):
@@ -132,8 +137,50 @@ def plan(
     if plot is not None:
         _require_matplotlib()
     mesh = _mesh(devices) if devices > 1 else None  # before the workload makes arrays: JAX starts then
+    if demo and workload is None:
+        from autoaccum.workloads import planning_demos
+
+        if not targets:  # the cards people plan for
+            targets = [Target.gpu(name, mem_fraction, safety_margin) for name in ("H100", "A100-40GB", "L4")]
+        code = 0
+        for i, w in enumerate(planning_demos()):
+            total = w.batch_size if effective_batch is None else effective_batch
+            code = _plan_one(console, w, total, targets, mesh, devices, strategy, mem_fraction, safety_margin,
+                             None if i else out, as_json, None if plot is None else _nth(plot, i)) or code  # fmt: skip
+        raise SystemExit(code)
     w = resolve_workload(workload, demo)
     total = w.batch_size if effective_batch is None else effective_batch
+    raise SystemExit(
+        _plan_one(console, w, total, targets, mesh, devices, strategy, mem_fraction, safety_margin, out, as_json, plot)
+    )
+
+
+def _nth(path: Path, i: int) -> Path:
+    """``path`` for the first of several plots, ``stem-2.png`` and so on for the others."""
+    return path if i == 0 else path.with_name(f"{path.stem}-{i + 1}{path.suffix}")
+
+
+def _plan_one(
+    console: Any,
+    w: Any,
+    total: int,
+    targets: list[Any],
+    mesh: Any,
+    devices: int,
+    strategy: str,
+    mem_fraction: float | None,
+    safety_margin: float,
+    out: Path | None,
+    as_json: bool,
+    plot: Path | None,
+) -> int:
+    """Plans ``w`` on every target, prints the result; the exit code (0, or 1 when nothing fits somewhere)."""
+    from autoaccum._capacity import Target
+    from autoaccum._device import detect_device, resolve_memory_limit
+    from autoaccum._estimate import estimate
+    from autoaccum._gpu_compile import compiler_status, known_targets
+
+    targets = list(targets)
     params, batch, state = w.params, w.batch, w.state
     if mesh is not None:
         if total % devices:
@@ -145,44 +192,64 @@ def plan(
         params, batch, state = _on_mesh(mesh, w)
     if not targets:
         targets.append(Target("this machine", resolve_memory_limit(detect_device(), None)[0]))
+    status = compiler_status()
+    compiled_for = [t for t in targets if status is None and t.accelerator in known_targets()]
     on = f" on {devices} devices (data parallel; microbatch global, memory per device)" if devices > 1 else ""
     console.print(
         f"[bold]workload[/] {w.name}: effective batch {total}, strategy {strategy}{on}; compiling (not running)..."
     )
-    try:
-        est = estimate(
-            w.loss_fn,
-            params,
-            batch,
-            optimizer=w.optimizer,
-            strategy=strategy,
-            memory_limit=targets[0].memory_limit_bytes,
-            has_aux=w.has_aux,
-            state=state,
-            loss_reduction=w.loss_reduction,
-            refine_for=[t.memory_limit_bytes for t in targets],
-            effective_batch=total,
-        )
-    except (ValueError, TypeError) as e:
-        raise click.UsageError(str(e)) from e
-    plans = [est.capacity(total, t) for t in targets]
+    if status is not None and any(t.accelerator in known_targets() for t in targets):
+        console.print(f"[yellow]CPU proxy for the GPUs[/]: {status}", highlight=False)
+
+    def run(target: str | None, budgets: list[int]) -> Any:
+        try:
+            return estimate(
+                w.loss_fn,
+                params,
+                batch,
+                optimizer=w.optimizer,
+                strategy=strategy,
+                memory_limit=budgets[0],
+                has_aux=w.has_aux,
+                state=state,
+                loss_reduction=w.loss_reduction,
+                refine_for=budgets,
+                effective_batch=total,
+                target=target,
+            )
+        except (ValueError, TypeError) as e:
+            raise click.UsageError(str(e)) from e
+
+    by_target = {t.name: run(t.accelerator, [t.memory_limit_bytes]) for t in compiled_for}
+    rest = [t for t in targets if t.name not in by_target]
+    if rest:
+        proxy = run(None, [t.memory_limit_bytes for t in rest])
+        by_target.update({t.name: proxy for t in rest})
+    ests = [by_target[t.name] for t in targets]
+    est = ests[0]
+    plans = [e.capacity(total, t) for e, t in zip(ests, targets, strict=True)]
     if out is not None and plans[0].fits:
         _predicted_plan(w, est, plans[0]).save(out)
     if plot is not None:
-        _plot(est, plans, total, plot)
+        _plot(ests, plans, total, plot, w.name)
     if as_json:
-        click.echo(json.dumps(_as_dict(w.name, total, est, plans, targets), indent=2))
+        data = _as_dict(w.name, total, est, plans, targets)
+        data["gpu_compiler"] = status
+        click.echo(json.dumps(data, indent=2))
     else:
         _print_table(console, plans, total)
         fraction = "default" if mem_fraction is None else f"{mem_fraction:g}"
-        console.print(NOTE.format(platform=est.platform, fraction=fraction, margin=safety_margin), highlight=False)
-        console.print(f"{len(est.points)} compilations in {est.seconds:.1f} s.", highlight=False)
+        compilers = ", ".join(dict.fromkeys(p.compiler for p in plans))
+        console.print(NOTE.format(compilers=compilers, fraction=fraction, margin=safety_margin), highlight=False)
+        console.print(GPU_NOTE, highlight=False)
+        unique = list({id(e): e for e in ests}.values())
+        seconds = sum(e.seconds for e in unique)
+        console.print(f"{sum(len(e.points) for e in unique)} compilations in {seconds:.1f} s.", highlight=False)
         if plot is not None:
             console.print(f"plot saved to {plot}")
         if out is not None and plans[0].fits:
             console.print(f"plan for {plans[0].target} (predicted) saved to {out}")
-    if not all(p.fits for p in plans):
-        raise SystemExit(1)
+    return 0 if all(p.fits for p in plans) else 1
 
 
 def _mesh(devices: int) -> Any:
@@ -333,34 +400,45 @@ def _require_matplotlib() -> None:
         raise click.UsageError("--plot needs matplotlib: pip install 'autoaccum[plot]'.") from e
 
 
-def _plot(est: Any, plans: list[Any], total: int, path: Path) -> None:
+def _plot(ests: list[Any], plans: list[Any], total: int, path: Path, name: str) -> None:
+    """Predicted peak memory against the microbatch: one curve per compiler that answered, each target's budget."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    top = max([total, *(p.max_microbatch for p in plans), *(pt.microbatch_size for pt in est.points)])
+    unique = list({id(e): e for e in ests}.values())
+    top = max([total, *(p.max_microbatch for p in plans), *(pt.microbatch_size for e in unique for pt in e.points)])
     sizes = np.unique(np.geomspace(1, max(top, 2) * 1.5, 200).astype(int))
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    ax.plot(sizes, [est.bytes_at(int(m)) / 2**30 for m in sizes], label="one microbatch per step")
-    under = sizes[sizes < total]
-    if len(under):
-        ax.plot(under, [est.bytes_at(int(m), total) / 2**30 for m in under], "--", label=f"accumulating to {total}")
-    singles = est.single_points
-    ax.plot(
-        [p.microbatch_size for p in singles], [p.peak_bytes / 2**30 for p in singles], "o", label="compiled (measured)"
-    )
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, est in enumerate(unique):
+        label = est.compiler or f"XLA:{est.platform.upper()}"
+        if est.target:
+            label = f"{est.target}, {label}"
+        color = f"C{i % 10}"
+        ax.plot(sizes, [est.bytes_at(int(m)) / 2**30 for m in sizes], color=color, label=f"{label}: one step")
+        under = sizes[sizes < total]
+        if len(under):
+            ax.plot(under, [est.bytes_at(int(m), total) / 2**30 for m in under], "--", color=color, linewidth=1)
+        singles = est.single_points
+        ax.plot([p.microbatch_size for p in singles], [p.peak_bytes / 2**30 for p in singles], "o", color=color)
     for i, p in enumerate(plans):
-        color = f"C{(i + 2) % 10}"
+        color = f"C{(i + len(unique)) % 10}"
         ax.axhline(p.memory_limit_bytes / 2**30, color=color, linestyle=":", linewidth=1)
-        ax.annotate(p.target, (sizes[0], p.memory_limit_bytes / 2**30), color=color, va="bottom", fontsize=8)
+        ax.annotate(
+            f"{p.target} budget", (sizes[0], p.memory_limit_bytes / 2**30), color=color, va="bottom", fontsize=8
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("microbatch size")
-    ax.set_ylabel("predicted peak memory (GiB)")
-    ax.set_title("predicted peak memory (compile-only)\ndotted: each target's memory limit", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.set_xlabel("microbatch size (examples)")
+    ax.set_ylabel("predicted peak memory per device (GiB)")
+    ax.set_title(
+        f"{name}: predicted peak memory by microbatch (compile-only)\n"
+        f"solid: one microbatch per step; dashed: accumulating to {total}; dots: compiled sizes; dotted: budgets",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
