@@ -28,6 +28,8 @@ class TrialRecord(JsonMixin):
       reason: why it failed, if it did.
       same_program_as: the trial whose timing this one reuses: with one accumulation step every strategy runs
         the same plain step, which is timed once.
+      remat: the remat policy around the loss (`autoaccum.build_update`'s ``remat``), or None.
+      knobs: the values of the loss's own knobs (`autoaccum.Knobs`), ``{}`` without any.
     """
 
     number: int
@@ -40,6 +42,8 @@ class TrialRecord(JsonMixin):
     state: str
     reason: str | None = None
     same_program_as: int | None = None
+    remat: str | None = None
+    knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,4 +102,6 @@ def record(trial: optuna.trial.FrozenTrial, effective_batch: int, labels: dict[s
         state=trial.state.name,
         reason=trial.user_attrs.get("reason"),
         same_program_as=trial.user_attrs.get("same_program_as"),
+        remat=trial.user_attrs.get("remat"),
+        knobs=dict(trial.user_attrs.get("knobs") or {}),
     )
