@@ -62,6 +62,10 @@ class TuneResult(JsonMixin):
       resumed_trials: trials this study had settled in earlier runs (0 for a new study).
       new_trials: trials settled in this run.
       message: a one-line summary for people ("resumed: 12 trials from earlier runs, 0 new").
+      bounds: the largest microbatch tried for each setting of the knobs (``"remat=None"``, or with the loss's
+        own knobs ``"remat=None, block_remat='dots_saveable'"``): the probe's for the default setting, the
+        calibrated compile-only estimate's for the others (`autoaccum.ProbeResult.bound_for`), or the
+        ``max_microbatch`` given.
       update_fn: the plan's update, already compiled for the effective batch's shapes (not in the JSON).
       init: ``init(params) -> opt_state`` for ``update_fn`` (not in the JSON).
       step: from `autoaccum.nnx.tune`, the plan as an nnx step, ``loss = step(model, optimizer, batch)``
@@ -77,6 +81,7 @@ class TuneResult(JsonMixin):
     resumed_trials: int
     new_trials: int
     message: str
+    bounds: dict[str, int] = dataclasses.field(default_factory=dict)
     update_fn: Update | None = dataclasses.field(metadata=NOT_JSON, default=None, repr=False, compare=False)
     init: Callable[[PyTree], PyTree] | None = dataclasses.field(
         metadata=NOT_JSON, default=None, repr=False, compare=False

@@ -474,6 +474,7 @@ def tune(
         resumed_trials=resumed,
         new_trials=new,
         message=message,
+        bounds={str(setting): bound for setting, bound in bounds.items()},
         update_fn=update_fn,
         init=update_fn.init,
     )
