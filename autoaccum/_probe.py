@@ -154,7 +154,7 @@ class ProbeResult(JsonMixin):
           >>> from autoaccum._estimate import estimate
           >>> w = workloads.mlp()
           >>> found = probe(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="64MiB",
-          ...               max_microbatch=4096, isolate=False)
+          ...               max_microbatch=256, isolate=False)
           >>> found.bound_for(found.estimate) >= found.max_microbatch > 0
           True
         """
