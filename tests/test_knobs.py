@@ -338,3 +338,43 @@ def test_each_setting_of_the_knobs_gets_its_own_bound(monkeypatch: pytest.Monkey
     assert calls and all(m <= limit[value] for m, value in calls)
     assert any(m > probed for m, value in calls if value == "nothing_saveable")
     assert result.plan.knobs == {"block_remat": "nothing_saveable"}  # fewer, larger microbatches
+
+
+def test_nnx_tune_searches_a_knob_of_the_loss() -> None:
+    """A factory of nnx losses: the knob picks the nnx.remat policy of the layers the loss calls."""
+    from flax import nnx
+
+    model = workloads.MLP(features=(16, 4), in_features=6, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    batch = {"x": jax.random.normal(jax.random.key(3), (8, 6)), "y": jnp.ones((8, 4))}
+
+    def make_loss(layer_remat: str | None = None) -> Any:
+        def layer(linear: Any, x: jax.Array) -> jax.Array:
+            return linear(x)
+
+        if layer_remat is not None:
+            layer = nnx.remat(layer, policy=getattr(jax.checkpoint_policies, layer_remat))
+
+        def loss_fn(model: Any, b: Any) -> jax.Array:
+            h = nnx.relu(layer(model.layers[0], b["x"]))
+            return jnp.mean((layer(model.layers[1], h) - b["y"]) ** 2)
+
+        return loss_fn
+
+    seen: list[Any] = []
+
+    def measure(update: Update, params: Any, batch: Any, state: Any) -> Timing:
+        text = lowered_text(update, params, batch, state)
+        seen.append(("optimization_barrier" in text, update.microbatch_size))
+        return Timing(0.01 * (2 if "optimization_barrier" in text else 1), 0.1, 3)  # remat: slower here
+
+    knobs = Knobs(make_loss, layer_remat=(None, "nothing_saveable"))
+    result = autoaccum.nnx.tune(
+        knobs, model, optimizer, batch, max_microbatch=8, strategies=["loop"], n_trials=8, storage=":memory:",
+        measure=measure,
+    )  # fmt: skip
+    assert {remat for remat, _ in seen} == {False, True}  # both values reached the compiled program
+    assert result.plan.knobs == {"layer_remat": None}
+    before = np.asarray(model.layers[0].kernel[...])
+    loss = result.step(model, optimizer, batch)
+    assert np.isfinite(float(loss)) and not np.allclose(model.layers[0].kernel[...], before)
