@@ -18,6 +18,7 @@ from autoaccum import (
 from autoaccum._capacity import Capacity, Target
 from autoaccum._device import DeviceInfo, detect_device
 from autoaccum._estimate import Estimate, estimate
+from autoaccum._knobs import Knobs
 from autoaccum._plan import Plan
 from autoaccum._probe import ProbeError, ProbeResult, Trial, probe
 from autoaccum._tune.result import TrialRecord, TuneResult
@@ -31,6 +32,7 @@ __all__ = [
     "Capacity",
     "DeviceInfo",
     "Estimate",
+    "Knobs",
     "Plan",
     "ProbeError",
     "ProbeResult",

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from autoaccum._json import JsonMixin
+from autoaccum._knobs import Knobs, resolve
 from autoaccum._update import Update, build_update
 from autoaccum.strategies import PyTree
 
@@ -53,6 +54,9 @@ class Plan(JsonMixin):
       has_state: whether the loss threads a model state (``loss_fn(params, batch, state)``).
       loss_reduction: ``"mean"`` or ``"sum"`` (`autoaccum.build_update`).
       accumulator_dtype: the accumulator dtype's name.
+      remat: the ``jax.checkpoint`` policy around each microbatch's loss (`autoaccum.build_update`'s ``remat``),
+        or None.
+      knobs: the values of the loss's own knobs (`autoaccum.Knobs`) it was tuned with, ``{}`` without any.
       params: the parameters it was tuned for, as `params_signature`.
       versions: autoaccum and jax versions at tuning time.
 
@@ -75,6 +79,8 @@ class Plan(JsonMixin):
     has_state: bool = False
     loss_reduction: str = "mean"
     accumulator_dtype: str = "float32"
+    remat: str | None = None
+    knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
     params: dict[str, str] = dataclasses.field(default_factory=dict)
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -122,17 +128,25 @@ class Plan(JsonMixin):
 
     def build(
         self,
-        loss_fn: Callable[..., Any],
+        loss_fn: Callable[..., Any] | Knobs,
         optimizer: optax.GradientTransformation,
         *,
         params: PyTree | None = None,
         donate: bool = True,
     ) -> Update:
-        """The `Update` this plan describes (``params``, if given, are checked against the plan first)."""
+        """The `Update` this plan describes (``params``, if given, are checked against the plan first).
+
+        ``loss_fn`` is the loss function, or, for a plan tuned with knobs of the loss's own, the `autoaccum.Knobs`
+        it was tuned with: the loss is then ``make_loss(**plan.knobs)``.
+
+        Raises:
+          ValueError: ``params`` differ from the plan's, or the plan has knobs and ``loss_fn`` is a plain function
+            (or the other way round, a `Knobs` whose names differ from the plan's).
+        """
         if params is not None:
             self.check_params(params)
         return build_update(
-            loss_fn,
+            resolve(loss_fn, self.knobs),
             optimizer,
             microbatch_size=self.microbatch_size,
             strategy=self.strategy,
@@ -141,5 +155,6 @@ class Plan(JsonMixin):
             loss_reduction=self.loss_reduction,  # type: ignore[arg-type]
             accumulator_dtype=np.dtype(self.accumulator_dtype),
             donate=donate,
+            remat=self.remat,
             **self.options,
         )

@@ -137,6 +137,40 @@ class ProbeResult(JsonMixin):
         """Whether the answer is the cap (``max_microbatch`` it was given), not a boundary the device set."""
         return self.max_microbatch + self.granularity > self.microbatch_cap and self.max_microbatch > 0
 
+    def bound_for(self, other: Estimate) -> int:
+        """The largest microbatch predicted to fit for another setting of the probed step (another remat policy,
+        another value of the loss's own knobs), without probing it again: ``other``, its compile-only estimate
+        (made with this probe's ``microbatch_cap``), calibrated by what this probe measured.
+
+        The probe's largest fitting trial used ``peak_bytes`` where this probe's own estimate predicted
+        ``bytes_at(size)``: the ratio of the two is what the estimate misses on this device (the runtime's own
+        needs, the allocator's rounding). ``other`` answers for the limit divided by that ratio. Without a
+        measured peak, ``other``'s boundary is scaled by the probed over the estimated boundary; without an
+        estimate of the probed step, ``other``'s own answer stands. The result is a multiple of
+        ``granularity``, at most ``microbatch_cap``.
+
+        Example:
+          >>> from autoaccum import workloads
+          >>> from autoaccum._estimate import estimate
+          >>> w = workloads.mlp()
+          >>> found = probe(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="64MiB",
+          ...               max_microbatch=256, isolate=False)
+          >>> found.bound_for(found.estimate) >= found.max_microbatch > 0
+          True
+        """
+        g = self.granularity
+        own = self.estimate
+        fits = [t for t in self.trials if t.fits and t.peak_bytes]
+        if own is not None and fits:
+            largest = max(fits, key=lambda t: t.microbatch_size)
+            missed = largest.peak_bytes / own.bytes_at(largest.microbatch_size)  # type: ignore[operator]
+            answer = other.largest_microbatch(max(1, int(self.memory_limit_bytes / missed)))
+        elif own is not None and own.max_microbatch > 0:
+            answer = other.max_microbatch * self.max_microbatch // own.max_microbatch
+        else:
+            answer = other.max_microbatch
+        return min(answer // g * g, self.microbatch_cap // g * g)
+
     @property
     def step_seconds(self) -> float | None:
         """The step time at ``max_microbatch`` (from its trial)."""

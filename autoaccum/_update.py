@@ -56,6 +56,11 @@ class Update:
         return self.accumulation.spec.has_state
 
     @property
+    def remat(self) -> str | None:
+        """The ``jax.checkpoint`` policy each microbatch's loss runs under (None: off)."""
+        return self.accumulation.spec.remat
+
+    @property
     def loss_reduction(self) -> str:
         """``"mean"`` (``loss_fn`` returns the mean loss) or ``"sum"`` (it returns ``(loss_sum, weight)``)."""
         return self.accumulation.spec.loss_reduction
@@ -150,6 +155,7 @@ def build_update(
     donate: bool = True,
     gather_params: Schedule = "once",
     reduce_grads: Schedule = "once",
+    remat: str | None = None,
     **options: Any,
 ) -> Update:
     """Builds a jitted update that accumulates gradients over microbatches of ``microbatch_size``.
@@ -191,6 +197,11 @@ def build_update(
         update (a full copy on each device) or ``"per_microbatch"`` (less memory, more communication).
       reduce_grads: on a mesh, reduce the gradient sums across devices ``"once"`` per update (a full-size sum
         on each device) or ``"per_microbatch"`` (with FSDP: sharded sums, more communication).
+      remat: rematerialisation: the ``jax.checkpoint`` policy each microbatch's loss runs under, named after
+        ``jax.checkpoint_policies`` (``autoaccum.strategies.REMAT_POLICIES``: ``"nothing_saveable"``,
+        ``"dots_saveable"``, ``"dots_with_no_batch_dims_saveable"``, and where the device has pinned host memory
+        ``"offload_dot_with_no_batch_dims"``), or None (off, the default). The result is the same; the memory
+        and the time of a step change. Per-layer policies need the model's cooperation: see `autoaccum.Knobs`.
       **options: the strategy's options (``autoaccum.strategies.get(strategy).options``), e.g. ``unroll=2`` for scan.
 
     Returns:
@@ -249,6 +260,7 @@ def build_update(
         loss_reduction,
         gather_params=gather_params,
         reduce_grads=reduce_grads,
+        remat=remat,
     )
     accumulation = cls(spec, **options)
     return Update(microbatch_size, strategy, dict(accumulation.config), accumulation)

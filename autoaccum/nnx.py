@@ -31,6 +31,7 @@ from flax import nnx
 
 from autoaccum._checks import check_loss_fn
 from autoaccum._estimate import estimate as _estimate
+from autoaccum._knobs import Knobs, resolve
 from autoaccum._probe import probe as _probe
 from autoaccum._tune import run as _run
 from autoaccum._update import Update as _Update
@@ -208,17 +209,30 @@ def estimate(
     return _estimate(f.loss_fn, f.params, batch, optimizer=f.tx, state=f.state, **kwargs)
 
 
-def tune(loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, **kwargs: Any) -> Any:
+def tune(
+    loss_fn: Callable[..., Any] | Knobs, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, **kwargs: Any
+) -> Any:
     """`autoaccum.tune` for ``loss_fn(model, batch)``; the model and optimizer are not changed.
 
-    The result's ``step`` is the tuned plan as an nnx step: ``loss = result.step(model, optimizer, batch)``.
+    ``loss_fn`` may be an `autoaccum.Knobs` whose factory makes ``loss_fn(model, batch)`` for each value of the
+    loss's own knobs (e.g. which ``nnx.remat`` policy wraps the blocks it calls). The result's ``step`` is the
+    tuned plan as an nnx step: ``loss = result.step(model, optimizer, batch)``.
     """
-    f = functional(loss_fn, model, optimizer)
-    result = _run.tune(f.loss_fn, f.params, batch, optimizer=f.tx, state=f.state, **kwargs)
+    if isinstance(loss_fn, Knobs):
+        knobs = loss_fn
+        f = functional(knobs.loss_fn(**knobs.default), model, optimizer)
+        pure: Any = Knobs(
+            lambda **values: functional(knobs.loss_fn(**values), model, optimizer).loss_fn, **knobs.choices
+        )
+    else:
+        f = functional(loss_fn, model, optimizer)
+        pure = f.loss_fn
+    result = _run.tune(pure, f.params, batch, optimizer=f.tx, state=f.state, **kwargs)
     plan = result.plan
     step = build_update(
-        loss_fn, microbatch_size=plan.microbatch_size, strategy=plan.strategy, has_aux=plan.has_aux,
-        loss_reduction=plan.loss_reduction, accumulator_dtype=jnp.dtype(plan.accumulator_dtype), **plan.options,
+        resolve(loss_fn, plan.knobs), microbatch_size=plan.microbatch_size, strategy=plan.strategy,
+        has_aux=plan.has_aux, loss_reduction=plan.loss_reduction, accumulator_dtype=jnp.dtype(plan.accumulator_dtype),
+        remat=plan.remat, **plan.options,
     )  # fmt: skip
     return dataclasses.replace(result, step=step)
 

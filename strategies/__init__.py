@@ -34,6 +34,7 @@ from autoaccum.strategies._base import (
     weighted_grad,
 )
 from autoaccum.strategies._layout import Layout, layout_of
+from autoaccum.strategies._remat import REMAT_POLICIES, check_remat
 from autoaccum.strategies._strategy import Strategy
 from autoaccum.strategies.loop import Loop
 from autoaccum.strategies.multisteps import MultiSteps
@@ -102,6 +103,7 @@ for _cls in (Scan, Loop, MultiSteps):
 del _cls
 
 __all__ = [
+    "REMAT_POLICIES",
     "SCHEDULES",
     "Accum",
     "Layout",
@@ -120,6 +122,7 @@ __all__ = [
     "apply_optimizer",
     "available",
     "check_params",
+    "check_remat",
     "finish_loss",
     "get",
     "layout_of",

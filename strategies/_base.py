@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from autoaccum.strategies._remat import check_remat, rematerialised
 
 PyTree = Any
 LossFn = Callable[..., Any]
@@ -55,6 +56,8 @@ class Spec:
         update (a full copy on each device) or ``"per_microbatch"`` (less memory, more communication).
       reduce_grads: on a mesh, reduce the gradient sums across devices ``"once"`` per update (a full-size
         gradient sum on each device) or ``"per_microbatch"`` (sharded sums with FSDP, more communication).
+      remat: the ``jax.checkpoint`` policy applied to each microbatch's loss, by name (`REMAT_POLICIES`), or
+        None (off).
     """
 
     loss_fn: LossFn
@@ -67,8 +70,10 @@ class Spec:
     loss_reduction: LossReduction = "mean"
     gather_params: Schedule = "once"
     reduce_grads: Schedule = "once"
+    remat: str | None = None
 
     def __post_init__(self) -> None:
+        check_remat(self.remat)
         for name in ("gather_params", "reduce_grads"):
             if getattr(self, name) not in SCHEDULES:
                 raise ValueError(
@@ -300,9 +305,9 @@ def weighted_grad(spec: Spec) -> Callable[[PyTree, PyTree, PyTree], tuple[Accum,
     With ``loss_reduction="mean"`` the sums are ``n`` times the mean loss's gradient, loss and aux, with weight
     ``n`` (the microbatch's examples); with ``"sum"``, the gradient of ``loss_sum``, ``loss_sum``, ``weight``
     times aux, and ``weight``. The products are formed in ``spec.accumulator_dtype``. ``state`` is not
-    differentiated.
+    differentiated. With ``spec.remat`` the loss runs under ``jax.checkpoint`` with that policy.
     """
-    value_and_grad = jax.value_and_grad(checked_loss(spec), has_aux=True)
+    value_and_grad = jax.value_and_grad(rematerialised(checked_loss(spec), spec.remat), has_aux=True)
     acc_dtype = spec.accumulator_dtype
     is_sum = spec.loss_reduction == "sum"
 

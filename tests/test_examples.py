@@ -12,9 +12,15 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 
 
 def test_there_are_examples() -> None:
-    assert {"mlp.py", "linear.py", "transformer.py", "nnx_train.py", "linen_resnet.py", "padded_lm.py"} <= {
-        p.name for p in EXAMPLES
-    }
+    assert {
+        "mlp.py",
+        "linear.py",
+        "transformer.py",
+        "nnx_train.py",
+        "linen_resnet.py",
+        "padded_lm.py",
+        "remat_knobs.py",
+    } <= {p.name for p in EXAMPLES}
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)

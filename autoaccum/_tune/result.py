@@ -35,6 +35,8 @@ class TrialRecord(JsonMixin):
         CPU the resident memory the trial touched; on a GPU XLA's ``peak_bytes_in_use`` when it rose during the
         trial, else (an earlier trial or the compiler's autotuning peaked higher) the live bytes once the inputs
         were made plus the step's largest program's buffers. None when timed in this process.
+      remat: the remat policy around the loss (`autoaccum.build_update`'s ``remat``), or None.
+      knobs: the values of the loss's own knobs (`autoaccum.Knobs`), ``{}`` without any.
     """
 
     number: int
@@ -49,6 +51,8 @@ class TrialRecord(JsonMixin):
     same_program_as: int | None = None
     seconds: tuple[float, float, float] | None = None
     peak_bytes: int | None = None
+    remat: str | None = None
+    knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,10 @@ class TuneResult(JsonMixin):
       resumed_trials: trials this study had settled in earlier runs (0 for a new study).
       new_trials: trials settled in this run.
       message: a one-line summary for people ("resumed: 12 trials from earlier runs, 0 new").
+      bounds: the largest microbatch tried for each setting of the knobs (``"remat=None"``, or with the loss's
+        own knobs ``"remat=None, block_remat='dots_saveable'"``): the probe's for the default setting, the
+        calibrated compile-only estimate's for the others (`autoaccum.ProbeResult.bound_for`), or the
+        ``max_microbatch`` given.
       update_fn: the plan's update, already compiled for the effective batch's shapes (not in the JSON).
       init: ``init(params) -> opt_state`` for ``update_fn`` (not in the JSON).
       step: from `autoaccum.nnx.tune`, the plan as an nnx step, ``loss = step(model, optimizer, batch)``
@@ -90,6 +98,7 @@ class TuneResult(JsonMixin):
     resumed_trials: int
     new_trials: int
     message: str
+    bounds: dict[str, int] = dataclasses.field(default_factory=dict)
     update_fn: Update | None = dataclasses.field(metadata=NOT_JSON, default=None, repr=False, compare=False)
     init: Callable[[PyTree], PyTree] | None = dataclasses.field(
         metadata=NOT_JSON, default=None, repr=False, compare=False
@@ -119,4 +128,6 @@ def record(trial: optuna.trial.FrozenTrial, effective_batch: int, labels: dict[s
         same_program_as=trial.user_attrs.get("same_program_as"),
         seconds=quartiles(times) if complete and times else None,
         peak_bytes=trial.user_attrs.get("peak_bytes"),
+        remat=trial.user_attrs.get("remat"),
+        knobs=dict(trial.user_attrs.get("knobs") or {}),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 import warnings
@@ -16,12 +17,24 @@ import optuna
 
 from autoaccum._batch import abstract, abstract_batch, resize_batch
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
+from autoaccum._estimate import estimate
+from autoaccum._knobs import Knobs
 from autoaccum._plan import Plan, params_signature
 from autoaccum._probe import prepare, probe
 from autoaccum._tune.claims import config_key, open_claims, settled
 from autoaccum._tune.race import FINALISTS, ROUNDS, Runner, race
 from autoaccum._tune.result import TrialRecord, TuneResult, record
-from autoaccum._tune.space import microbatch_candidates, variants
+from autoaccum._tune.space import (
+    BUILTIN_REMAT,
+    Setting,
+    check_remat_values,
+    knob_space,
+    microbatch_candidates,
+    setting_of,
+    setting_params,
+    settings,
+    variants,
+)
 from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
 from autoaccum._tune.timing import Timing, TrialFailed, time_update
 from autoaccum._tune.worker import Request, TimingWorker
@@ -65,12 +78,11 @@ def _entrants(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 
 def _retime(
-    trial: optuna.trial.FrozenTrial, labels: dict[str, Any], time_config: Callable[[str, dict[str, Any], int], Timing]
+    trial: optuna.trial.FrozenTrial, time_config: Callable[[optuna.trial.FrozenTrial], Timing]
 ) -> tuple[float, ...] | None:
     """A finalist's step times measured again (None if it failed this time)."""
-    strategy, options = labels[trial.params["strategy"]]
     try:
-        timing = time_config(strategy, dict(options), int(trial.params["microbatch_size"]))
+        timing = time_config(trial)
     except TrialFailed:
         return None
     return timing.times or (timing.seconds_per_step,)
@@ -88,7 +100,7 @@ def _versions() -> dict[str, str]:
 
 @quiet_optuna()
 def tune(
-    loss_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any] | Knobs,
     params: PyTree,
     batch: PyTree,
     *,
@@ -107,6 +119,7 @@ def tune(
     loss_reduction: str = "mean",
     accumulator_dtype: Any = jnp.float32,
     max_microbatch: int | None = None,
+    remat: Sequence[str | None] = BUILTIN_REMAT,
     trial_timeout: float | None = 120.0,
     compile_timeout: float | None = 600.0,
     isolate: bool = True,
@@ -114,9 +127,14 @@ def tune(
     measure: Callable[[Update, PyTree, PyTree], Timing] | None = None,
     callbacks: Sequence[Callable[[TrialRecord, int, int], None]] = (),
 ) -> TuneResult:
-    """Finds the microbatch size and accumulation strategy with the highest measured throughput.
+    """Finds the microbatch size, accumulation strategy and knobs with the highest measured throughput.
 
-    First the probe bounds the microbatch (`autoaccum.probe`; no size above that bound is ever timed); then
+    The knobs trade memory for speed: the remat policy around each microbatch's loss (``remat``), and the loss's
+    own (pass an `autoaccum.Knobs`, a loss factory, as ``loss_fn``). Each setting of them has its own microbatch
+    bound: the probe runs once, for the default setting (each knob's first value), and every other setting's
+    bound is its compile-only estimate calibrated by what the probe measured (`ProbeResult.bound_for`).
+
+    First the probe bounds the microbatch (`autoaccum.probe`; no size above a setting's bound is ever timed); then
     an Optuna study times real update steps at the effective batch: every configuration when the space is
     small (``GridSampler``), else a seeded ``TPESampler`` warm-started with the largest fitting microbatch of
     each strategy. Trials that run out of memory or over ``trial_timeout`` are recorded as failed and the
@@ -129,7 +147,9 @@ def tune(
     body or the optimizer and a new study starts, never the old one's answer.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss (``-> (loss, aux)`` with ``has_aux``).
+      loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss (``-> (loss, aux)`` with ``has_aux``), or an
+        `autoaccum.Knobs` whose factory makes it for each value of the loss's own knobs (the plan records
+        the values picked in ``plan.knobs``).
       params: the parameters; never donated or changed (trials work on copies).
       batch: an example batch; its leading size is the default effective batch.
       optimizer: the optax optimizer training uses (required: its state is part of the memory).
@@ -154,7 +174,10 @@ def tune(
       loss_reduction: ``"mean"`` or ``"sum"`` (``loss_fn`` returns ``(loss_sum, weight)``), as for
         `autoaccum.build_update`.
       accumulator_dtype: the dtype gradients accumulate in, as for `autoaccum.build_update` (recorded in the plan).
-      max_microbatch: skip the probe and use this bound instead.
+      max_microbatch: skip the probe and use this bound instead (for every setting of the knobs).
+      remat: the remat policies to search (`autoaccum.build_update`'s ``remat``, None: off), the first one
+        probed; default `autoaccum._tune.space.BUILTIN_REMAT`, off and the policies measured to lower an
+        example model's peak. ``(None,)`` searches none.
       trial_timeout: seconds a trial's steps (warm-up and timed) may take before the trial is recorded as failed
         (a hang: the worker is killed and restarted).
       compile_timeout: seconds a trial's compiling may take, likewise.
@@ -178,7 +201,18 @@ def tune(
       RuntimeError: nothing fits (the probe found no microbatch) or every trial failed.
     """
     batch_size = leading_size(batch)
-    check_loss_fn(loss_fn)
+    knobs = loss_fn if isinstance(loss_fn, Knobs) else None
+    remat = check_remat_values(remat)
+    knob_settings = settings(remat, knobs)
+    losses: dict[Setting, Callable[..., Any]] = {}
+
+    def loss_for(setting: Setting) -> Callable[..., Any]:
+        if setting not in losses:
+            losses[setting] = loss_fn.loss_fn(**setting.values) if isinstance(loss_fn, Knobs) else loss_fn
+        return losses[setting]
+
+    default = knob_settings[0]
+    check_loss_fn(loss_for(default))
     check_optimizer(optimizer)
     check_params(params)
     check_bool(fresh, "fresh")
@@ -221,11 +255,11 @@ def tune(
     )
     # Build one update per strategy so bad input (optimizer, loss, options) fails here, not in trial 0.
     for name in names:
-        build_update(loss_fn, optimizer, microbatch_size=1, strategy=name, **loss_kw)
+        build_update(loss_for(default), optimizer, microbatch_size=1, strategy=name, remat=default.remat, **loss_kw)
     setup = None
     if measure is None and isolate:  # the worker's job and limit: the probe's (checked here, before anything runs)
         setup = prepare(
-            loss_fn, params, batch, optimizer=optimizer, strategy=names[0], memory_limit=memory_limit,
+            loss_for(default), params, batch, optimizer=optimizer, strategy=names[0], memory_limit=memory_limit,
             max_microbatch=effective_batch, has_aux=has_aux, state=state, loss_reduction=loss_reduction,
             options={"accumulator_dtype": accumulator_dtype},
         )  # fmt: skip
@@ -234,7 +268,7 @@ def tune(
     probed = None
     if max_microbatch is None:
         probed = probe(
-            loss_fn,
+            loss_for(default),
             params,
             batch,
             optimizer=optimizer,
@@ -244,19 +278,38 @@ def tune(
             has_aux=has_aux,
             state=state,
             loss_reduction=loss_reduction,
+            options=None if default.remat is None else {"remat": default.remat},
         )
         max_microbatch = probed.max_microbatch
-        if max_microbatch < 1:
+    bounds = {setting: max_microbatch for setting in knob_settings}
+    if probed is not None:  # every other setting: its compile-only estimate, calibrated by the probe
+        for setting in knob_settings[1:]:
+            predicted = estimate(
+                loss_for(setting), params, batch, optimizer=optimizer, strategy=names[0],
+                memory_limit=probed.memory_limit_bytes, max_microbatch=probed.microbatch_cap, accumulation=False,
+                has_aux=has_aux, state=state, loss_reduction=loss_reduction, remat=setting.remat,
+            )  # fmt: skip
+            bounds[setting] = probed.bound_for(predicted)
+        if max(bounds.values()) < 1:
             raise RuntimeError(
                 "nothing fits: even a microbatch of 1 ran out of memory under the probe's limit "
-                f"({probed.memory_limit_bytes} bytes); reduce the model or raise `memory_limit`."
+                f"({probed.memory_limit_bytes} bytes) with every setting of the knobs; reduce the model or raise "
+                "`memory_limit`."
             )
 
     labels = variants(names, fsdp=layout is not None and layout.sharded_params)
-    sizes = [m for m in microbatch_candidates(effective_batch, max_microbatch) if m % shards == 0]
-    space: dict[str, list[Any]] = {"microbatch_size": sizes, "strategy": list(labels)}
-    grid_points = len(sizes) * len(labels)
-    plain = build_update(loss_fn, optimizer, microbatch_size=effective_batch, strategy=names[0], **loss_kw)
+    fitting = {
+        s: [m for m in microbatch_candidates(effective_batch, b) if m % shards == 0] if b >= 1 else []
+        for s, b in bounds.items()
+    }
+    sizes = list(dict.fromkeys(m for s in knob_settings for m in fitting[s]))
+    knob_params = knob_space(remat, knobs)
+    space: dict[str, list[Any]] = {"microbatch_size": sizes, "strategy": list(labels), **knob_params}
+    grid_points = sum(len(fitting[s]) for s in knob_settings) * len(labels)  # the configurations within bounds
+    plain = build_update(
+        loss_for(default), optimizer, microbatch_size=effective_batch, strategy=names[0], remat=default.remat,
+        **loss_kw,
+    )  # fmt: skip
     params_s = abstract(params)
     state_s = () if state is None else (abstract(state),)
     programs = plain.programs(
@@ -312,8 +365,13 @@ def tune(
     wanted = grid_points if exhaustive else (n_trials or DEFAULT_TRIALS)
     budget = min(wanted, grid_points)  # the study's, shared by every worker on it
     if not exhaustive and not trials:
-        for label in list(labels)[:wanted]:  # warm start: on most devices the largest fitting microbatch is fastest
-            study.enqueue_trial({"microbatch_size": max(sizes), "strategy": label})
+        # Warm start: on most devices the largest fitting microbatch is fastest; each strategy at the default
+        # setting's largest, then each other setting of the knobs at its own largest.
+        starts = [(label, default) for label in labels] + [(next(iter(labels)), s) for s in knob_settings[1:]]
+        for label, setting in [(label, s) for label, s in starts if fitting[s]][:wanted]:
+            study.enqueue_trial(
+                {"microbatch_size": max(fitting[setting]), "strategy": label, **setting_params(setting, knob_params)}
+            )
 
     full_batch = batch
     if effective_batch != batch_size and layout is None:
@@ -324,18 +382,28 @@ def tune(
     timer = measure or functools.partial(time_update, time_limit=trial_timeout)
     with_state: dict[str, Any] = {} if state is None else {"state": state}
     worker = None
-    if setup is not None:
+    if setup is not None:  # the worker makes each setting's loss from the knobs (the factory travels, pickled)
+        job = setup.job if knobs is None else dataclasses.replace(setup.job, loss_fn=knobs)  # type: ignore[arg-type]
         worker = TimingWorker(
-            setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=compile_timeout,
-            step_timeout=trial_timeout,
+            job, setup.device, setup.memory_limit_bytes, compile_timeout=compile_timeout, step_timeout=trial_timeout,
+            settings=[s.values for s in knob_settings],
         )  # fmt: skip
     limit_label = None if setup is None else format_bytes(setup.memory_limit_bytes)
 
-    def time_config(strategy: str, options: dict[str, Any], m: int) -> Timing:
+    def time_config(trial: optuna.Trial | optuna.trial.FrozenTrial) -> Timing:
+        """Times the configuration of ``trial`` (its Optuna parameters): in the worker, or here."""
+        m = int(trial.params["microbatch_size"])
+        strategy, options = labels[trial.params["strategy"]]
+        setting = setting_of(trial.params, remat, knobs)
         if worker is None:
-            update = build_update(loss_fn, optimizer, microbatch_size=m, strategy=strategy, **loss_kw, **options)
+            update = build_update(
+                loss_for(setting), optimizer, microbatch_size=m, strategy=strategy, remat=setting.remat, **loss_kw,
+                **options,
+            )  # fmt: skip
             return timer(update, params, full_batch, **with_state)
-        outcome = worker.time(Request({"strategy": strategy, **options}, m, effective_batch, STEPS, WARMUP))
+        build = {"strategy": strategy, **options, "remat": setting.remat}
+        index = knob_settings.index(setting)
+        outcome = worker.time(Request(build, m, effective_batch, STEPS, WARMUP, setting=index))
         if outcome.status == "oom":
             raise TrialFailed(f"out of memory in the worker (limit {limit_label}): {outcome.message}")
         if outcome.status != "fits":
@@ -345,8 +413,13 @@ def tune(
 
     def objective(trial: optuna.Trial) -> float:
         m = trial.suggest_categorical("microbatch_size", sizes)
-        label = trial.suggest_categorical("strategy", list(labels))
-        strategy, options = labels[label]
+        trial.suggest_categorical("strategy", list(labels))
+        setting = setting_of({k: trial.suggest_categorical(k, v) for k, v in knob_params.items()}, remat, knobs)
+        trial.set_user_attr("remat", setting.remat)
+        trial.set_user_attr("knobs", setting.values)
+        if m > bounds[setting]:  # never timed: not a configuration of the study's (it claims nothing)
+            trial.set_user_attr("above_bound", bounds[setting])
+            raise optuna.TrialPruned(f"microbatch {m} is above the bound of {setting} ({bounds[setting]})")
         holder = claims.claim(config_key(trial.params), trial.number, budget, by_number)
         if holder is None:  # the study's budget is claimed, by this worker or others
             trial.set_user_attr("over_budget", True)
@@ -362,13 +435,14 @@ def tune(
             raise optuna.TrialPruned(f"trial {holder} measures this configuration")
         done = study.get_trials(deepcopy=False, states=(_COMPLETE,))
         for other in done:
-            if m >= effective_batch and other.params["microbatch_size"] >= effective_batch:
-                # One accumulation step: every strategy and option runs the same plain step. Timing it again
-                # would only let noise pick between identical programs.
+            same_knobs = all(other.params.get(k) == trial.params[k] for k in knob_params)
+            if m >= effective_batch and other.params["microbatch_size"] >= effective_batch and same_knobs:
+                # One accumulation step: every strategy and option runs the same plain step (for one setting of
+                # the knobs). Timing it again would only let noise pick between identical programs.
                 trial.set_user_attr("same_program_as", other.number)
                 return float(other.value)  # type: ignore[arg-type]
         try:
-            timing = time_config(strategy, dict(options), m)
+            timing = time_config(trial)
         except TrialFailed as e:
             trial.set_user_attr("reason", str(e))
             raise
@@ -393,6 +467,7 @@ def tune(
     # trials, wait for them: a trial whose worker died goes stale and is queued again, for this worker to run.
     deadline = None if timeout is None else time.monotonic() + timeout
     after_round = -1
+    above = len(sizes) * len(labels) * len(knob_settings) - grid_points  # proposals above a bound: pruned
     with contextlib.ExitStack() as stack:
         if worker is not None:
             stack.enter_context(worker)
@@ -412,8 +487,9 @@ def tune(
                     break
             # Proposals of an already measured point cost nothing and don't count; the cap only bounds the loop.
             study.optimize(
-                objective, n_trials=4 * (budget - count) + 16, timeout=left, catch=(TrialFailed,), callbacks=[report]
-            )
+                objective, n_trials=4 * (budget - count) + 16 + above, timeout=left, catch=(TrialFailed,),
+                callbacks=[report],
+            )  # fmt: skip
             after_round = len(_settled_configs(study))
 
         # The finalists, re-timed side by side (`autoaccum._tune.race`): the pick is not decided by one
@@ -425,7 +501,7 @@ def tune(
         if (race_record is None or race_record["entrants"] != settled_key) and race_rounds > 0 and len(entrants) > 1:
             runners = race(
                 [(t.number, t.number, t.user_attrs.get("times") or ()) for t in entrants[:FINALISTS]],
-                lambda number: _retime(by_number()[number], labels, time_config),
+                lambda number: _retime(by_number()[number], time_config),
                 rounds=race_rounds,
             )
             race_record = study.user_attrs.get("race")
@@ -454,6 +530,7 @@ def tune(
         top = by_number()[runners[0].trial]
         throughput = effective_batch / runners[0].quartiles[1]
     strategy, options = labels[top.params["strategy"]]
+    chosen = setting_of(top.params, remat, knobs)
     plan = Plan(
         effective_batch=effective_batch,
         microbatch_size=int(top.params["microbatch_size"]),
@@ -466,6 +543,8 @@ def tune(
         has_state=state is not None,
         loss_reduction=loss_reduction,
         accumulator_dtype=jnp.dtype(accumulator_dtype).name,
+        remat=chosen.remat,
+        knobs=chosen.values,
         params=params_signature(params),
         versions=_versions(),
     )
@@ -501,6 +580,7 @@ def tune(
         resumed_trials=resumed,
         new_trials=new,
         message=message,
+        bounds={str(setting): bound for setting, bound in bounds.items()},
         update_fn=update_fn,
         init=update_fn.init,
     )

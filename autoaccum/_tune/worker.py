@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -48,6 +48,8 @@ class Request:
     rows: int
     steps: int
     warmup: int
+    setting: int = 0
+    """Which of the worker's knob settings makes the loss (`TimingWorker`'s ``settings``)."""
 
 
 class TimingWorker:
@@ -60,15 +62,25 @@ class TimingWorker:
       limit: bytes a trial may use, as the probe's.
       compile_timeout, step_timeout: seconds the compiling and the stepping (warm-up and timed steps) may take
         before the worker is killed as hung (None: no limit).
+      settings: the values of the loss's own knobs a `Request` picks from (``job.loss_fn`` is then the
+        `autoaccum.Knobs` that makes the loss); default one setting, ``{}``: ``job.loss_fn`` is the loss.
     """
 
     def __init__(
-        self, job: Job, device: Any, limit: int, *, compile_timeout: float | None, step_timeout: float | None
+        self,
+        job: Job,
+        device: Any,
+        limit: int,
+        *,
+        compile_timeout: float | None,
+        step_timeout: float | None,
+        settings: Sequence[Mapping[str, Any]] = ({},),
     ) -> None:
         self.job, self.device, self.limit = job, device, limit
         self.compile_timeout, self.step_timeout = compile_timeout, step_timeout
         self.restarts = 0
-        self._files = ChildRunner(job, device, limit, [job.loss_fn])
+        functions = [getattr(job.loss_fn, "make_loss", job.loss_fn)]  # a Knobs travels with its factory
+        self._files = ChildRunner((job, list(settings)), device, limit, functions)
         self._proc: subprocess.Popen[bytes] | None = None
         self._answers: int | None = None
         self._buffer = b""
@@ -185,22 +197,26 @@ def serve(payload_path: str, answers_fd: int, limit: int) -> None:
     import jax
 
     from autoaccum._isolation import load_payload
+    from autoaccum._knobs import resolve
     from autoaccum._trial import compile_trial, is_oom, measured, oom_outcome, warm_up
 
-    job, platform = load_payload(payload_path)
+    (job, settings), platform = load_payload(payload_path)
     device = jax.devices()[0]
     warm_up(device)
     answers = os.fdopen(answers_fd, "w", buffering=1)
     cache: dict[str, Any] = {}
     for line in sys.stdin:
         request = Request(**json.loads(line))
-        key = json.dumps([request.build, request.microbatch_size, request.rows], sort_keys=True, default=str)
+        key = json.dumps(
+            [request.build, request.microbatch_size, request.rows, request.setting], sort_keys=True, default=str
+        )
         outcome: Outcome
         try:
             try:
                 compiled = cache.pop(key, None)
                 if compiled is None:
-                    sub = dataclasses.replace(job, build={**job.build, **request.build})
+                    loss_fn = resolve(job.loss_fn, settings[request.setting])
+                    sub = dataclasses.replace(job, loss_fn=loss_fn, build={**job.build, **request.build})
                     compiled = compile_trial(sub, request.microbatch_size, device, rows=request.rows)
                 cache[key] = compiled
                 while len(cache) > MAX_CACHED:
