@@ -156,6 +156,9 @@ def child_env(
     """
     out = dict(os.environ if env is None else env)
     out["JAX_PLATFORMS"] = backend_name(info)
+    # XLA's informational log lines (e.g. a CUDA plugin installed for GPU-compiled plans on a machine with no
+    # driver says so in every process) would crowd a dead child's output, which is how its end is classified.
+    out.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     if info.platform == "gpu":
         if info.total_bytes is None:
             raise ValueError(f"cannot cap {info.name}: its total memory is unknown (no NVML, no memory_stats).")

@@ -1,10 +1,18 @@
-"""Tuned plan vs exhaustive grid on the example transformer, in one run.
+"""The tuner against the exhaustive grid, and the knobs under a tight memory limit, on the example transformer.
 
-The grid times every microbatch x every strategy variant the tuner could pick (the same candidates and the
-same timing function); the tuner runs its default study. Both winners are then re-timed side by side
-(interleaved rounds, median) so the ratio compares like with like on a noisy machine.
+(a) ``--runs`` times: `autoaccum.tune` with its defaults (no probe: both searches get the same bound, the effective
+batch) against the exhaustive grid of the same space (every candidate microbatch x strategy variant x remat
+policy the tuner searches), each configuration timed as the tuner times it (the isolated worker, 5 steps after
+a warm-up); then the two winners are re-timed side by side in one worker (``--rounds`` interleaved rounds,
+median). Goal: the tuned pick >= 0.97 of the grid's best, in <= 1/3 of the grid's time, in every run (the
+worst run is reported).
 
-Run: ``python benchmarks/tune.py [--effective-batch 64] [--rounds 5]``. Prints a Markdown table.
+(b) Under ``--tight-limit`` (where the transformer without remat fits only a small microbatch), `autoaccum.tune`
+searching no remat (``remat=(None,)``) against `autoaccum.tune` searching the remat policies too
+(``--remat``): each pick's throughput, re-timed side by side, and each one's measured peak.
+
+Run: ``python benchmarks/tune.py [--effective-batch 64] [--seq-len 64] [--runs 5] [--part a|b|both]``.
+Prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -21,78 +29,137 @@ import optax
 import optuna
 
 import autoaccum
-from autoaccum import strategies, workloads
-from autoaccum._tune.space import microbatch_candidates, variants
-from autoaccum._tune.timing import time_update
+from autoaccum import workloads
+from autoaccum._probe import prepare
+from autoaccum._tune.run import STEPS, WARMUP
+from autoaccum._tune.space import BUILTIN_REMAT, microbatch_candidates, variants
+from autoaccum._tune.worker import Request, TimingWorker
+from autoaccum._units import format_bytes
+
+Config = tuple[int, str, Any]  # (microbatch, strategy variant label, remat)
+
+
+def side_by_side(worker: TimingWorker, configs: dict[str, Config], labels: dict[str, Any], rows: int, rounds: int):
+    """Median examples/s of each config over ``rounds`` interleaved rounds in one worker."""
+    rates: dict[str, list[float]] = {key: [] for key in configs}
+    for r in range(rounds):
+        keys = list(configs)[r % len(configs) :] + list(configs)[: r % len(configs)]
+        for key in keys:
+            m, label, remat = configs[key]
+            name, options = labels[label]
+            outcome = worker.time(Request({"strategy": name, **options, "remat": remat}, m, rows, STEPS, WARMUP))
+            if outcome.status == "fits":
+                rates[key].extend(rows / t for t in outcome.times or ())
+    return {key: statistics.median(v) if v else 0.0 for key, v in rates.items()}
+
+
+def part_a(w: autoaccum.Workload, args: argparse.Namespace) -> None:
+    batch = args.effective_batch
+    labels = variants(list(autoaccum.strategies.available()))
+    remats = list(BUILTIN_REMAT)
+    grid_configs = [(m, label, r) for m in microbatch_candidates(batch, batch) for label in labels for r in remats]
+    setup = prepare(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit=args.memory_limit)
+    print(
+        f"\n(a) tuned vs exhaustive grid: effective batch {batch}, {len(grid_configs)} grid configurations "
+        f"(remat searched: {remats}), limit {format_bytes(setup.memory_limit_bytes)}\n"
+    )
+    print("| run | tuned pick | grid best | tuned / grid best (side by side) | search s tuned / grid | goal |")
+    print("|---|---|---|---:|---|---|")
+    ratios, times = [], []
+    for run in range(1, args.runs + 1):
+        start = time.perf_counter()
+        result = autoaccum.tune(
+            w.loss_fn, w.params, w.batch, optimizer=w.optimizer, storage=":memory:", max_microbatch=batch,
+            memory_limit=args.memory_limit, seed=run,
+        )  # fmt: skip
+        tune_seconds = time.perf_counter() - start
+        plan = result.plan
+        tuned_label = next(k for k, v in labels.items() if v == (plan.strategy, plan.options))
+        tuned: Config = (plan.microbatch_size, tuned_label, plan.remat)
+        with TimingWorker(
+            setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=600, step_timeout=120
+        ) as worker:
+            start = time.perf_counter()
+            grid: dict[Config, float] = {}
+            for m, label, remat in grid_configs:
+                name, options = labels[label]
+                build = {"strategy": name, **options, "remat": remat}
+                outcome = worker.time(Request(build, m, batch, STEPS, WARMUP))
+                if outcome.status == "fits" and outcome.seconds:
+                    grid[(m, label, remat)] = batch / outcome.seconds
+            grid_seconds = time.perf_counter() - start
+            best = max(grid, key=grid.__getitem__)
+            rates = side_by_side(worker, {"tuned": tuned, "grid": best}, labels, batch, args.rounds)
+        ratio, time_ratio = rates["tuned"] / rates["grid"], tune_seconds / grid_seconds
+        ratios.append(ratio)
+        times.append(time_ratio)
+        met = "met" if ratio >= 0.97 and time_ratio <= 1 / 3 else "**not met**"
+        print(
+            f"| {run} | {tuned[0]} x {tuned[1]} remat={tuned[2]} | {best[0]} x {best[1]} remat={best[2]} | "
+            f"{ratio:.3f} ({rates['tuned']:,.0f} / {rates['grid']:,.0f} ex/s) | {time_ratio:.2f} "
+            f"({tune_seconds:.0f} / {grid_seconds:.0f}) | {met} |",
+            flush=True,
+        )
+    print(
+        f"\nworst of {args.runs} runs: tuned / grid best {min(ratios):.3f} (goal >= 0.97), search time ratio "
+        f"{max(times):.2f} (goal <= 0.33)"
+    )
+
+
+def part_b(w: autoaccum.Workload, args: argparse.Namespace) -> None:
+    batch = args.effective_batch
+    remats = (None, *args.remat)
+    print(f"\n(b) knobs under a tight limit: {args.tight_limit}, effective batch {batch}, remat searched {remats}\n")
+    results = {}
+    for key, search in (("without knobs", (None,)), ("with knobs", remats)):
+        start = time.perf_counter()
+        results[key] = autoaccum.tune(
+            w.loss_fn, w.params, w.batch, optimizer=w.optimizer, storage=":memory:", memory_limit=args.tight_limit,
+            remat=search,
+        )  # fmt: skip
+        print(f"{key}: {time.perf_counter() - start:.0f} s; bounds {getattr(results[key], 'bounds', None)}")
+    labels = variants(list(autoaccum.strategies.available()))
+    configs = {}
+    for key, result in results.items():
+        plan = result.plan
+        configs[key] = (plan.microbatch_size, next(k for k, v in labels.items() if v == (plan.strategy, plan.options)),
+                        plan.remat)  # fmt: skip
+    setup = prepare(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit=args.tight_limit)
+    with TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=600, step_timeout=120) as wk:
+        rates = side_by_side(wk, configs, labels, batch, args.rounds)
+    print("\n| search | pick | examples/s (side by side) | measured peak | limit |")
+    print("|---|---|---:|---:|---:|")
+    for key, result in results.items():
+        m, label, remat = configs[key]
+        peak = "n/a" if result.peak_bytes is None else format_bytes(result.peak_bytes)
+        limit = format_bytes(result.memory_limit_bytes or 0)
+        print(f"| {key} | {m} x {label} remat={remat} | {rates[key]:,.0f} | {peak} | {limit} |")
+    print(f"\nwith knobs / without: {rates['with knobs'] / rates['without knobs']:.3f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--effective-batch", type=int, default=64)
-    parser.add_argument("--max-microbatch", type=int, default=None, help="skip the probe (default: probe)")
-    parser.add_argument("--rounds", type=int, default=5, help="side-by-side re-timing rounds")
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="side-by-side re-timing rounds")
+    parser.add_argument("--part", choices=("a", "b", "both"), default="both")
+    parser.add_argument("--memory-limit", default="1GiB", help="(a): the limit trials run under")
+    parser.add_argument("--tight-limit", default="24MiB", help="(b): a limit where no remat fits a small microbatch")
+    parser.add_argument("--remat", action="append", default=None, help="(b): policies searched with knobs")
     args = parser.parse_args()
+    args.remat = args.remat or ["nothing_saveable", "dots_saveable"]
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-
     w = workloads.transformer(batch_size=args.effective_batch, seq_len=args.seq_len)
     print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, optax {optax.__version__}"
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, device "
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, optax {optax.__version__}; transformer seq "
+        f"{args.seq_len}"
     )
-    names = list(strategies.available())
-
-    start = time.perf_counter()
-    result = autoaccum.tune(
-        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, storage=":memory:", max_microbatch=args.max_microbatch
-    )
-    tune_seconds = time.perf_counter() - start
-    bound = result.probe.max_microbatch if result.probe is not None else args.max_microbatch
-    measured = [r for r in result.trials if r.state in ("COMPLETE", "FAIL")]
-    print(f"tune: {len(measured)} trials in {tune_seconds:.1f} s (probe bound {bound})")
-
-    labels = variants(names)
-    sizes = microbatch_candidates(args.effective_batch, bound)
-    start = time.perf_counter()
-    grid: dict[tuple[int, str], float] = {}
-    for m in sizes:
-        for label, (name, options) in labels.items():
-            update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=m, strategy=name, **options)
-            timing = time_update(update, w.params, w.batch)
-            grid[(m, label)] = args.effective_batch / timing.seconds_per_step
-    grid_seconds = time.perf_counter() - start
-    grid_best = max(grid, key=grid.__getitem__)
-    print(f"grid: {len(grid)} configurations in {grid_seconds:.1f} s")
-
-    plan = result.plan
-    tuned_label = next(k for k, v in labels.items() if v == (plan.strategy, plan.options))
-    contenders = {"tuned plan": (plan.microbatch_size, tuned_label), "grid best": grid_best}
-    updates = {
-        key: autoaccum.build_update(
-            w.loss_fn, w.optimizer, microbatch_size=m, strategy=labels[label][0], **labels[label][1]
-        )
-        for key, (m, label) in contenders.items()
-    }
-    rates: dict[str, list[float]] = {key: [] for key in contenders}
-    for _ in range(args.rounds):
-        for key, update in updates.items():
-            rates[key].append(args.effective_batch / time_update(update, w.params, w.batch).seconds_per_step)
-    median = {key: statistics.median(values) for key, values in rates.items()}
-
-    searches = {"tuned plan": (tune_seconds, len(measured)), "grid best": (grid_seconds, len(grid))}
-    rows: list[tuple[Any, ...]] = [
-        (key, f"{m} x {label}", f"{median[key]:,.0f}", f"{searches[key][0]:.1f}", searches[key][1])
-        for key, (m, label) in contenders.items()
-    ]
-    print(f"\neffective batch {args.effective_batch}, transformer (seq {args.seq_len}), side-by-side medians:\n")
-    print("| | microbatch x strategy | examples/s | search seconds | configurations timed |")
-    print("|---|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(str(c) for c in row) + " |")
-    print(
-        f"\nthroughput ratio tuned / grid best: {median['tuned plan'] / median['grid best']:.3f} (goal >= 0.95); "
-        f"search time ratio tuned / grid: {tune_seconds / grid_seconds:.2f} (goal < 1)"
-    )
+    if args.part in ("a", "both"):
+        part_a(w, args)
+    if args.part in ("b", "both"):
+        part_b(w, args)
 
 
 if __name__ == "__main__":

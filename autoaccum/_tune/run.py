@@ -407,7 +407,8 @@ def tune(
         if outcome.status == "oom":
             raise TrialFailed(f"out of memory in the worker (limit {limit_label}): {outcome.message}")
         if outcome.status != "fits":
-            raise TrialFailed(f"failed in the worker: {(outcome.message or '').strip()[-400:]}")
+            message = (outcome.message or "").strip()
+            raise TrialFailed(f"failed in the worker: {message if len(message) < 900 else message[:900] + ' ...'}")
         times = tuple(outcome.times or ())
         return Timing(outcome.seconds or 0.0, outcome.compile_seconds or 0.0, len(times), times, outcome.peak_bytes)
 
