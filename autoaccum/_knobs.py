@@ -27,7 +27,9 @@ class Knobs:
     ``make_loss(**values)`` returns a loss function as `autoaccum.build_update` takes it (the same for every
     value: same arguments, same ``has_aux``/``has_state``/``loss_reduction`` form); the first value of each knob
     is its default. Pass the `Knobs` where a loss function goes to `autoaccum.tune` (or `autoaccum.nnx.tune`,
-    whose factory makes ``loss_fn(model, batch)``) and to `autoaccum.Plan.build`.
+    whose factory makes ``loss_fn(model, batch)``) and to `autoaccum.Plan.build`. Wrap blocks with
+    ``jax.checkpoint`` inside the loss (``nn.remat`` in the module): the probe ships the loss to a child process,
+    and a function that ``jax.checkpoint`` returned does not pickle.
 
     Attributes:
       make_loss: ``make_loss(**values) -> loss_fn``.
