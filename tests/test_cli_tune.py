@@ -48,6 +48,18 @@ def test_plot_of_peak_memory_against_throughput(tmp_path: Path) -> None:
     assert (width, height) == (750, 450)
 
 
+def test_remat_policies_searched_from_the_command_line() -> None:
+    result = run(
+        "tune", LINEAR, "--max-microbatch", "8", "--strategy", "loop", "--remat", "dots_saveable", "--storage",
+        ":memory:", "--race-rounds", "0", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, explain(result)
+    trials = json.loads(result.stdout)["trials"]
+    assert {t["remat"] for t in trials} == {None, "dots_saveable"}
+    bad = run("tune", LINEAR, "--max-microbatch", "8", "--remat", "most_saveable", "--storage", ":memory:")
+    assert bad.exit_code == 2 and "remat" in bad.output
+
+
 def test_tune_json(tmp_path: Path) -> None:
     result = run("tune", LINEAR, "--max-microbatch", "8", "--n-trials", "2", "--storage", ":memory:", "--json")
     assert result.exit_code == 0, explain(result)

@@ -57,6 +57,11 @@ params, opt_state, loss = update(params, opt_state, batch)   # batch: {batch} ex
     help="Rounds of re-timing the best configurations side by side before the pick (0: none).",
 )  # fmt: skip
 @click.option(
+    "--remat", "remat_policies", multiple=True,
+    help="Remat policies to search besides none (repeat; jax.checkpoint_policies names, e.g. dots_saveable) "
+    "[default: those measured to lower the peak; see the README].",
+)  # fmt: skip
+@click.option(
     "--no-isolate", is_flag=True,
     help="Time trials in this process (no worker, no memory cap; a trial that does not fit fails here).",
 )  # fmt: skip
@@ -81,6 +86,7 @@ def tune(
     trial_timeout: float,
     compile_timeout: float,
     race_rounds: int,
+    remat_policies: tuple[str, ...],
     no_isolate: bool,
     out: Path | None,
     plot: Path | None,
@@ -99,6 +105,7 @@ def tune(
 
     from autoaccum._tune.result import TrialRecord
     from autoaccum._tune.run import tune as run_tune
+    from autoaccum._tune.space import BUILTIN_REMAT
 
     if plot is not None:
         _require_matplotlib()
@@ -140,6 +147,7 @@ def tune(
                 compile_timeout=compile_timeout,
                 race_rounds=race_rounds,
                 isolate=not no_isolate,
+                remat=(None, *remat_policies) if remat_policies else BUILTIN_REMAT,
                 callbacks=[on_trial],
             )
         except (ValueError, TypeError) as e:
@@ -170,7 +178,8 @@ def tune(
         )
     console.print(
         f"\n[bold green]best plan[/]: microbatch {plan.microbatch_size} x {plan.accumulation_steps} steps "
-        f"= {plan.effective_batch} examples, strategy {plan.strategy} {plan.options or ''}, "
+        f"= {plan.effective_batch} examples, strategy {plan.strategy} {plan.options or ''}"
+        f"{'' if plan.remat is None else f' remat={plan.remat}'}{''.join(f' {k}={v}' for k, v in plan.knobs.items())}, "
         f"{plan.throughput:,.1f} examples/s on {plan.device}",
         soft_wrap=True,
     )
@@ -192,11 +201,17 @@ def tune(
 def _describe(record: Any) -> str:
     what = f"#{record.number:<3d} microbatch {record.microbatch_size:>5d} x {record.accumulation_steps:<4d}"
     what += f" {record.strategy}"
-    what += "".join(f" {k}={v}" for k, v in record.options.items())
+    what += "".join(f" {k}={v}" for k, v in record.options.items()) + _knobs_text(record)
     if record.throughput is not None:
         spread = "" if record.seconds is None else f" (step {_ms_spread(record.seconds)})"
         return f"{what}: {record.throughput:,.1f} examples/s{spread}"
     return f"{what}: {record.state} {record.reason or ''}".rstrip()
+
+
+def _knobs_text(record: Any) -> str:
+    """`` remat=... knob=...`` of a trial (nothing when it ran with none)."""
+    text = "" if record.remat is None else f" remat={record.remat}"
+    return text + "".join(f" {k}={v}" for k, v in record.knobs.items())
 
 
 def _ms_spread(seconds: tuple[float, float, float]) -> str:
@@ -213,7 +228,7 @@ def _print_table(console: Any, result: Any) -> None:
     for column in columns:
         table.add_column(column, justify="left" if column in ("strategy", "state", "step time") else "right")
     for r in result.trials:
-        options = "".join(f" {k}={v}" for k, v in r.options.items())
+        options = "".join(f" {k}={v}" for k, v in r.options.items()) + _knobs_text(r)
         table.add_row(
             str(r.number),
             str(r.microbatch_size),
@@ -263,7 +278,7 @@ def _plot(result: Any, path: Path) -> None:
     points = [(r.peak_bytes / mib, r.throughput, r) for r in result.trials if r.throughput and r.peak_bytes is not None]
     by_strategy: dict[str, list[tuple[float, float]]] = {}
     for x, y, r in points:
-        label = r.strategy + "".join(f" {k}={v}" for k, v in r.options.items())
+        label = r.strategy + "".join(f" {k}={v}" for k, v in r.options.items()) + _knobs_text(r)
         by_strategy.setdefault(label, []).append((x, y))
     for label, xy in sorted(by_strategy.items()):
         xs, ys = zip(*xy, strict=True)
