@@ -15,7 +15,17 @@ import numpy as np
 import optax
 
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
-from autoaccum.strategies import LossReduction, Program, PyTree, Schedule, Spec, Strategy, check_params, leading_size
+from autoaccum.strategies import (
+    Auto,
+    LossReduction,
+    Program,
+    PyTree,
+    Schedule,
+    Spec,
+    Strategy,
+    check_params,
+    leading_size,
+)
 from autoaccum.strategies import get as get_strategy
 
 
@@ -40,7 +50,7 @@ class Update:
 
     Attributes:
       microbatch_size: examples per microbatch; the last one may be smaller.
-      strategy: the strategy's registered name.
+      strategy: the strategy's registered name, or ``"auto"`` (`autoaccum.strategies.Auto`).
       options: the strategy's options.
       accumulation: the strategy object that runs the step.
     """
@@ -147,7 +157,7 @@ def build_update(
     optimizer: optax.GradientTransformation,
     *,
     microbatch_size: int,
-    strategy: str = "scan",
+    strategy: str = "auto",
     has_aux: bool = False,
     has_state: bool = False,
     loss_reduction: LossReduction = "mean",
@@ -184,7 +194,9 @@ def build_update(
         example axis. Every leaf of ``params`` must be floating (counters and keys belong in ``state``).
       optimizer: an ``optax.GradientTransformation``.
       microbatch_size: examples per microbatch (a positive int).
-      strategy: how to accumulate, one of ``autoaccum.strategies.available()``.
+      strategy: how to accumulate, one of ``autoaccum.strategies.available()``, or ``"auto"``: ``"scan"`` (the
+        whole update in one program), except on XLA:CPU for a ``loss_fn`` with a convolution, ``"loop"``
+        (XLA:CPU runs convolutions inside a loop body about 10x slower; see `autoaccum.strategies.Auto`).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       has_state: whether ``loss_fn`` takes and returns a model state (then the update does too).
       loss_reduction: ``"mean"`` (``loss_fn`` returns the mean loss) or ``"sum"`` (it returns
@@ -239,7 +251,7 @@ def build_update(
     check_loss_fn(loss_fn)
     check_optimizer(optimizer)
     check_positive_int(microbatch_size, "microbatch_size")
-    cls = get_strategy(strategy)
+    cls = Auto if strategy == Auto.name else get_strategy(strategy)
     check_bool(has_aux, "has_aux")
     check_bool(has_state, "has_state")
     check_bool(donate, "donate")

@@ -148,7 +148,7 @@ def build_update(
     loss_fn: Callable[..., Any],
     *,
     microbatch_size: int,
-    strategy: str = "scan",
+    strategy: str = "auto",
     has_aux: bool = False,
     loss_reduction: str = "mean",
     accumulator_dtype: Any = jnp.float32,

@@ -3,7 +3,8 @@
 Every strategy computes the same update (see `Strategy`); they differ in how the microbatches are run. A
 strategy of your own subclasses `Strategy`, builds on the pieces exported here (`weighted_grad`,
 `apply_optimizer`, ...) and is made available everywhere (``build_update(strategy=...)``, the tuner, the CLI,
-and the conformance test suite) by `register`.
+and the conformance test suite) by `register`. `Auto`, `build_update`'s default, is no strategy of its own: it
+runs ``scan``, or ``loop`` where XLA:CPU would run a convolution slowly inside ``scan``'s loop.
 
 Example:
   >>> from autoaccum import strategies
@@ -36,6 +37,7 @@ from autoaccum.strategies._base import (
 from autoaccum.strategies._layout import Layout, layout_of
 from autoaccum.strategies._remat import REMAT_POLICIES, check_remat
 from autoaccum.strategies._strategy import Strategy
+from autoaccum.strategies.auto import Auto, has_convolution
 from autoaccum.strategies.loop import Loop
 from autoaccum.strategies.multisteps import MultiSteps
 from autoaccum.strategies.scan import Scan
@@ -106,6 +108,7 @@ __all__ = [
     "REMAT_POLICIES",
     "SCHEDULES",
     "Accum",
+    "Auto",
     "Layout",
     "Loop",
     "LossReduction",
@@ -125,6 +128,7 @@ __all__ = [
     "check_remat",
     "finish_loss",
     "get",
+    "has_convolution",
     "layout_of",
     "leading_size",
     "output_dtypes",

@@ -299,13 +299,14 @@ def checked_loss(spec: Spec) -> Callable[[PyTree, PyTree, PyTree], tuple[jax.Arr
     return wrapped
 
 
-def weighted_grad(spec: Spec) -> Callable[[PyTree, PyTree, PyTree], tuple[Accum, PyTree]]:
+def weighted_grad(spec: Spec, *, scale_grads: bool = True) -> Callable[[PyTree, PyTree, PyTree], tuple[Accum, PyTree]]:
     """``f(params, microbatch, state) -> (Accum, state)``: one microbatch's unnormalised sums and its new state.
 
     With ``loss_reduction="mean"`` the sums are ``n`` times the mean loss's gradient, loss and aux, with weight
     ``n`` (the microbatch's examples); with ``"sum"``, the gradient of ``loss_sum``, ``loss_sum``, ``weight``
     times aux, and ``weight``. The products are formed in ``spec.accumulator_dtype``. ``state`` is not
-    differentiated. With ``spec.remat`` the loss runs under ``jax.checkpoint`` with that policy.
+    differentiated. Without ``scale_grads`` the mean loss's gradient is left unscaled (the caller scales the
+    sum of equal microbatches once). With ``spec.remat`` the loss runs under ``jax.checkpoint`` with that policy.
     """
     value_and_grad = jax.value_and_grad(rematerialised(checked_loss(spec), spec.remat), has_aux=True)
     acc_dtype = spec.accumulator_dtype
@@ -318,7 +319,8 @@ def weighted_grad(spec: Spec) -> Callable[[PyTree, PyTree, PyTree], tuple[Accum,
         (loss, out), grads = value_and_grad(params, microbatch, state)
         weight = jnp.asarray(out.weight, acc_dtype)
         factor = 1.0 if is_sum else weight
-        return Accum(scale(grads, factor), scale(loss, factor), scale(out.aux, weight), weight), out.state
+        grads = scale(grads, factor if scale_grads else 1.0)
+        return Accum(grads, scale(loss, factor), scale(out.aux, weight), weight), out.state
 
     return f
 
@@ -349,7 +351,12 @@ def accumulate_in_scan(
     total = leading_size(batch)
     m = spec.microbatch_size
     full, rest = split(total, m)
+    # The scanned microbatches weigh m each: their mean-loss gradients are added as they are and multiplied by m
+    # once after the loop. Scaling each one in the loop would cost a pass over every gradient per microbatch
+    # (XLA adds a scatter's gradient, an embedding's, into the sums in place only when nothing scales it).
+    raw = grad_fn is None and spec.loss_reduction == "mean"
     grad_fn = weighted_grad(spec) if grad_fn is None else grad_fn
+    body_grad_fn = weighted_grad(spec, scale_grads=False) if raw else grad_fn
     if full <= 1 and rest == 0:  # one microbatch: the plain full-batch step
         return grad_fn(params, batch, state)
     acc: Accum | None = None
@@ -358,14 +365,15 @@ def accumulate_in_scan(
 
         def body(carry: tuple[Accum, PyTree], microbatch: PyTree) -> tuple[tuple[Accum, PyTree], None]:
             acc, state = carry
-            new, state = grad_fn(params, microbatch, state)
+            new, state = body_grad_fn(params, microbatch, state)
             return (add(acc, new), state), None
 
         first = jax.tree.map(lambda x: x[0], stacked)
-        shapes = jax.eval_shape(lambda p, b, s: grad_fn(p, b, s)[0], params, first, state)
+        shapes = jax.eval_shape(lambda p, b, s: body_grad_fn(p, b, s)[0], params, first, state)
         start = (zeros or _zeros)(shapes)
         (scanned, state), _ = jax.lax.scan(body, (start, state), stacked, unroll=unroll)
-        acc = scanned
+        weight = jnp.asarray(m, spec.accumulator_dtype)
+        acc = scanned._replace(grads=jax.tree.map(lambda g: g * weight, scanned.grads)) if raw else scanned
     if rest:
         last, state = grad_fn(params, jax.tree.map(lambda x: x[full * m :], batch), state)
         acc = last if acc is None else add(acc, last)

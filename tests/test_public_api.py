@@ -38,7 +38,7 @@ def test_every_module_is_private_or_meant_to_be_imported() -> None:
     }  # installed from strategies/ (package-dir), so not below autoaccum/ in an editable install
     public = {n for n in names if not any(part.startswith("_") for part in n.split(".")[1:])}
     assert public == PUBLIC_MODULES | {"autoaccum.cli.devices", "autoaccum.cli.plan", "autoaccum.cli.probe",
-                                       "autoaccum.cli.tune", "autoaccum.strategies.loop",
+                                       "autoaccum.cli.tune", "autoaccum.strategies.auto", "autoaccum.strategies.loop",
                                        "autoaccum.strategies.multisteps", "autoaccum.strategies.scan"}  # fmt: skip
     for name in autoaccum.__all__:
         value = getattr(autoaccum, name)

@@ -317,3 +317,38 @@ def test_every_strategy_keeps_the_optimizers_own_state(strategy: str) -> None:
     q2, t2, _ = scan(q1, t1, batch)
     assert_trees_close(p2, q2, atol=1e-6)
     assert_trees_close(s2, t2, atol=1e-6)
+
+
+# ---- the default: `auto` ----
+
+
+def conv_loss(kernel: jax.Array, batch: jax.Array) -> jax.Array:
+    dims = ("NHWC", "HWIO", "NHWC")
+    return jnp.mean(jax.lax.conv_general_dilated(batch, kernel, (1, 1), "SAME", dimension_numbers=dims) ** 2)
+
+
+def test_auto_is_the_default_and_runs_loop_for_a_convolution_on_the_cpu() -> None:
+    # XLA:CPU runs the gradient's convolutions in a loop body on its naive path (about 10x slower), so the
+    # default runs a convnet from a host loop; a loss without convolutions runs as one scan.
+    for w, expected in ((workloads.cnn(batch_size=10), "loop"), (workloads.mlp(batch_size=10), "scan")):
+        update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=4)
+        assert update.strategy == "auto"
+        assert update.accumulation.choose(w.params, w.batch).name == expected
+        expected_params, expected_state, expected_loss = full_batch_step(
+            w.loss_fn, w.optimizer, w.params, w.optimizer.init(w.params), w.batch
+        )
+        params, opt_state, loss = update(copy(w.params), update.init(w.params), w.batch)  # 4 + 4 + 2
+        assert_trees_close(params, expected_params, atol=1e-5)
+        assert_trees_close(opt_state, expected_state, atol=1e-6)
+        np.testing.assert_allclose(loss, expected_loss, atol=1e-6)
+
+
+def test_auto_passes_scans_options_and_finds_nested_convolutions() -> None:
+    update = autoaccum.build_update(conv_loss, optax.sgd(0.1), microbatch_size=2, unroll=2)
+    assert update.options == {"unroll": 2}
+    kernel, batch = jnp.ones((3, 3, 1, 2)), jnp.ones((4, 5, 5, 1))
+    nested = jax.make_jaxpr(jax.jit(jax.checkpoint(jax.grad(conv_loss))))(kernel, batch)
+    assert strategies.has_convolution(nested.jaxpr)
+    assert not strategies.has_convolution(jax.make_jaxpr(lambda x: jnp.sum(x**2))(batch).jaxpr)
+    # loop's programs: the first microbatch (new sums), the others (added to the sums), the optimizer step
+    assert len(update.programs(kernel, update.init(kernel), batch)) == 3
