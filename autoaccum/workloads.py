@@ -180,11 +180,12 @@ def transformer(
     return Workload(loss_fn, params, {"tokens": tokens}, optax.adamw(1e-3), name="transformer")
 
 
-DEMO = {"cpu": (128, "64MiB"), "gpu": (1024, "512MiB")}
-"""The demo's effective batch and memory limit per platform. On the CPU a batch of 128 sequences needs about
-190 MiB in one step (XLA's estimate), so under 64 MiB the step must accumulate (about 40 examples fit at once).
-A GPU needs room of its own inside the limit (cuBLAS workspaces, the compiler's autotuning: on an H100 nothing
-fits under 64 MiB), so there the demo is 1024 sequences under 512 MiB."""
+DEMO = {"cpu": (128, 32, "32MiB"), "gpu": (1024, 64, "512MiB")}
+"""The demo's effective batch, sequence length and memory limit per platform. On the CPU a batch of 128
+sequences of 32 tokens needs about 100 MiB in one step (XLA's estimate), so under 32 MiB the step must
+accumulate (about 38 examples fit at once). A GPU needs room of its own inside the limit (cuBLAS workspaces,
+the compiler's autotuning: on an H100 nothing fits under 64 MiB), so there the demo is 1024 sequences of 64
+tokens under 512 MiB."""
 
 
 def demo() -> Workload:
@@ -192,8 +193,9 @@ def demo() -> Workload:
     the demo's memory limit (`DEMO`, by the default device's platform): the story the tool exists for. The probe
     finds what fits, the tuner picks microbatch, accumulation steps, strategy and knobs."""
     platform = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
-    batch, limit = DEMO[platform]
-    return dataclasses.replace(transformer(batch_size=batch), name="demo transformer", memory_limit=limit)
+    batch, seq_len, limit = DEMO[platform]
+    workload = transformer(batch_size=batch, seq_len=seq_len)
+    return dataclasses.replace(workload, name="demo transformer", memory_limit=limit)
 
 
 def sized_transformer(

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from autoaccum import workloads
+
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
 BASH = re.findall(r"```bash\n(.*?)```", README, re.S)
@@ -47,6 +49,7 @@ def test_demo_command_runs(tmp_path: Path) -> None:
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert "best plan" in result.stdout
     # The demo's story: under its memory limit the effective batch does not fit in one step; the plan accumulates.
-    assert "memory limit 64MiB" in result.stdout and "does not fit in one step" in result.stdout
-    steps = re.search(r"best plan.*: microbatch (\d+) x (\d+) steps = 128 examples", result.stdout)
+    batch, _, limit = workloads.DEMO["cpu"]
+    assert f"memory limit {limit}" in result.stdout and "does not fit in one step" in result.stdout
+    steps = re.search(rf"best plan.*: microbatch (\d+) x (\d+) steps = {batch} examples", result.stdout)
     assert steps is not None and int(steps.group(2)) > 1, result.stdout
