@@ -446,6 +446,11 @@ def tune(
             timing = time_config(trial)
         except TrialFailed as e:
             trial.set_user_attr("reason", str(e))
+            if str(e).startswith("out of memory") and m <= bounds[setting]:
+                # The probe bounds one microbatch's step; the accumulating step also holds the whole effective
+                # batch and the accumulator. A size that ran out of memory there lowers this setting's bound:
+                # larger sizes (any strategy) are not timed again, only to run out of memory too.
+                bounds[setting] = max(m - 1, 0)
             raise
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
