@@ -485,15 +485,19 @@ def child_main(kind: str, payload_path: str, args: list[str], result_path: str) 
     size, limit = int(args[0]), int(args[1])
     device = jax.devices()[0]
     warm_up(device)
-    outcome: Outcome
+    outcome = guarded(lambda: measured(compile_trial(job, size, device), platform, limit))
+    write_result(result_path, outcome.to_dict())
+
+
+def guarded(run: Callable[[], Outcome]) -> Outcome:
+    """``run()`` in a child process: an allocation failure (`is_oom`) is the ``"oom"`` outcome, and every other
+    exception an ``"error"`` outcome with its traceback (a process boundary: the parent makes it a trial error)."""
     try:
         try:
-            outcome = measured(compile_trial(job, size, device), platform, limit)
+            return run()
         except (jax.errors.JaxRuntimeError, MemoryError, OSError) as e:
             if not is_oom(e):
                 raise
-            outcome = oom_outcome(e)
-    # A process boundary: every other failure is reported to the parent, which makes it a trial error.
+            return oom_outcome(e)
     except Exception as e:
-        outcome = Outcome("error", message="".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:])
-    write_result(result_path, outcome.to_dict())
+        return Outcome("error", message="".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:])

@@ -18,13 +18,13 @@ these reaches the caller: each is an `Outcome` with its reason, and the study go
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import select
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -198,38 +198,32 @@ def serve(payload_path: str, answers_fd: int, limit: int) -> None:
 
     from autoaccum._isolation import load_payload
     from autoaccum._knobs import resolve
-    from autoaccum._trial import compile_trial, is_oom, measured, oom_outcome, warm_up
+    from autoaccum._trial import compile_trial, guarded, measured, warm_up
 
     (job, settings), platform = load_payload(payload_path)
     device = jax.devices()[0]
     warm_up(device)
     answers = os.fdopen(answers_fd, "w", buffering=1)
     cache: dict[str, Any] = {}
-    for line in sys.stdin:
-        request = Request(**json.loads(line))
+
+    def run(request: Request) -> Outcome:
         key = json.dumps(
             [request.build, request.microbatch_size, request.rows, request.setting], sort_keys=True, default=str
         )
-        outcome: Outcome
-        try:
-            try:
-                compiled = cache.pop(key, None)
-                if compiled is None:
-                    loss_fn = resolve(job.loss_fn, settings[request.setting])
-                    sub = dataclasses.replace(job, loss_fn=loss_fn, build={**job.build, **request.build})
-                    compiled = compile_trial(sub, request.microbatch_size, device, rows=request.rows)
-                cache[key] = compiled
-                while len(cache) > MAX_CACHED:
-                    cache.pop(next(iter(cache)))
-                answers.write(json.dumps({"event": "compiled"}) + "\n")
-                outcome = measured(compiled, platform, limit, steps=request.steps, warmup=request.warmup, resident=True)
-            except (jax.errors.JaxRuntimeError, MemoryError, OSError) as e:
-                if not is_oom(e):
-                    raise
-                outcome = oom_outcome(e)
-        # A process boundary: every other failure is reported to the parent, which makes it a trial error.
-        except Exception as e:
-            outcome = Outcome("error", message="".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:])
+        compiled = cache.pop(key, None)
+        if compiled is None:
+            loss_fn = resolve(job.loss_fn, settings[request.setting])
+            sub = dataclasses.replace(job, loss_fn=loss_fn, build={**job.build, **request.build})
+            compiled = compile_trial(sub, request.microbatch_size, device, rows=request.rows)
+        cache[key] = compiled
+        while len(cache) > MAX_CACHED:
+            cache.pop(next(iter(cache)))
+        answers.write(json.dumps({"event": "compiled"}) + "\n")
+        return measured(compiled, platform, limit, steps=request.steps, warmup=request.warmup, resident=True)
+
+    for line in sys.stdin:
+        request = Request(**json.loads(line))
+        outcome = guarded(functools.partial(run, request))
         answers.write(json.dumps({"event": "done", "outcome": outcome.to_dict()}) + "\n")
         if outcome.status != "fits":
             return
