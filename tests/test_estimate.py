@@ -57,7 +57,7 @@ def test_the_fast_analysis_compilations_give_the_default_figures(name: str, limi
     w, est = small_estimate(name, limit, accumulation=False)
     assert est.single_points
     for p in est.single_points:
-        update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=p.microbatch_size)
+        update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=p.microbatch_size, strategy="scan")
         reference = step_memory(update, w.params, w.batch, p.microbatch_size)
         assert 0 <= p.peak_bytes - reference.peak_bytes <= 0.005 * reference.peak_bytes + 16 * 2**10, (p, reference)
         assert p.flops == pytest.approx(reference.flops, rel=1e-4, abs=0), (p, reference)
@@ -69,14 +69,14 @@ def test_accumulating_steps_match_xla_at_the_planned_microbatch() -> None:
     assert plan.fits and not plan.fits_in_one_step and plan.accumulation_steps > 1
     assert plan.peak_bytes <= plan.memory_limit_bytes
     assert plan.accumulation_steps == est.accumulation_steps(1000) or est.memory_limit_bytes != plan.memory_limit_bytes
-    update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=plan.microbatch_size)
+    update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=plan.microbatch_size, strategy="scan")
     truth = step_memory(update, w.params, w.batch, 1000).peak_bytes
     predicted = est.bytes_at(plan.microbatch_size, 1000, runtime=False)
     assert abs(predicted - truth) <= 0.05 * truth, (predicted, truth)
     accumulating = [p for p in est.points if p.batch_size > p.microbatch_size]
     assert len(accumulating) == 3
     for p in accumulating:  # compiled with XLA's default emitters: exactly its figure
-        update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=p.microbatch_size)
+        update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=p.microbatch_size, strategy="scan")
         assert p.peak_bytes == step_memory(update, w.params, w.batch, p.batch_size).peak_bytes
 
 

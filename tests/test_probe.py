@@ -151,11 +151,11 @@ def test_an_unlabelled_xla_error_under_the_cpu_cap_counts_only_if_it_runs_withou
             raise jax.errors.JaxRuntimeError("INTERNAL: YNNPACK operation failed: error")
         return _trial.Outcome("fits")
 
-    monkeypatch.setattr(_trial, "run_trial", lambda c, p: flaky(c, p, 1))
+    monkeypatch.setattr(_trial, "run_trial", lambda c, p, **kw: flaky(c, p, 1))
     outcome = _trial.measured(ONE_DEVICE, "cpu", 2**30)  # type: ignore[arg-type]
     assert outcome.status == "oom" and "runs without it" in (outcome.message or "") and len(calls) == 2
     calls.clear()
-    monkeypatch.setattr(_trial, "run_trial", lambda c, p: flaky(c, p, 2))
+    monkeypatch.setattr(_trial, "run_trial", lambda c, p, **kw: flaky(c, p, 2))
     with pytest.raises(jax.errors.JaxRuntimeError, match="YNNPACK"):
         _trial.measured(ONE_DEVICE, "cpu", 2**30)  # type: ignore[arg-type]
 

@@ -257,7 +257,9 @@ def tune(
     for name in names:
         build_update(loss_for(default), optimizer, microbatch_size=1, strategy=name, remat=default.remat, **loss_kw)
     setup = None
-    if measure is None and isolate:  # the worker's job and limit: the probe's (checked here, before anything runs)
+    # The worker's job and limit: the probe's (checked here, before anything runs). On a mesh, trials are timed
+    # in this process for now: the worker's accumulating programs on a mesh are not built from shapes yet.
+    if measure is None and isolate and layout is None:
         setup = prepare(
             loss_for(default), params, batch, optimizer=optimizer, strategy=names[0], memory_limit=memory_limit,
             max_microbatch=effective_batch, has_aux=has_aux, state=state, loss_reduction=loss_reduction,
