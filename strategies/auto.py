@@ -28,8 +28,21 @@ from jax.extend import core as jax_core
 def has_convolution(jaxpr: jax_core.Jaxpr) -> bool:
     """Whether ``jaxpr`` or one of the jaxprs inside it (calls, remat, loops, branches) has a convolution."""
     return any(eqn.primitive.name == "conv_general_dilated" for eqn in jaxpr.eqns) or any(
-        has_convolution(sub) for sub in jax_core.subjaxprs(jaxpr)
+        has_convolution(sub) for sub in _inner_jaxprs(jaxpr)
     )
+
+
+def _inner_jaxprs(jaxpr: jax_core.Jaxpr) -> list[jax_core.Jaxpr]:
+    """The jaxprs in the parameters of ``jaxpr``'s equations (``jax.extend.core.subjaxprs`` is newer than our
+    jax floor)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        for value in eqn.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(item, "jaxpr", item)  # a ClosedJaxpr holds its Jaxpr
+                if isinstance(inner, jax_core.Jaxpr):
+                    found.append(inner)
+    return found
 
 
 def platform_of(batch: PyTree) -> str:
