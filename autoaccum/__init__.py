@@ -18,6 +18,7 @@ from autoaccum import (
 from autoaccum._capacity import Capacity, Target
 from autoaccum._device import DeviceInfo, detect_device
 from autoaccum._estimate import Estimate, estimate
+from autoaccum._gpu_compile import quiet_plugin_start
 from autoaccum._knobs import Knobs
 from autoaccum._plan import Plan
 from autoaccum._probe import ProbeError, ProbeResult, Trial, probe
@@ -27,6 +28,8 @@ from autoaccum._units import format_bytes, parse_bytes
 from autoaccum._update import Update, build_update
 from autoaccum._version import __version__
 from autoaccum._workload import Workload, WorkloadError, load_workload
+
+quiet_plugin_start()  # no "Unable to load CUDA" traceback where the CUDA plugin is here for its compiler only
 
 __all__ = [
     "Capacity",

@@ -10,9 +10,10 @@ tuner measured it.)
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Protocol
 
-from autoaccum._catalog import DEFAULT_SAFETY_MARGIN, Accelerator, lookup
+from autoaccum._catalog import DEFAULT_SAFETY_MARGIN, Accelerator, lookup, usable_bytes
 from autoaccum._checks import check_positive_int
 from autoaccum._json import JsonMixin
 from autoaccum._step_time import Bound, StepCost
@@ -27,11 +28,14 @@ class Target(JsonMixin):
       name: what to call it in reports (``"A100-40GB"``, ``"24.00 GiB"``).
       memory_limit_bytes: the bytes one update step may use (reservation and safety margin already taken off).
       accelerator: the catalogue entry's name, for step-time estimates; ``None`` for a bare memory limit.
+      description: the path of a GPU target description (a card of the user's own, `Target.gpu_file`), which
+        XLA's GPU compiler compiles for; ``None`` otherwise.
     """
 
     name: str
     memory_limit_bytes: int
     accelerator: str | None = None
+    description: str | None = None
 
     def __post_init__(self) -> None:
         value = self.memory_limit_bytes
@@ -52,12 +56,30 @@ class Target(JsonMixin):
         return cls(acc.name, acc.memory_limit_bytes(mem_fraction, safety_margin), acc.name)
 
     @classmethod
+    def gpu_file(
+        cls, path: str | Path, mem_fraction: float | None = None, safety_margin: float = DEFAULT_SAFETY_MARGIN
+    ) -> Target:
+        """A GPU described by a target description file (``autoaccum devices --target-config`` writes a real
+        card's), named after the file, its memory limit by the GPU policy of `Accelerator.memory_limit_bytes`.
+        No step-time estimate: the file holds no FLOP rates.
+
+        Raises:
+          ValueError: the file is not a target description (the message says what is missing).
+        """
+        from autoaccum._gpu_compile import describe
+
+        path = Path(path)
+        d = describe(path)
+        return cls(d.name, usable_bytes(d.memory_bytes, mem_fraction=mem_fraction, safety_margin=safety_margin),
+                   description=str(path))  # fmt: skip
+
+    @classmethod
     def memory_limit(cls, size: int | str) -> Target:
         """A bare memory limit of ``size`` bytes (``"24GiB"`` or an int), used as given: no reservation or margin.
 
         Example:
           >>> Target.memory_limit("1GiB")
-          Target(name='1.00 GiB', memory_limit_bytes=1073741824, accelerator=None)
+          Target(name='1.00 GiB', memory_limit_bytes=1073741824, accelerator=None, description=None)
         """
         limit = parse_bytes(size, "memory_limit")
         return cls(format_bytes(limit), limit)

@@ -47,6 +47,30 @@ DEFAULT_SAFETY_MARGIN = 0.05
 """The fraction of the card's memory kept free by default for what XLA's accounting leaves out."""
 
 
+def usable_bytes(
+    memory_bytes: int,
+    default_fraction: float = DEFAULT_GPU_MEM_FRACTION,
+    mem_fraction: float | None = None,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
+) -> int:
+    """The bytes one JAX program can count on of ``memory_bytes``: ``memory * mem_fraction - memory *
+    safety_margin`` (``mem_fraction`` None: ``default_fraction``, the platform's).
+
+    Example:
+      >>> usable_bytes(80 * 2**30) / 2**30  # a GPU's 0.75 share less the 0.05 margin
+      56.0
+    """
+    fraction = default_fraction if mem_fraction is None else mem_fraction
+    check_fraction(fraction, "mem_fraction", lo_open=True)
+    check_fraction(safety_margin, "safety_margin")
+    if safety_margin >= fraction:
+        raise ValueError(
+            f"`safety_margin`={safety_margin} leaves nothing of `mem_fraction`={fraction}; "
+            "use a margin smaller than the fraction."
+        )
+    return int(memory_bytes * (fraction - safety_margin))
+
+
 class Platform(enum.Enum):
     """The kind of accelerator, which decides the framework's default memory reservation."""
 
@@ -107,15 +131,7 @@ class Accelerator:
           >>> lookup("H100").memory_limit_bytes(mem_fraction=0.95, safety_margin=0.0) // 2**30
           76
         """
-        fraction = self.platform.default_mem_fraction if mem_fraction is None else mem_fraction
-        check_fraction(fraction, "mem_fraction", lo_open=True)
-        check_fraction(safety_margin, "safety_margin")
-        if safety_margin >= fraction:
-            raise ValueError(
-                f"`safety_margin`={safety_margin} leaves nothing of `mem_fraction`={fraction}; "
-                "use a margin smaller than the fraction."
-            )
-        return int(self.memory_bytes * (fraction - safety_margin))
+        return usable_bytes(self.memory_bytes, self.platform.default_mem_fraction, mem_fraction, safety_margin)
 
     def peak_flops(self, dtype_name: str) -> float:
         """Peak FLOP/s for arithmetic in ``dtype_name``: the bf16 rate for 16-bit floats, else the fp32 rate."""

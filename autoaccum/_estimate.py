@@ -53,7 +53,7 @@ import optax
 
 from autoaccum._batch import abstract, abstract_batch
 from autoaccum._capacity import Capacity, Target, capacity
-from autoaccum._catalog import DEFAULT_GPU_MEM_FRACTION, DEFAULT_SAFETY_MARGIN, Accelerator
+from autoaccum._catalog import DEFAULT_SAFETY_MARGIN, Accelerator, usable_bytes
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum._json import JsonMixin
 from autoaccum._memory import analyse
@@ -696,7 +696,7 @@ def estimate(
         if memory_limit is None and not isinstance(target, Path):
             memory_limit = Target.gpu(target_name).memory_limit_bytes
         elif memory_limit is None:  # a card of the user's own: the GPU policy of `Accelerator.memory_limit_bytes`
-            memory_limit = int(description.memory_bytes * (DEFAULT_GPU_MEM_FRACTION - DEFAULT_SAFETY_MARGIN))
+            memory_limit = usable_bytes(description.memory_bytes)
         if compiler_status() is None:
             from autoaccum._gpu_compile import GPU_COMPILER_OPTIONS
 

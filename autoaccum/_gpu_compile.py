@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.resources
+import logging
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,6 +79,29 @@ _FILES = {
     "RTX-4090": "rtx_4090",
     "T4": "t4",
 }
+
+
+class _QuietWithoutDriver(logging.Filter):
+    """Drops jax's "Jax plugin configuration error ... Unable to load CUDA" traceback on a machine with no NVIDIA
+    driver: there the CUDA plugin (the gpu-plan extra) is installed for its compiler only, and the card-less
+    start it reports is expected. With a driver the message stands (it explains a broken CUDA install)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (
+            record.getMessage().startswith("Jax plugin configuration error")
+            and error is not None
+            and "Unable to load CUDA" in str(error)
+        )
+
+
+def quiet_plugin_start() -> None:
+    """Installs `_QuietWithoutDriver` on jax's backend logger when this machine has no NVIDIA driver (no
+    ``/proc/driver/nvidia``); called when autoaccum is imported, before jax starts its backends."""
+    if not Path("/proc/driver/nvidia").exists():
+        logger = logging.getLogger("jax._src.xla_bridge")
+        if not any(isinstance(f, _QuietWithoutDriver) for f in logger.filters):
+            logger.addFilter(_QuietWithoutDriver())
 
 
 class GpuCompilerUnavailable(RuntimeError):
@@ -125,11 +149,11 @@ def known_targets() -> tuple[str, ...]:
     return tuple(_FILES)
 
 
-def _field(text: str, name: str) -> int:
+def _field(text: str, name: str, default: int | None = None) -> int:
     m = re.search(rf"\b{name}:\s*(\d+)", text)
-    if m is None:
+    if m is None and default is None:
         raise ValueError(f"the target description has no {name}.")
-    return int(m.group(1))
+    return default if m is None else int(m.group(1))  # type: ignore[return-value]
 
 
 def describe(target: str | Path) -> TargetDescription:
@@ -154,7 +178,11 @@ def describe(target: str | Path) -> TargetDescription:
             )
         text = importlib.resources.files("autoaccum").joinpath(f"targets/{_FILES[name]}.txtpb").read_text()
     body = re.sub(r"#.*", "", text)
-    major, minor = _field(body, "major"), _field(body, "minor")
+    capability = re.search(r"cuda_compute_capability\s*\{([^}]*)\}", body)
+    if capability is None:
+        raise ValueError(f"the target description of {name} has no cuda_compute_capability.")
+    # proto3 text leaves out zeros: a real card's description says "{ major: 9 }" for 9.0.
+    major, minor = _field(capability.group(1), "major"), _field(capability.group(1), "minor", default=0)
     return TargetDescription(name, (major, minor), _field(body, "core_count"), _field(body, "device_memory_size"), body)
 
 

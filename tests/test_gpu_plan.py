@@ -32,6 +32,7 @@ from autoaccum._gpu_compile import (
     gpu_mesh,
     known_targets,
 )
+from autoaccum._target_config import TargetConfigError, target_config_text
 from autoaccum.cli import main
 
 
@@ -244,3 +245,80 @@ def test_plan_compiles_each_gpu_target(gpu_compiler: None) -> None:
     assert h100["compiler"] == "XLA:GPU sm_90 (compile-only)" and a100["compiler"] == "XLA:GPU sm_80 (compile-only)"
     assert budget["compiler"] == "XLA:CPU"
     assert h100["step_seconds"] > 0 and h100["flops"] > 0
+
+
+# -- a real card's description (`autoaccum devices --target-config`) ------------------------------------------------
+
+REAL_H100 = Path(__file__).parent / "data" / "h100_topology.bin"
+"""An NVIDIA H100 80GB HBM3's device topology as XLA serialized it on the card (jax 0.11.2, CUDA 13, driver
+580.159.04: ``jax._src.lib._jax.get_topology_for_devices(jax.devices()).serialize()``), captured on a lent GPU."""
+
+
+def test_a_real_cards_topology_reads_as_a_target_description(tmp_path: Path) -> None:
+    text = target_config_text(REAL_H100.read_bytes())
+    # XLA's figures for the card, as its driver reported them (proto3 text leaves out minor: 0)
+    assert "  core_count: 132\n" in text and "  cuda_compute_capability { major: 9 }\n" in text
+    assert "  device_memory_size: 85017493504\n" in text and "  l2_cache_size: 52428800\n" in text
+    assert '  name: "NVIDIA H100 80GB HBM3"\n' in text and 'platform_name: "CUDA"\n' in text
+    assert "dnn_version_info { major: 9 minor: 19 patch: 0 }\n" in text  # from the card's "9.19.0"
+    path = tmp_path / "my_h100.txtpb"
+    path.write_text(text)
+    d = describe(path)
+    assert (d.name, d.compute_capability, d.core_count, d.memory_bytes) == ("my_h100", (9, 0), 132, 85017493504)
+    # ours, written from NVIDIA's documents, agrees with the card on what the compiler is told
+    ours = describe("H100")
+    assert (ours.compute_capability, ours.core_count) == (d.compute_capability, d.core_count)
+
+
+@pytest.mark.parametrize("cut", [3, 100, 500])
+def test_a_truncated_topology_is_refused(cut: int) -> None:
+    with pytest.raises(TargetConfigError):
+        target_config_text(REAL_H100.read_bytes()[:cut])
+
+
+def test_a_real_cards_description_compiles_like_ours(gpu_compiler: None, tmp_path: Path) -> None:
+    path = tmp_path / "my_h100.txtpb"
+    path.write_text(target_config_text(REAL_H100.read_bytes()))
+    w = workloads.mlp()
+    kw = dict(optimizer=w.optimizer, memory_limit="2GiB", accumulation=False)
+    real = autoaccum.estimate(w.loss_fn, w.params, w.batch, target=path, **kw)
+    ours = autoaccum.estimate(w.loss_fn, w.params, w.batch, target="H100", **kw)
+    assert real.compiler == ours.compiler == "XLA:GPU sm_90 (compile-only)"
+    # the same step for the same architecture: the same buffers (the memory size is raised for both)
+    assert real.bytes_at(1024) == pytest.approx(ours.bytes_at(1024), rel=0.01)
+
+
+def test_target_config_without_a_gpu_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_cuda(platform: str | None = None) -> list:  # type: ignore[type-arg]
+        if platform == "cuda":
+            raise RuntimeError("Unknown backend cuda")
+        return [jax.local_devices(backend="cpu")[0]]
+
+    monkeypatch.setattr(jax, "devices", no_cuda)
+    result = CliRunner().invoke(main, ["devices", "--target-config"])
+    assert result.exit_code == 1
+    assert "no NVIDIA GPU here (jax sees: cpu)" in result.output and "H100-80GB" in result.output
+
+
+@pytest.mark.gpu
+def test_target_config_on_a_gpu_describes_the_card(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["devices", "--target-config"])
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "card.txtpb"
+    path.write_text(result.stdout)
+    d = describe(path)
+    card = jax.devices("cuda")[0]
+    assert d.compute_capability == tuple(int(v) for v in card.compute_capability.split("."))
+    assert d.core_count == card.core_count
+
+
+def test_plan_compiles_for_a_cards_own_description_file(gpu_compiler: None, tmp_path: Path) -> None:
+    path = tmp_path / "my_h100.txtpb"
+    path.write_text(target_config_text(REAL_H100.read_bytes()))
+    result = run("autoaccum.workloads:linear", "--gpu", str(path), "--gpu", "H100", "--json")
+    assert result.exit_code == 0, result.output
+    mine, h100 = json.loads(result.stdout)["targets"]
+    assert mine["target"] == "my_h100" and mine["compiler"] == h100["compiler"] == "XLA:GPU sm_90 (compile-only)"
+    # the GPU policy on the card's own memory size (85,017,493,504 B as its driver says; ours: 80 GiB)
+    assert mine["memory_limit_bytes"] == int(85017493504 * (0.75 - 0.05))
+    assert mine["step_seconds"] is None and h100["step_seconds"] > 0  # a file holds no FLOP rates

@@ -266,6 +266,56 @@ def test_tune_searches_remat_policies_and_the_plan_reproduces_them(tmp_path: Pat
     assert result.update_fn is not None and result.update_fn.remat == "dots_saveable"
 
 
+# -- the accumulator dtype ---------------------------------------------------------------------------------------
+
+
+def test_the_accumulator_dtype_reaches_the_lowered_program(strategy: str) -> None:
+    """A float32 model accumulating in bfloat16: the accumulating program holds bf16 sums; float32 has none."""
+    params, batch = small()
+    texts = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        update = autoaccum.build_update(
+            small_loss, optax.sgd(0.1), microbatch_size=5, strategy=strategy, accumulator_dtype=dtype
+        )
+        texts[dtype] = lowered_text(update, params, batch)
+    assert "bf16" not in texts[jnp.float32]
+    assert "bf16" in texts[jnp.bfloat16]
+
+
+def test_tune_searches_the_accumulator_dtype_and_the_plan_records_it(tmp_path: Path) -> None:
+    w = workloads.linear(batch_size=24, features=16)
+    calls: list[Any] = []
+    inner = fake_measure()
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        dtype = jnp.dtype(update.accumulation.spec.accumulator_dtype).name
+        calls.append((update.microbatch_size, dtype))
+        timing = inner(update, params, batch)
+        factor = 0.8 if dtype == "bfloat16" else 1.0  # made up: the bf16 accumulator is faster
+        return Timing(timing.seconds_per_step * factor, timing.compile_seconds, timing.steps)
+
+    result = tune(
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=3, strategies=["loop"],
+        accumulator_dtype=(jnp.float32, jnp.bfloat16), n_trials=6, storage=":memory:", measure=measure,
+        race_rounds=0,
+    )  # fmt: skip
+    assert sorted(calls) == sorted((m, d) for m in (1, 2, 3) for d in ("float32", "bfloat16"))
+    assert {r.accumulator_dtype for r in result.trials} == {"float32", "bfloat16"}
+    plan = result.plan
+    assert plan.accumulator_dtype == "bfloat16" and plan.microbatch_size == 3
+    assert "accumulator_dtype='bfloat16'" in " ".join(result.bounds)
+    loaded = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded == plan
+    assert loaded.build(w.loss_fn, w.optimizer).accumulation.spec.accumulator_dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("bad", [jnp.int32, (jnp.float32, jnp.float32), (), "float99"])
+def test_bad_accumulator_dtypes_raise_before_anything_runs(bad: Any) -> None:
+    w = workloads.linear(batch_size=8, features=4)
+    with pytest.raises((TypeError, ValueError), match="`accumulator_dtype` must"):
+        tune(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, accumulator_dtype=bad, storage=":memory:")
+
+
 def test_plan_json_keeps_knobs_and_old_plans_load() -> None:
     plan = Plan(12, 4, 3, "scan", remat="nothing_saveable", knobs={"block_remat": None, "layers": 4, "on": True})
     again = Plan.from_json(plan.to_json())

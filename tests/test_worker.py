@@ -45,6 +45,10 @@ def test_a_trial_over_the_limit_fails_in_the_worker_which_restarts() -> None:
         assert fits.status == "fits" and fits.times is not None and len(fits.times) == 3
         assert fits.seconds == sorted(fits.times)[1] and fits.peak_bytes is not None
         assert fits.peak_bytes < setup.memory_limit_bytes
+        # 40,000 rows of 256 float32 features, a 41 MB batch made in the worker: its measured peak holds it.
+        big = w.time(Request({"strategy": "scan"}, 40_000, 40_000, 3, 1))
+        assert big.status == "fits" and big.peak_bytes is not None
+        assert 40_000 * 256 * 4 <= big.peak_bytes < setup.memory_limit_bytes
         # 300,000 rows of 256 float32 features: a 307 MB batch, over the 128 MiB limit (1 accumulation step).
         over = w.time(Request({"strategy": "scan"}, 300_000, 300_000, 3, 1))
         assert over.status == "oom" and "Out of memory" in (over.message or "")

@@ -36,6 +36,7 @@ class TrialRecord(JsonMixin):
         trial, else (an earlier trial or the compiler's autotuning peaked higher) the live bytes once the inputs
         were made plus the step's largest program's buffers. None when timed in this process.
       remat: the remat policy around the loss (`autoaccum.build_update`'s ``remat``), or None.
+      accumulator_dtype: the dtype gradients accumulated in, by name.
       knobs: the values of the loss's own knobs (`autoaccum.Knobs`), ``{}`` without any.
     """
 
@@ -52,6 +53,7 @@ class TrialRecord(JsonMixin):
     seconds: tuple[float, float, float] | None = None
     peak_bytes: int | None = None
     remat: str | None = None
+    accumulator_dtype: str = "float32"
     knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -76,10 +78,11 @@ class TuneResult(JsonMixin):
       resumed_trials: trials this study had settled in earlier runs (0 for a new study).
       new_trials: trials settled in this run.
       message: a one-line summary for people ("resumed: 12 trials from earlier runs, 0 new").
-      bounds: the largest microbatch tried for each setting of the knobs (``"remat=None"``, or with the loss's
+      bounds: the microbatch bound of each setting of the knobs before any trial (``"remat=None"``, or with the loss's
         own knobs ``"remat=None, block_remat='dots_saveable'"``): the probe's for the default setting, the
         calibrated compile-only estimate's for the others (`autoaccum.ProbeResult.bound_for`), or the
-        ``max_microbatch`` given.
+        ``max_microbatch`` given. A strategy whose accumulating step ran out of memory at a size below it is
+        not timed at that size or above again.
       update_fn: the plan's update, already compiled for the effective batch's shapes (not in the JSON).
       init: ``init(params) -> opt_state`` for ``update_fn`` (not in the JSON).
       step: from `autoaccum.nnx.tune`, the plan as an nnx step, ``loss = step(model, optimizer, batch)``
@@ -129,5 +132,6 @@ def record(trial: optuna.trial.FrozenTrial, effective_batch: int, labels: dict[s
         seconds=quartiles(times) if complete and times else None,
         peak_bytes=trial.user_attrs.get("peak_bytes"),
         remat=trial.user_attrs.get("remat"),
+        accumulator_dtype=trial.user_attrs.get("accumulator_dtype", "float32"),
         knobs=dict(trial.user_attrs.get("knobs") or {}),
     )

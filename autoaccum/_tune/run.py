@@ -26,13 +26,11 @@ from autoaccum._tune.race import FINALISTS, ROUNDS, Runner, race
 from autoaccum._tune.result import TrialRecord, TuneResult, record
 from autoaccum._tune.space import (
     BUILTIN_REMAT,
+    KnobSpace,
     Setting,
+    check_dtype_values,
     check_remat_values,
-    knob_space,
     microbatch_candidates,
-    setting_of,
-    setting_params,
-    settings,
     variants,
 )
 from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
@@ -117,7 +115,7 @@ def tune(
     has_aux: bool = False,
     state: PyTree | None = None,
     loss_reduction: str = "mean",
-    accumulator_dtype: Any = jnp.float32,
+    accumulator_dtype: Any | Sequence[Any] = jnp.float32,
     max_microbatch: int | None = None,
     remat: Sequence[str | None] = BUILTIN_REMAT,
     trial_timeout: float | None = 120.0,
@@ -129,10 +127,11 @@ def tune(
 ) -> TuneResult:
     """Finds the microbatch size, accumulation strategy and knobs with the highest measured throughput.
 
-    The knobs trade memory for speed: the remat policy around each microbatch's loss (``remat``), and the loss's
-    own (pass an `autoaccum.Knobs`, a loss factory, as ``loss_fn``). Each setting of them has its own microbatch
-    bound: the probe runs once, for the default setting (each knob's first value), and every other setting's
-    bound is its compile-only estimate calibrated by what the probe measured (`ProbeResult.bound_for`).
+    The knobs trade memory for speed: the remat policy around each microbatch's loss (``remat``), the
+    accumulator's dtype (``accumulator_dtype``), and the loss's own (pass an `autoaccum.Knobs`, a loss factory,
+    as ``loss_fn``). Each setting of them has its own microbatch bound: the probe runs once, for the default
+    setting (each knob's first value), and every other setting's bound is its compile-only estimate calibrated
+    by what the probe measured (`ProbeResult.bound_for`).
 
     First the probe bounds the microbatch (`autoaccum.probe`; no size above a setting's bound is ever timed); then
     an Optuna study times real update steps at the effective batch: every configuration when the space is
@@ -173,7 +172,10 @@ def tune(
         `autoaccum.build_update`'s ``has_state`` (trials and the returned update start from copies of it).
       loss_reduction: ``"mean"`` or ``"sum"`` (``loss_fn`` returns ``(loss_sum, weight)``), as for
         `autoaccum.build_update`.
-      accumulator_dtype: the dtype gradients accumulate in, as for `autoaccum.build_update` (recorded in the plan).
+      accumulator_dtype: the dtype gradients accumulate in, as for `autoaccum.build_update`, or a tuple of dtypes
+        to search as a knob, the first probed (for a bfloat16 model, ``(jnp.float32, jnp.bfloat16)``: a bfloat16
+        accumulator halves its memory and rounds each microbatch's sum to 8 bits of mantissa). The plan records
+        the one picked.
       max_microbatch: skip the probe and use this bound instead (for every setting of the knobs).
       remat: the remat policies to search (`autoaccum.build_update`'s ``remat``, None: off), the first one
         probed; default `autoaccum._tune.space.BUILTIN_REMAT`, off and the policies measured to lower an
@@ -202,8 +204,8 @@ def tune(
     """
     batch_size = leading_size(batch)
     knobs = loss_fn if isinstance(loss_fn, Knobs) else None
-    remat = check_remat_values(remat)
-    knob_settings = settings(remat, knobs)
+    knob_space = KnobSpace(check_remat_values(remat), check_dtype_values(accumulator_dtype), knobs)
+    knob_settings = knob_space.settings()
     losses: dict[Setting, Callable[..., Any]] = {}
 
     def loss_for(setting: Setting) -> Callable[..., Any]:
@@ -250,12 +252,10 @@ def tune(
     if timeout is not None and not timeout > 0:
         raise ValueError(f"`timeout` must be a positive number of seconds, got timeout={timeout!r}.")
     limit_bytes = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
-    loss_kw: dict[str, Any] = dict(
-        has_aux=has_aux, has_state=state is not None, loss_reduction=loss_reduction, accumulator_dtype=accumulator_dtype
-    )
+    loss_kw: dict[str, Any] = dict(has_aux=has_aux, has_state=state is not None, loss_reduction=loss_reduction)
     # Build one update per strategy so bad input (optimizer, loss, options) fails here, not in trial 0.
     for name in names:
-        build_update(loss_for(default), optimizer, microbatch_size=1, strategy=name, remat=default.remat, **loss_kw)
+        build_update(loss_for(default), optimizer, microbatch_size=1, strategy=name, **default.build, **loss_kw)
     setup = None
     # The worker's job and limit: the probe's (checked here, before anything runs). On a mesh, trials are timed
     # in this process for now: the worker's accumulating programs on a mesh are not built from shapes yet.
@@ -263,7 +263,7 @@ def tune(
         setup = prepare(
             loss_for(default), params, batch, optimizer=optimizer, strategy=names[0], memory_limit=memory_limit,
             max_microbatch=effective_batch, has_aux=has_aux, state=state, loss_reduction=loss_reduction,
-            options={"accumulator_dtype": accumulator_dtype},
+            options={"accumulator_dtype": default.accumulator_dtype},
         )  # fmt: skip
     opened, storage_label = open_storage(storage)
 
@@ -291,6 +291,8 @@ def tune(
                 memory_limit=probed.memory_limit_bytes, max_microbatch=probed.microbatch_cap, accumulation=False,
                 has_aux=has_aux, state=state, loss_reduction=loss_reduction, remat=setting.remat,
             )  # fmt: skip
+            # One microbatch's step holds no accumulator: a setting that differs only in the accumulator dtype
+            # has the same estimate; an accumulating step that runs out of memory lowers its bound (below).
             bounds[setting] = probed.bound_for(predicted)
         if max(bounds.values()) < 1:
             raise RuntimeError(
@@ -299,19 +301,19 @@ def tune(
                 "`memory_limit`."
             )
 
+    ceilings: dict[tuple[Setting, str], int] = {}  # (setting, strategy label): below a size that ran out of memory
     labels = variants(names, fsdp=layout is not None and layout.sharded_params)
     fitting = {
         s: [m for m in microbatch_candidates(effective_batch, b) if m % shards == 0] if b >= 1 else []
         for s, b in bounds.items()
     }
     sizes = list(dict.fromkeys(m for s in knob_settings for m in fitting[s]))
-    knob_params = knob_space(remat, knobs)
+    knob_params = knob_space.params()
     space: dict[str, list[Any]] = {"microbatch_size": sizes, "strategy": list(labels), **knob_params}
     grid_points = sum(len(fitting[s]) for s in knob_settings) * len(labels)  # the configurations within bounds
     plain = build_update(
-        loss_for(default), optimizer, microbatch_size=effective_batch, strategy=names[0], remat=default.remat,
-        **loss_kw,
-    )  # fmt: skip
+        loss_for(default), optimizer, microbatch_size=effective_batch, strategy=names[0], **default.build, **loss_kw
+    )
     params_s = abstract(params)
     state_s = () if state is None else (abstract(state),)
     programs = plain.programs(
@@ -366,13 +368,24 @@ def tune(
             queued.add(config_key(t.params))
     wanted = grid_points if exhaustive else (n_trials or DEFAULT_TRIALS)
     budget = min(wanted, grid_points)  # the study's, shared by every worker on it
+    warm: set[tuple[int, str, Setting]] = set()  # the warm-start configurations this worker queued
+    failed_at: dict[Setting, int] = {}  # per setting, the smallest size whose accumulating step ran out of memory
+
+    def next_down(m: int, label: str, setting: Setting) -> None:
+        """Queues ``label`` at the largest candidate size of ``setting`` below ``m`` (a warm start again)."""
+        below = [c for c in fitting[setting] if c < m]
+        if below and not exhaustive:
+            warm.add((max(below), label, setting))
+            study.enqueue_trial({"microbatch_size": max(below), "strategy": label, **knob_space.params_of(setting)})
+
     if not exhaustive and not trials:
         # Warm start: on most devices the largest fitting microbatch is fastest; each strategy at the default
         # setting's largest, then each other setting of the knobs at its own largest.
         starts = [(label, default) for label in labels] + [(next(iter(labels)), s) for s in knob_settings[1:]]
         for label, setting in [(label, s) for label, s in starts if fitting[s]][:wanted]:
+            warm.add((max(fitting[setting]), label, setting))
             study.enqueue_trial(
-                {"microbatch_size": max(fitting[setting]), "strategy": label, **setting_params(setting, knob_params)}
+                {"microbatch_size": max(fitting[setting]), "strategy": label, **knob_space.params_of(setting)}
             )
 
     full_batch = batch
@@ -396,14 +409,14 @@ def tune(
         """Times the configuration of ``trial`` (its Optuna parameters): in the worker, or here."""
         m = int(trial.params["microbatch_size"])
         strategy, options = labels[trial.params["strategy"]]
-        setting = setting_of(trial.params, remat, knobs)
+        setting = knob_space.setting_of(trial.params)
         if worker is None:
             update = build_update(
-                loss_for(setting), optimizer, microbatch_size=m, strategy=strategy, remat=setting.remat, **loss_kw,
+                loss_for(setting), optimizer, microbatch_size=m, strategy=strategy, **setting.build, **loss_kw,
                 **options,
             )  # fmt: skip
             return timer(update, params, full_batch, **with_state)
-        build = {"strategy": strategy, **options, "remat": setting.remat}
+        build = {"strategy": strategy, **options, **setting.build}
         index = knob_settings.index(setting)
         outcome = worker.time(Request(build, m, effective_batch, STEPS, WARMUP, setting=index))
         if outcome.status == "oom":
@@ -417,12 +430,22 @@ def tune(
     def objective(trial: optuna.Trial) -> float:
         m = trial.suggest_categorical("microbatch_size", sizes)
         trial.suggest_categorical("strategy", list(labels))
-        setting = setting_of({k: trial.suggest_categorical(k, v) for k, v in knob_params.items()}, remat, knobs)
+        setting = knob_space.setting_of({k: trial.suggest_categorical(k, v) for k, v in knob_params.items()})
         trial.set_user_attr("remat", setting.remat)
+        trial.set_user_attr("accumulator_dtype", setting.accumulator_dtype)
         trial.set_user_attr("knobs", setting.values)
-        if m > bounds[setting]:  # never timed: not a configuration of the study's (it claims nothing)
-            trial.set_user_attr("above_bound", bounds[setting])
-            raise optuna.TrialPruned(f"microbatch {m} is above the bound of {setting} ({bounds[setting]})")
+        label = trial.params["strategy"]
+        bound = min(bounds[setting], ceilings.get((setting, label), bounds[setting]))
+        if m > bound:  # never timed: not a configuration of the study's (it claims nothing)
+            trial.set_user_attr("above_bound", bound)
+            raise optuna.TrialPruned(f"microbatch {m} is above the bound of {label}, {setting} ({bound})")
+        if (m, label, setting) in warm and m >= failed_at.get(setting, m + 1):
+            # A warm start at a size where another strategy's accumulating step ran out of memory: most likely
+            # this one's too (they hold the same batch and accumulator); start it at the next size down instead.
+            warm.discard((m, label, setting))
+            trial.set_user_attr("above_bound", failed_at[setting] - 1)
+            next_down(failed_at[setting], label, setting)
+            raise optuna.TrialPruned(f"warm start {m} x {label}: {failed_at[setting]} ran out of memory")
         holder = claims.claim(config_key(trial.params), trial.number, budget, by_number)
         if holder is None:  # the study's budget is claimed, by this worker or others
             trial.set_user_attr("over_budget", True)
@@ -448,11 +471,14 @@ def tune(
             timing = time_config(trial)
         except TrialFailed as e:
             trial.set_user_attr("reason", str(e))
-            if str(e).startswith("out of memory") and m <= bounds[setting]:
+            if str(e).startswith("out of memory") and m <= bound:
                 # The probe bounds one microbatch's step; the accumulating step also holds the whole effective
-                # batch and the accumulator. A size that ran out of memory there lowers this setting's bound:
-                # larger sizes (any strategy) are not timed again, only to run out of memory too.
-                bounds[setting] = max(m - 1, 0)
+                # batch and the accumulator, in buffers of its strategy's own. A size that ran out of memory
+                # there lowers the bound of this strategy (and setting): larger sizes are not timed again, only
+                # to run out of memory too; and its largest size below is queued, the warm start again.
+                ceilings[(setting, label)] = m - 1
+                failed_at[setting] = min(m, failed_at.get(setting, m))
+                next_down(m, label, setting)
             raise
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
@@ -538,7 +564,7 @@ def tune(
         top = by_number()[runners[0].trial]
         throughput = effective_batch / runners[0].quartiles[1]
     strategy, options = labels[top.params["strategy"]]
-    chosen = setting_of(top.params, remat, knobs)
+    chosen = knob_space.setting_of(top.params)
     plan = Plan(
         effective_batch=effective_batch,
         microbatch_size=int(top.params["microbatch_size"]),
@@ -550,7 +576,7 @@ def tune(
         has_aux=has_aux,
         has_state=state is not None,
         loss_reduction=loss_reduction,
-        accumulator_dtype=jnp.dtype(accumulator_dtype).name,
+        accumulator_dtype=chosen.accumulator_dtype,
         remat=chosen.remat,
         knobs=chosen.values,
         params=params_signature(params),

@@ -192,6 +192,28 @@ class TimingWorker:
             self._log = None
 
 
+def over_limit(outcome: Outcome, limit: int) -> Outcome:
+    """``outcome``, or an out-of-memory one when it fit but its measured peak is above ``limit``.
+
+    On the CPU the cap bounds the address space's growth, and a worker that ran earlier trials keeps memory
+    mapped that a later trial reuses without growing it: the cap alone let a demo trial's resident peak reach
+    33.2 MiB under a 32 MiB limit. The measured peak (the resident memory the trial touched) is the check.
+
+    Example:
+      >>> over_limit(Outcome("fits", seconds=0.1, peak_bytes=2048), 1024).status
+      'oom'
+      >>> over_limit(Outcome("fits", seconds=0.1, peak_bytes=512), 1024).status
+      'fits'
+    """
+    if outcome.status != "fits" or outcome.peak_bytes is None or outcome.peak_bytes <= limit:
+        return outcome
+    return dataclasses.replace(
+        outcome,
+        status="oom",
+        message=f"measured peak {outcome.peak_bytes:,} B is above the limit of {limit:,} B (the step ran, over it)",
+    )
+
+
 def serve(payload_path: str, answers_fd: int, limit: int) -> None:
     """The worker's loop (in the child): one `Request` per line of stdin, its `Outcome` on ``answers_fd``."""
     import jax
@@ -219,7 +241,8 @@ def serve(payload_path: str, answers_fd: int, limit: int) -> None:
         while len(cache) > MAX_CACHED:
             cache.pop(next(iter(cache)))
         answers.write(json.dumps({"event": "compiled"}) + "\n")
-        return measured(compiled, platform, limit, steps=request.steps, warmup=request.warmup, resident=True)
+        outcome = measured(compiled, platform, limit, steps=request.steps, warmup=request.warmup, resident=True)
+        return over_limit(outcome, limit)
 
     for line in sys.stdin:
         request = Request(**json.loads(line))

@@ -13,11 +13,17 @@ if TYPE_CHECKING:
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON (one object per device).")
-def devices(as_json: bool) -> None:
+@click.option(
+    "--target-config", is_flag=True,
+    help="Print this machine's GPU as XLA describes it (a target description, text format): save it as a .txtpb "
+    "file and pass its path to `autoaccum plan --gpu` or estimate(target=Path(...)) to plan for this card "
+    "anywhere.",
+)  # fmt: skip
+def devices(as_json: bool, target_config: bool) -> None:
     """List the JAX devices with their total and free memory, and the default memory limit a probe uses.
 
     \b
-    Exit codes: 0 success; 2 bad usage.
+    Exit codes: 0 success; 1 --target-config on a machine without an NVIDIA GPU; 2 bad usage.
     """
     from rich.console import Console
     from rich.table import Table
@@ -25,6 +31,9 @@ def devices(as_json: bool) -> None:
     from autoaccum._device import all_devices, resolve_memory_limit
     from autoaccum._units import format_bytes
 
+    if target_config:
+        _print_target_config()
+        return
     infos = all_devices()
 
     def limit(info: DeviceInfo) -> int | None:
@@ -50,3 +59,36 @@ def devices(as_json: bool) -> None:
             sources,
         )  # fmt: skip
     Console().print(table)
+
+
+def _print_target_config() -> None:
+    """Prints the target description of this machine's first GPU of each kind (exit 1 without one)."""
+    import jax
+
+    from autoaccum._target_config import TargetConfigError, device_target_config
+
+    try:
+        gpus = jax.devices("cuda")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        from autoaccum._gpu_compile import known_targets
+
+        click.echo(
+            f"no NVIDIA GPU here (jax sees: {', '.join(sorted({d.platform for d in jax.devices()}))}): "
+            "--target-config prints a real card's description, on the machine that has it. Descriptions shipped "
+            f"with autoaccum (autoaccum/targets/): {', '.join(known_targets())}.",
+            err=True,
+        )
+        raise SystemExit(1)
+    kinds: dict[str, list] = {}
+    for d in gpus:
+        kinds.setdefault(d.device_kind, []).append(d)
+    for kind, same in kinds.items():
+        try:
+            text = device_target_config(same[:1])
+        except TargetConfigError as e:
+            click.echo(f"{kind}: {e}", err=True)
+            raise SystemExit(1) from e
+        click.echo(f"# GPU target description of {kind}, as XLA describes it (jax {jax.__version__})")
+        click.echo(text, nl=False)

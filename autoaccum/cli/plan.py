@@ -37,9 +37,10 @@ GPU_NOTE = (
     "--gpu",
     "gpus",
     multiple=True,
-    metavar="NAME",
+    metavar="NAME|FILE",
     help="A catalogued accelerator to plan for, e.g. A100-40GB, L4, H100, TPU-v5e (repeat the option); "
-    "'--gpu list' lists them.",
+    "'--gpu list' lists them; or a GPU target description file (`autoaccum devices --target-config` writes "
+    "your card's).",
 )
 @click.option(
     "--memory-limit",
@@ -126,7 +127,10 @@ def plan(
     targets: list[Target] = []
     for name in gpus:
         try:
-            targets.append(Target.gpu(name, mem_fraction, safety_margin))
+            if Path(name).is_file():  # a card's own description (`autoaccum devices --target-config`)
+                targets.append(Target.gpu_file(name, mem_fraction, safety_margin))
+            else:
+                targets.append(Target.gpu(name, mem_fraction, safety_margin))
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="'--gpu'") from e
     for size in memory_limits:
@@ -193,15 +197,15 @@ def _plan_one(
     if not targets:
         targets.append(Target("this machine", resolve_memory_limit(detect_device(), None)[0]))
     status = compiler_status()
-    compiled_for = [t for t in targets if status is None and t.accelerator in known_targets()]
+    compiled_for = [t for t in targets if status is None and (t.description or t.accelerator in known_targets())]
     on = f" on {devices} devices (data parallel; microbatch global, memory per device)" if devices > 1 else ""
     console.print(
         f"[bold]workload[/] {w.name}: effective batch {total}, strategy {strategy}{on}; compiling (not running)..."
     )
-    if status is not None and any(t.accelerator in known_targets() for t in targets):
+    if status is not None and any(t.description or t.accelerator in known_targets() for t in targets):
         console.print(f"[yellow]CPU proxy for the GPUs[/]: {status}", highlight=False)
 
-    def run(target: str | None, budgets: list[int]) -> Any:
+    def run(target: str | Path | None, budgets: list[int]) -> Any:
         try:
             return estimate(
                 w.loss_fn,
@@ -220,7 +224,10 @@ def _plan_one(
         except (ValueError, TypeError) as e:
             raise click.UsageError(str(e)) from e
 
-    by_target = {t.name: run(t.accelerator, [t.memory_limit_bytes]) for t in compiled_for}
+    by_target = {
+        t.name: run(Path(t.description) if t.description else t.accelerator, [t.memory_limit_bytes])
+        for t in compiled_for
+    }
     rest = [t for t in targets if t.name not in by_target]
     if rest:
         proxy = run(None, [t.memory_limit_bytes for t in rest])

@@ -62,6 +62,11 @@ params, opt_state, loss = update(params, opt_state, batch)   # batch: {batch} ex
     "[default: those measured to lower the peak; see the README].",
 )  # fmt: skip
 @click.option(
+    "--accumulator-dtype", "accumulator_dtypes", multiple=True,
+    help="Accumulator dtypes to search (repeat, the first probed; e.g. --accumulator-dtype float32 "
+    "--accumulator-dtype bfloat16 for a bfloat16 model) [default: float32].",
+)  # fmt: skip
+@click.option(
     "--no-isolate", is_flag=True,
     help="Time trials in this process (no worker, no memory cap; a trial that does not fit fails here).",
 )  # fmt: skip
@@ -87,6 +92,7 @@ def tune(
     compile_timeout: float,
     race_rounds: int,
     remat_policies: tuple[str, ...],
+    accumulator_dtypes: tuple[str, ...],
     no_isolate: bool,
     out: Path | None,
     plot: Path | None,
@@ -148,6 +154,7 @@ def tune(
                 race_rounds=race_rounds,
                 isolate=not no_isolate,
                 remat=(None, *remat_policies) if remat_policies else BUILTIN_REMAT,
+                accumulator_dtype=accumulator_dtypes or "float32",
                 callbacks=[on_trial],
             )
         except (ValueError, TypeError) as e:
@@ -179,7 +186,7 @@ def tune(
     console.print(
         f"\n[bold green]best plan[/]: microbatch {plan.microbatch_size} x {plan.accumulation_steps} steps "
         f"= {plan.effective_batch} examples, strategy {plan.strategy} {plan.options or ''}"
-        f"{'' if plan.remat is None else f' remat={plan.remat}'}{''.join(f' {k}={v}' for k, v in plan.knobs.items())}, "
+        f"{_knobs_text(plan)}, "
         f"{plan.throughput:,.1f} examples/s on {plan.device}",
         soft_wrap=True,
     )
@@ -209,8 +216,9 @@ def _describe(record: Any) -> str:
 
 
 def _knobs_text(record: Any) -> str:
-    """`` remat=... knob=...`` of a trial (nothing when it ran with none)."""
+    """`` remat=... accumulator_dtype=... knob=...`` of a trial or a plan (nothing when it ran with none)."""
     text = "" if record.remat is None else f" remat={record.remat}"
+    text += "" if record.accumulator_dtype == "float32" else f" accumulator_dtype={record.accumulator_dtype}"
     return text + "".join(f" {k}={v}" for k, v in record.knobs.items())
 
 
