@@ -92,7 +92,7 @@ def test_small_space_is_covered_completely(linear: autoaccum.Workload) -> None:
         race_rounds=0,
         measure=fake_measure(calls),
     )
-    # sizes 1, 2, 3, 4 x 4 variants = 16 > DEFAULT_TRIALS, so pass n_trials to cover it all:
+    # sizes 1, 2, 3, 4 x 4 variants = 16 > EXHAUSTIVE_UP_TO, so pass n_trials to cover it all:
     assert len(calls) == len(result.trials) <= 12
     full = tune(
         linear.loss_fn,
@@ -354,7 +354,7 @@ def test_one_step_configurations_are_timed_once(linear: autoaccum.Workload) -> N
     calls: list[Any] = []
     result = tune(
         linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, effective_batch=8, max_microbatch=8,
-        storage=":memory:", measure=fake_measure(calls), race_rounds=0,
+        n_trials=16, storage=":memory:", measure=fake_measure(calls), race_rounds=0,  # the whole grid
     )  # fmt: skip
     assert [m for m, _, _ in calls].count(8) == 1
     at_full = [r for r in result.trials if r.microbatch_size == 8]
@@ -421,7 +421,7 @@ def test_an_accumulating_step_out_of_memory_lowers_its_strategys_bound_and_tries
 
     result = tune(
         w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=48, strategies=["scan", "loop"],
-        n_trials=6, storage=":memory:", measure=measure, race_rounds=0,
+        n_trials=7, storage=":memory:", measure=measure, race_rounds=0,
     )  # fmt: skip
     loop = [m for m, name in calls if name == "loop"]
     assert loop == [48, 32, 16, 8]  # the warm start, then the next size down after each failure
@@ -430,3 +430,27 @@ def test_an_accumulating_step_out_of_memory_lowers_its_strategys_bound_and_tries
     failed = [r for r in result.trials if r.state == "FAIL"]
     assert sorted(r.microbatch_size for r in failed) == [16, 32, 48]
     assert all(r.reason and r.reason.startswith("out of memory") for r in failed)
+
+
+def test_the_warm_start_climbs_down_the_sizes_while_they_get_faster_then_tries_each_strategy_there() -> None:
+    """On a CPU a mid-sized microbatch is often fastest (cache): the warm start halves the first strategy's size
+    while that is faster, then times every other strategy at the best size; no trial is spent on the other
+    strategies at the one-step size (the same program)."""
+    w = workloads.linear(batch_size=64, features=8)
+    calls: list[tuple[int, str, tuple[Any, ...]]] = []
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        m, name = update.microbatch_size, update.strategy
+        calls.append((m, name, tuple(sorted(update.options.items()))))
+        per_example = 1e-3 * (1 + abs(m - 16) / 16) * (1.1 if name == "loop" else 1.0)  # fastest at 16, scan
+        return Timing(seconds_per_step=64 * per_example, compile_seconds=0.1, steps=5)
+
+    result = tune(
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=64, strategies=["scan", "loop"],
+        n_trials=6, storage=":memory:", measure=measure, race_rounds=0,
+    )  # fmt: skip
+    assert calls == [
+        (64, "scan", (("unroll", 1),)), (32, "scan", (("unroll", 1),)), (16, "scan", (("unroll", 1),)),
+        (8, "scan", (("unroll", 1),)), (16, "scan", (("unroll", 2),)), (16, "loop", ()),
+    ]  # fmt: skip
+    assert (result.plan.microbatch_size, result.plan.strategy) == (16, "scan")

@@ -46,8 +46,26 @@ from autoaccum.strategies import get as get_strategy
 STEPS, WARMUP = 5, 1
 """Timed steps and warm-up steps of one trial in the worker (after the compiling call)."""
 
-DEFAULT_TRIALS = 12
-"""Trials the tuner runs when ``n_trials`` is not given and the search space is larger than this."""
+EXHAUSTIVE_UP_TO = 8
+"""Without ``n_trials``, a space of at most this many configurations is searched whole (``GridSampler``)."""
+
+
+def default_budget(grid_points: int, strategies: int) -> int:
+    """The trials a tune runs without ``n_trials``: the whole space when it is small (`EXHAUSTIVE_UP_TO`), else a
+    quarter of it, at least the warm start (each strategy at its largest microbatch) and two more.
+
+    ``benchmarks/tune.py`` measures the pick against the whole grid's best (the goal: >= 0.97 of it, in <= 1/3
+    of the grid's time): the largest fitting microbatch is fastest on most devices, so the warm start finds
+    most of it.
+
+    Example:
+      >>> default_budget(6, 4), default_budget(28, 4), default_budget(100, 4)
+      (6, 7, 25)
+    """
+    if grid_points <= EXHAUSTIVE_UP_TO:
+        return grid_points
+    return min(grid_points, max(strategies + 2, -(-grid_points // 4)))
+
 
 POLL_SECONDS = 0.5
 """How often a worker with nothing left to run looks at the trials other workers are running."""
@@ -158,8 +176,8 @@ def tune(
         (`autoaccum.probe`).
       n_trials: the study's budget: the configurations it settles (measured, or failed for a reason such as
         out of memory), earlier runs' and other workers' included, so a resumed study runs only the trials
-        still missing and two workers asked for 6 settle 6 together, not 12. Default the whole space if it has
-        at most ``DEFAULT_TRIALS`` points, else ``DEFAULT_TRIALS``.
+        still missing and two workers asked for 6 settle 6 together, not 12. Default `default_budget`: the whole
+        space if it has at most `EXHAUSTIVE_UP_TO` points, else a quarter of it (at least the warm start and two).
       timeout: stop starting new trials (and waiting for other workers' trials) after this many seconds.
       storage: an RDB URL (default: SQLite at `autoaccum._tune.study.default_storage`; several hosts:
         ``"postgresql+psycopg://user@host/db"``), ``":memory:"`` or an optuna storage (e.g. an
@@ -331,7 +349,8 @@ def tune(
         with contextlib.suppress(KeyError):  # no such study yet: nothing to delete
             open_claims(opened, opened.get_study_id_from_name(name)).clear()
             optuna.delete_study(study_name=name, storage=opened)
-    exhaustive = (n_trials is None and grid_points <= DEFAULT_TRIALS) or (n_trials or 0) >= grid_points
+    wanted = default_budget(grid_points, len(labels)) if n_trials is None else n_trials
+    exhaustive = wanted >= grid_points
     sampler: optuna.samplers.BaseSampler
     if exhaustive:
         sampler = optuna.samplers.GridSampler(space, seed=seed)
@@ -366,27 +385,60 @@ def tune(
         if t.user_attrs.get("interrupted") and config_key(t.params) not in earlier.keys() | queued:
             study.enqueue_trial(t.params)
             queued.add(config_key(t.params))
-    wanted = grid_points if exhaustive else (n_trials or DEFAULT_TRIALS)
     budget = min(wanted, grid_points)  # the study's, shared by every worker on it
     warm: set[tuple[int, str, Setting]] = set()  # the warm-start configurations this worker queued
     failed_at: dict[Setting, int] = {}  # per setting, the smallest size whose accumulating step ran out of memory
+
+    def start(m: int, label: str, setting: Setting) -> None:
+        """Queues ``m`` x ``label`` at ``setting`` as a warm start."""
+        warm.add((m, label, setting))
+        study.enqueue_trial({"microbatch_size": m, "strategy": label, **knob_space.params_of(setting)})
 
     def next_down(m: int, label: str, setting: Setting) -> None:
         """Queues ``label`` at the largest candidate size of ``setting`` below ``m`` (a warm start again)."""
         below = [c for c in fitting[setting] if c < m]
         if below and not exhaustive:
-            warm.add((max(below), label, setting))
-            study.enqueue_trial({"microbatch_size": max(below), "strategy": label, **knob_space.params_of(setting)})
+            start(max(below), label, setting)
+            if ladder and ladder["size"] == m and label == ladder["label"] and setting == default:
+                ladder["size"] = max(below)  # the ladder goes on from the size below
 
+    # Warm start, a ladder: the first strategy at the default setting's largest microbatch, then at half the size
+    # of its best so far while that keeps getting faster (on a GPU the largest is usually fastest; on a CPU a
+    # smaller microbatch that stays in cache often is: 16 x 4 beat 64 x 1 by 1.38x on the demo transformer);
+    # then every other strategy at the ladder's best size, and each other setting of the knobs at its largest.
+    # The sampler (TPE) spends the rest of the budget.
+    ladder: dict[str, Any] = {}
     if not exhaustive and not trials:
-        # Warm start: on most devices the largest fitting microbatch is fastest; each strategy at the default
-        # setting's largest, then each other setting of the knobs at its own largest.
-        starts = [(label, default) for label in labels] + [(next(iter(labels)), s) for s in knob_settings[1:]]
-        for label, setting in [(label, s) for label, s in starts if fitting[s]][:wanted]:
-            warm.add((max(fitting[setting]), label, setting))
-            study.enqueue_trial(
-                {"microbatch_size": max(fitting[setting]), "strategy": label, **knob_space.params_of(setting)}
-            )
+        first = next(iter(labels))
+        if fitting[default]:
+            ladder.update(label=first, size=max(fitting[default]), best=None)
+            start(max(fitting[default]), first, default)
+        for setting in knob_settings[1:]:
+            if fitting[setting]:
+                start(max(fitting[setting]), first, setting)
+
+    def climb(trial: optuna.trial.FrozenTrial) -> None:
+        """The ladder's next step, after a trial of it (see the warm start above). A trial of it that ran out of
+        memory has moved it already (`next_down` queued the size below)."""
+        m, label = trial.params.get("microbatch_size"), trial.params.get("strategy")
+        if not ladder or ladder.get("done") or label != ladder["label"] or m != ladder["size"]:
+            return
+        if trial.state != _COMPLETE or knob_space.setting_of(trial.params) != default:
+            return
+        value = float(trial.value)  # type: ignore[arg-type]
+        if ladder["best"] is None or value > ladder["best"][1]:
+            ladder["best"] = (m, value)
+            smaller = [c for c in fitting[default] if c <= m // 2]
+            if smaller:
+                ladder["size"] = max(smaller)
+                start(ladder["size"], label, default)
+                return
+        ladder["done"] = True
+        best = ladder["best"][0]
+        if best < effective_batch:  # (at one step every strategy runs the same program: nothing to compare)
+            for other in labels:
+                if other != label:
+                    start(best, other, default)
 
     full_batch = batch
     if effective_batch != batch_size and layout is None:
@@ -490,6 +542,7 @@ def tune(
         return effective_batch / timing.seconds_per_step
 
     def report(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        climb(trial)
         count = len(_settled_configs(study))
         if trial.state != _PRUNED and "duplicate_of" not in trial.user_attrs:
             for callback in callbacks:
