@@ -25,6 +25,6 @@ def test_there_are_examples() -> None:
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(script: Path) -> None:
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.stdout.strip()

@@ -322,3 +322,13 @@ def test_plan_compiles_for_a_cards_own_description_file(gpu_compiler: None, tmp_
     # the GPU policy on the card's own memory size (85,017,493,504 B as its driver says; ours: 80 GiB)
     assert mine["memory_limit_bytes"] == int(85017493504 * (0.75 - 0.05))
     assert mine["step_seconds"] is None and h100["step_seconds"] > 0  # a file holds no FLOP rates
+
+
+def test_plan_demo_plans_each_model(gpu_compiler: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``autoaccum plan --demo``'s path, with its models shrunk (the real ones, GPT-2 small and a 1B transformer at
+    sequence 1024, take minutes to compile on a CPU; here one tiny one) and one card, compiled for the card."""
+    tiny = workloads.sized_transformer("tiny", vocab=64, dim=16, heads=2, layers=1, seq_len=8, batch_size=64)
+    monkeypatch.setattr(workloads, "planning_demos", lambda: (tiny,))
+    result = run("--demo", "--gpu", "H100")
+    assert result.exit_code == 0, result.output
+    assert "workload tiny" in result.output and "XLA:GPU sm_90 (compile-only)" in result.output
