@@ -55,3 +55,14 @@ def check_bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be True or False, got {type(value).__name__} {value!r}.")
     return value
+
+
+def floating_dtype(value: Any) -> np.dtype | None:
+    """``value`` as a floating numpy dtype (``jnp.bfloat16``, ``"float32"``, ...), or None if it is not one."""
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        return None
+    import jax.numpy as jnp  # its issubdtype knows ml_dtypes' floats (bfloat16), numpy's does not
+
+    return dtype if jnp.issubdtype(dtype, jnp.floating) else None

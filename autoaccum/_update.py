@@ -11,10 +11,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
+from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int, floating_dtype
 from autoaccum.strategies import (
     Auto,
     LossReduction,
@@ -255,11 +254,8 @@ def build_update(
     check_bool(has_aux, "has_aux")
     check_bool(has_state, "has_state")
     check_bool(donate, "donate")
-    try:
-        dtype = np.dtype(accumulator_dtype)
-    except TypeError:
-        dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    dtype = floating_dtype(accumulator_dtype)
+    if dtype is None:
         raise TypeError(f"`accumulator_dtype` must be a floating dtype such as jnp.float32, got {accumulator_dtype!r}.")
     spec = Spec(
         loss_fn,

@@ -52,11 +52,11 @@ EXHAUSTIVE_UP_TO = 8
 
 def default_budget(grid_points: int, strategies: int) -> int:
     """The trials a tune runs without ``n_trials``: the whole space when it is small (`EXHAUSTIVE_UP_TO`), else a
-    quarter of it, at least the warm start (each strategy at its largest microbatch) and two more.
+    quarter of it, at least as many as the strategies and two more.
 
     ``benchmarks/tune.py`` measures the pick against the whole grid's best (the goal: >= 0.97 of it, in <= 1/3
-    of the grid's time): the largest fitting microbatch is fastest on most devices, so the warm start finds
-    most of it.
+    of the grid's time); the warm start's ladder (largest size, halving while faster, then the other strategies
+    at the best size) spends most of this budget.
 
     Example:
       >>> default_budget(6, 4), default_budget(28, 4), default_budget(100, 4)

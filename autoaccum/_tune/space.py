@@ -8,8 +8,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax.numpy as jnp
-
+from autoaccum._checks import floating_dtype
 from autoaccum._knobs import Knobs
 from autoaccum.strategies import REMAT_POLICIES, SCHEDULES, check_remat
 from autoaccum.strategies import get as get_strategy
@@ -124,11 +123,8 @@ def check_dtype_values(accumulator_dtype: Any) -> tuple[str, ...]:
     values = list(accumulator_dtype) if isinstance(accumulator_dtype, (list, tuple)) else [accumulator_dtype]
     names = []
     for value in values:
-        try:
-            dtype = jnp.dtype(value)
-        except TypeError:
-            dtype = None
-        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        dtype = floating_dtype(value)
+        if dtype is None:
             raise TypeError(
                 f"`accumulator_dtype` must be a floating dtype, or a tuple of them to search, got "
                 f"accumulator_dtype={accumulator_dtype!r}; e.g. jnp.float32 or (jnp.float32, jnp.bfloat16)."
