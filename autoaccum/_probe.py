@@ -33,10 +33,11 @@ made, and a separate run within that margin may disagree.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -92,8 +93,8 @@ class ProbeResult(JsonMixin):
     """What `probe` found.
 
     Attributes:
-      max_microbatch: the largest microbatch (a multiple of ``granularity``) whose update step ran; 0 if not
-        even ``granularity`` fits.
+      max_microbatch: the largest microbatch (a multiple of ``granularity``; one of ``sizes`` when given) whose
+        update step ran; 0 if not even the least size fits.
       trials: every real run, in the order run.
       device: the device probed.
       memory_limit_bytes: the memory a trial could use.
@@ -107,6 +108,7 @@ class ProbeResult(JsonMixin):
       isolate: whether trials ran in child processes.
       seconds: the probe's wall time.
       message: a one-line summary for people.
+      sizes: the only sizes tried, when the probe was given some (None: every multiple of ``granularity``).
     """
 
     max_microbatch: int
@@ -123,6 +125,7 @@ class ProbeResult(JsonMixin):
     isolate: bool
     seconds: float
     message: str
+    sizes: tuple[int, ...] | None = None
 
     json_format = "autoaccum.probe/1"
     json_properties = ("runs", "step_seconds")
@@ -134,8 +137,13 @@ class ProbeResult(JsonMixin):
 
     @property
     def reached_cap(self) -> bool:
-        """Whether the answer is the cap (``max_microbatch`` it was given), not a boundary the device set."""
-        return self.max_microbatch + self.granularity > self.microbatch_cap and self.max_microbatch > 0
+        """Whether the answer is the largest size the probe could try, not a boundary the device set."""
+        return self.max_microbatch > 0 and self.failed_above is None
+
+    @property
+    def failed_above(self) -> int | None:
+        """The least size above ``max_microbatch`` that ran out of memory (None: none was tried)."""
+        return _failed_above(self.trials, self.max_microbatch)
 
     def bound_for(self, other: Estimate) -> int:
         """The largest microbatch predicted to fit for another setting of the probed step (another remat policy,
@@ -272,27 +280,36 @@ def search(
     granularity: int = 1,
     predicted: int | None = None,
     per_example_bytes: float | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> int:
     """The largest multiple of ``granularity`` (up to ``max_microbatch``) for which ``run`` fits, exactly.
 
     Model-guided bracketing, then bisection as a safeguard (see the module docstring). ``run(size)`` runs
     one trial; the search only uses ``fits`` and ``peak_bytes`` of what it returns. ``predicted`` and
-    ``per_example_bytes`` are the compile-only estimate's answer and slope, when there is one. Pure Python:
-    testable on simulated devices.
+    ``per_example_bytes`` are the compile-only estimate's answer and slope, when there is one. ``sizes``: only
+    these sizes are tried (those that are multiples of ``granularity``, up to ``max_microbatch``), and the
+    answer is the largest of them that fits (the next one of them did not): what the tuner needs, since it
+    only times its candidate sizes. Pure Python: testable on simulated devices.
 
     Example:
       >>> run = lambda m: Trial(m, 100 + 3 * m <= 1000, 0.0, peak_bytes=100 + 3 * m)
       >>> search(run, limit=1000, max_microbatch=4096)
       300
+      >>> search(run, limit=1000, max_microbatch=4096, sizes=[64, 128, 256, 512, 1024])
+      256
     """
     g = granularity
-    top = max_microbatch // g
+    if sizes is None:
+        levels: Sequence[int] = range(1, max_microbatch // g + 1)  # in granules
+    else:
+        levels = sorted({s // g for s in sizes if s % g == 0 and 0 < s <= max_microbatch})
+    top = levels[-1] if levels else 0
     lo, hi = 0, top + 1  # in granules: lo fits (0 trivially), hi does not (top + 1: beyond max_size)
     points: list[tuple[int, int]] = []  # (granules, peak bytes) of trials that fit
     per_granule = None if per_example_bytes is None or per_example_bytes <= 0 else per_example_bytes * g
     d_up, down = 1, 1 / 8  # the next step above a fit (granules), the next step below a failure (of the bracket)
     widths: list[int] = []
-    while hi - lo > 1:
+    while open_ := levels[bisect.bisect_right(levels, lo) : bisect.bisect_left(levels, hi)]:
         prediction = _predict(points, limit, per_granule, hi if hi <= top else None)
         if prediction is None and not points and predicted is not None:
             # Below the compile-only prediction by a margin, unless it says that even max_microbatch fits.
@@ -313,7 +330,8 @@ def search(
                 cand = k
         if hi <= top and len(widths) >= 3 and widths[-1] > widths[-2] / 2 and widths[-2] > widths[-3] / 2:
             cand = (lo + hi) // 2  # a real failure bounds the search and two steps did not halve it: bisect
-        cand = min(max(cand, lo + 1), hi - 1)
+        below = bisect.bisect_right(open_, cand)  # the largest size left at or below the candidate, else the least
+        cand = open_[below - 1] if below else open_[0]
         trial = run(cand * g)
         if trial.fits:
             lo, down = cand, 1 / 8
@@ -454,6 +472,7 @@ def probe(
     options: Mapping[str, Any] | None = None,
     trial_timeout: float | None = DEFAULT_TRIAL_TIMEOUT,
     progress: Callable[[Trial], None] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> ProbeResult:
     """Finds the largest microbatch whose full update step really runs here, in few real runs.
 
@@ -485,10 +504,13 @@ def probe(
       trial_timeout: seconds an isolated child (a trial, or the estimate) may run before it is killed and
         reported as hung (a `ProbeError` naming the time-out); None: no limit.
       progress: called with each `Trial` as it finishes.
+      sizes: try only these microbatch sizes (those that are multiples of ``granularity``, up to
+        ``max_microbatch``); the answer is then the largest of them that fits. `autoaccum.tune` passes its
+        candidate sizes: the exact boundary between two of them costs real runs and changes nothing it times.
 
     Returns:
-      A `ProbeResult`; ``max_microbatch`` fits and ``max_microbatch + granularity`` does not (or is above the
-      ``max_microbatch`` given); 0 when not even ``granularity`` fits.
+      A `ProbeResult`; ``max_microbatch`` fits and ``max_microbatch + granularity`` (with ``sizes``: the next of
+      them) does not, or is above the ``max_microbatch`` given; 0 when not even the least size fits.
 
     Raises:
       ValueError, TypeError: bad arguments, a limit that does not parse or is below the parameters' and
@@ -510,24 +532,28 @@ def probe(
         max_microbatch=max_microbatch, granularity=granularity, has_aux=has_aux, state=state,
         loss_reduction=loss_reduction, isolate=isolate, device=device, options=options, trial_timeout=trial_timeout,
     )  # fmt: skip
+    if sizes is not None:
+        sizes = _check_sizes(sizes, setup)
     with TrialRunner(setup, progress) as runner:
         model, why = runner.estimate()
         best = search(
             runner, limit=setup.memory_limit_bytes, max_microbatch=setup.microbatch_cap,
             granularity=setup.granularity,
             predicted=None if model is None else model.max_microbatch // setup.granularity * setup.granularity,
-            per_example_bytes=None if model is None else model.per_example_bytes,
+            per_example_bytes=None if model is None else model.per_example_bytes, sizes=sizes,
         )  # fmt: skip
         trials = tuple(runner.trials)
     limit = format_bytes(setup.memory_limit_bytes)
     note = "" if why is None else f" (no compile-only estimate: {why})"
     name = setup.device.name
+    above = _failed_above(trials, best)
     if best == 0:
-        message = f"nothing fits: even a microbatch of {setup.granularity} does not run under {limit} on {name}."
-    elif best + setup.granularity > setup.microbatch_cap:
-        message = f"microbatch {best} (max_microbatch) fits under {limit} on {name}."
+        least = setup.granularity if sizes is None else sizes[0]
+        message = f"nothing fits: even a microbatch of {least} does not run under {limit} on {name}."
+    elif above is None:
+        message = f"microbatch {best} (the largest tried) fits under {limit} on {name}."
     else:
-        message = f"microbatch {best} fits under {limit} on {name}; {best + setup.granularity} does not."
+        message = f"microbatch {best} fits under {limit} on {name}; {above} does not."
     return ProbeResult(
         max_microbatch=best,
         trials=trials,
@@ -543,4 +569,23 @@ def probe(
         isolate=setup.isolate,
         seconds=time.perf_counter() - start,
         message=message + note,
+        sizes=sizes,
     )
+
+
+def _failed_above(trials: Sequence[Trial], size: int) -> int | None:
+    return min((t.microbatch_size for t in trials if not t.fits and t.microbatch_size > size), default=None)
+
+
+def _check_sizes(sizes: Sequence[int], setup: Setup) -> tuple[int, ...]:
+    """``sizes`` as `probe` tries them (sorted, multiples of the granularity up to the cap), or a ValueError."""
+    if isinstance(sizes, (str, bytes)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+        raise TypeError(f"`sizes` must be a sequence of ints (microbatch sizes), got {sizes!r}.")
+    g, cap = setup.granularity, setup.microbatch_cap
+    kept = tuple(sorted({s for s in sizes if s > 0 and s % g == 0 and s <= cap}))
+    if not kept:
+        raise ValueError(
+            f"`sizes`={list(sizes)!r} has no positive multiple of the granularity {g} up to max_microbatch={cap}, "
+            "so nothing could be tried; give such sizes, or sizes=None to search every multiple."
+        )
+    return kept

@@ -22,6 +22,7 @@ import autoaccum
 from autoaccum._isolation import classify_exit
 from autoaccum._probe import ProbeError, Trial, TrialRunner, prepare, search
 from autoaccum._trial import is_oom
+from autoaccum._tune.space import fewest_steps, microbatch_candidates, probe_sizes
 
 # What `measured` reads of a compiled trial when `run_trial` is replaced: one device, no mesh.
 ONE_DEVICE = types.SimpleNamespace(job=types.SimpleNamespace(devices=1, mesh=None))
@@ -99,6 +100,51 @@ def test_search_granularity_max_size_and_nothing_fits() -> None:
     run, limit, runs = fake_device(1e6, 1000.0, 5)
     assert search(run, limit=limit, max_microbatch=4096, granularity=8) == 0
     assert runs == [8]
+
+
+def test_search_over_listed_sizes_answers_the_largest_that_fits() -> None:
+    """With ``sizes`` (the tuner's candidates) the answer is the largest listed size that fits and the next listed
+    one was tried and failed; no other size is run."""
+    listed = probe_sizes(1024)
+    for boundary in [1, 5, 40, 42, 43, 64, 100, 341, 342, 700, 1023, 1024]:
+        for estimate in ({}, model(5e6, 16384.0 * 1.2, int(5e6 + 16384.0 * (boundary + 0.5)), 1024)):
+            run, limit, runs = fake_device(5e6, 16384.0, boundary)
+            found = search(run, limit=limit, max_microbatch=1024, sizes=listed, **estimate)
+            fitting = [s for s in listed if s <= boundary]
+            assert found == fitting[-1], (boundary, runs)
+            assert set(runs) <= set(listed) and found in runs, runs
+            above = [s for s in listed if s > found]
+            assert not above or above[0] in runs, runs
+            assert len(runs) <= (4 if estimate else 8), (boundary, estimate, runs)
+    run, limit, runs = fake_device(1e6, 1000.0, 5)
+    assert search(run, limit=limit, max_microbatch=64, sizes=[8, 16, 6]) == 0 and runs == [6]
+
+
+def test_probe_sizes_cover_every_candidate_list() -> None:
+    for effective_batch in range(1, 200):
+        listed = set(probe_sizes(effective_batch))
+        for bound in range(1, effective_batch + 1):
+            candidates = microbatch_candidates(effective_batch, bound)
+            assert set(candidates) <= listed and max(candidates) <= bound
+            # the fewest accumulation steps any size up to the bound allows, at the least such size
+            steps = -(-effective_batch // bound)
+            assert fewest_steps(effective_batch, bound) in candidates
+            assert -(-effective_batch // fewest_steps(effective_batch, bound)) == steps
+
+
+def test_probe_at_listed_sizes_reports_the_next_size_that_failed() -> None:
+    loss_fn, params, batch = probe_workloads.linear(features=4096)
+    result = autoaccum.probe(
+        loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="64MiB", max_microbatch=4096,
+        isolate=False, sizes=[8, 64, 512, 4096],
+    )  # fmt: skip
+    assert {t.microbatch_size for t in result.trials} <= {8, 64, 512, 4096}
+    assert result.max_microbatch in (8, 64, 512) and not result.reached_cap
+    nxt = {8: 64, 64: 512, 512: 4096}[result.max_microbatch]
+    assert result.failed_above == nxt and f"; {nxt} does not" in result.message
+    assert autoaccum.ProbeResult.from_json(result.to_json()).sizes == (8, 64, 512, 4096)
+    with pytest.raises(ValueError, match=r"`sizes`=\[3, 5\] has no positive multiple of the granularity 2"):
+        autoaccum.probe(loss_fn, params, batch, optimizer=optax.sgd(0.1), granularity=2, sizes=[3, 5], isolate=False)
 
 
 @pytest.mark.parametrize(

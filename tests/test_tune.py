@@ -407,7 +407,7 @@ def test_the_plan_records_the_accumulator_dtype_it_was_tuned_with(linear: autoac
 
 def test_an_accumulating_step_out_of_memory_lowers_its_strategys_bound_and_tries_the_next_size_down() -> None:
     """The probe bounds one microbatch's step; a strategy's accumulating step may need more. When ``loop`` runs
-    out of memory at 48, 32 and 16, it is tried next at the largest candidate below, never again at or above a
+    out of memory at 32, 16 and 8, it is tried next at the largest candidate below, never again at or above a
     size that failed, and ``scan`` (which fits) is not held back by ``loop``'s failures."""
     w = workloads.linear(batch_size=64, features=8)
     calls: list[tuple[int, str]] = []
@@ -415,20 +415,20 @@ def test_an_accumulating_step_out_of_memory_lowers_its_strategys_bound_and_tries
     def measure(update: Update, params: Any, batch: Any) -> Timing:
         m, name = update.microbatch_size, update.strategy
         calls.append((m, name))
-        if name == "loop" and m >= 16:
+        if name == "loop" and m >= 8:
             raise TrialFailed(f"out of memory: RESOURCE_EXHAUSTED (fake) at microbatch {m}")
         return Timing(seconds_per_step=0.01 + 1.0 / m, compile_seconds=0.1, steps=5)
 
     result = tune(
-        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=48, strategies=["scan", "loop"],
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=32, strategies=["scan", "loop"],
         n_trials=7, storage=":memory:", measure=measure, race_rounds=0,
     )  # fmt: skip
     loop = [m for m, name in calls if name == "loop"]
-    assert loop == [48, 32, 16, 8]  # the warm start, then the next size down after each failure
-    assert (48, "scan") in calls
-    assert result.plan.microbatch_size == 48 and result.plan.strategy == "scan"
+    assert loop == [32, 16, 8, 4]  # the warm start, then the next size down after each failure
+    assert (32, "scan") in calls
+    assert result.plan.microbatch_size == 32 and result.plan.strategy == "scan"
     failed = [r for r in result.trials if r.state == "FAIL"]
-    assert sorted(r.microbatch_size for r in failed) == [16, 32, 48]
+    assert sorted(r.microbatch_size for r in failed) == [8, 16, 32]
     assert all(r.reason and r.reason.startswith("out of memory") for r in failed)
 
 

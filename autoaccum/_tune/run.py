@@ -31,6 +31,7 @@ from autoaccum._tune.space import (
     check_dtype_values,
     check_remat_values,
     microbatch_candidates,
+    probe_sizes,
     variants,
 )
 from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
@@ -151,17 +152,18 @@ def tune(
     setting (each knob's first value), and every other setting's bound is its compile-only estimate calibrated
     by what the probe measured (`ProbeResult.bound_for`).
 
-    First the probe bounds the microbatch (`autoaccum.probe`; no size above a setting's bound is ever timed); then
-    an Optuna study times real update steps at the effective batch: every configuration when the space is
-    small (``GridSampler``), else a seeded ``TPESampler`` warm-started with the largest fitting microbatch of
-    each strategy. Trials that run out of memory or over ``trial_timeout`` are recorded as failed and the
-    study goes on. The study lives in ``storage``, so an interrupted tune resumes where it stopped (finished
-    trials are not re-run) and several processes (one per host) can tune one study together: each
-    configuration is measured once, by the worker that claims it first (`autoaccum._tune.claims`), and each
-    worker returns once the study's budget is settled, so all return the same plan; a worker that dies
-    mid-trial leaves a trial that another one runs again once its heartbeat is stale (90 s). A study is
-    identified by a fingerprint of what determines its timings (`TuneResult.fingerprint`): change the loss's
-    body or the optimizer and a new study starts, never the old one's answer.
+    First the probe bounds the microbatch (`autoaccum.probe`, trying only the sizes the tuner can time,
+    `autoaccum._tune.space.probe_sizes`; no size above a setting's bound is ever timed); then an Optuna study times
+    real update steps at the effective batch: every configuration when the space is small (``GridSampler``), else a
+    seeded ``TPESampler`` warm-started by a ladder (the first strategy from the largest fitting microbatch down
+    while it gets faster, then every other strategy at the best size). Trials that run out of memory or over
+    ``trial_timeout`` are recorded as failed and the study goes on. The study lives in ``storage``, so an
+    interrupted tune resumes where it stopped (finished trials are not re-run) and several processes (one per host)
+    can tune one study together: each configuration is measured once, by the worker that claims it first
+    (`autoaccum._tune.claims`), and each worker returns once the study's budget is settled, so all return the same
+    plan; a worker that dies mid-trial leaves a trial that another one runs again once its heartbeat is stale (90
+    s). A study is identified by a fingerprint of what determines its timings (`TuneResult.fingerprint`): change the
+    loss's body or the optimizer and a new study starts, never the old one's answer.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss (``-> (loss, aux)`` with ``has_aux``), or an
@@ -299,6 +301,7 @@ def tune(
             state=state,
             loss_reduction=loss_reduction,
             options=None if default.remat is None else {"remat": default.remat},
+            sizes=probe_sizes(effective_batch),
         )
         max_microbatch = probed.max_microbatch
     bounds = {setting: max_microbatch for setting in knob_settings}

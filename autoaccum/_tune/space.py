@@ -181,7 +181,8 @@ def variants(names: Sequence[str], *, fsdp: bool = False) -> dict[str, tuple[str
 
 
 def microbatch_candidates(effective_batch: int, max_microbatch: int) -> list[int]:
-    """Sizes to try: divisors of the effective batch first, then powers of two and the bound itself.
+    """Sizes to try: divisors of the effective batch first, then powers of two and the least size that takes as
+    few accumulation steps as the bound (`fewest_steps`).
 
     The list is not sorted: its largest entry is ``max(candidates)``, not the last one.
 
@@ -190,8 +191,32 @@ def microbatch_candidates(effective_batch: int, max_microbatch: int) -> list[int
       [1, 2, 3, 4, 6, 8, 12, 16]
       >>> microbatch_candidates(96, 96)[-1], max(microbatch_candidates(96, 96))
       (64, 96)
+      >>> microbatch_candidates(128, 55)  # 55 takes 3 steps, and so does 43 (43 + 43 + 42)
+      [1, 2, 4, 8, 16, 32, 43]
     """
     bound = min(effective_batch, max_microbatch)
     divisors = [d for d in range(1, bound + 1) if effective_batch % d == 0]
-    extra = {1 << i for i in range(bound.bit_length()) if 1 << i <= bound} | {bound}
+    extra = {1 << i for i in range(bound.bit_length()) if 1 << i <= bound} | {fewest_steps(effective_batch, bound)}
     return divisors + sorted(extra - set(divisors))
+
+
+def fewest_steps(effective_batch: int, bound: int) -> int:
+    """The least microbatch that needs no more accumulation steps than ``bound`` does (an even split).
+
+    Example:
+      >>> fewest_steps(128, 55), fewest_steps(128, 64), fewest_steps(100, 40)
+      (43, 64, 34)
+    """
+    return -(-effective_batch // -(-effective_batch // bound))
+
+
+def probe_sizes(effective_batch: int) -> list[int]:
+    """Every size `microbatch_candidates` can list for some bound, sorted: what the tuner's probe tries, since
+    a boundary between two of them changes nothing the tuner times.
+
+    Example:
+      >>> probe_sizes(12)
+      [1, 2, 3, 4, 6, 8, 12]
+    """
+    steps = {-(-effective_batch // k) for k in range(1, effective_batch + 1)}
+    return sorted(steps | {1 << i for i in range(effective_batch.bit_length())})

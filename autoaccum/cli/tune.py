@@ -177,9 +177,10 @@ def tune(
     if result.probe is not None:
         probed = result.probe
         fits = "fits in one step" if probed.max_microbatch >= plan.effective_batch else "does not fit in one step"
+        above = "" if probed.failed_above is None else f", {probed.failed_above} does not"
         console.print(
-            f"\nprobe: at most {probed.max_microbatch} examples per step fit under "
-            f"{format_bytes(probed.memory_limit_bytes)} ({probed.runs} real runs): the effective batch of "
+            f"\nprobe: microbatch {probed.max_microbatch} fits under {format_bytes(probed.memory_limit_bytes)}"
+            f"{above} ({probed.runs} real runs at the tuner's candidate sizes): the effective batch of "
             f"{plan.effective_batch} {fits}",
             highlight=False,
         )
