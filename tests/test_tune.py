@@ -454,3 +454,34 @@ def test_the_warm_start_climbs_down_the_sizes_while_they_get_faster_then_tries_e
         (8, "scan", (("unroll", 1),)), (16, "scan", (("unroll", 2),)), (16, "loop", ()),
     ]  # fmt: skip
     assert (result.plan.microbatch_size, result.plan.strategy) == (16, "scan")
+
+
+def test_a_strategy_that_beats_the_first_at_the_best_size_is_tried_at_the_runner_up_size() -> None:
+    """The ladder's third step: scan measures 32 best (16 a little slower), scan unroll=2 beats it at 32; the
+    winner is then timed at 16, the ladder's runner-up, where it is fastest of all (as on the demo transformer)."""
+    w = workloads.linear(batch_size=64, features=8)
+    calls: list[tuple[int, str]] = []
+    per_example = {
+        (64, "scan"): 1.30, (32, "scan"): 1.00, (16, "scan"): 1.02, (8, "scan"): 1.5,
+        (32, "scan:unroll=2"): 0.97, (16, "scan:unroll=2"): 0.88, (32, "loop"): 1.1,
+    }  # fmt: skip
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        m = update.microbatch_size
+        label = "scan:unroll=2" if update.options.get("unroll") == 2 else update.strategy
+        calls.append((m, label))
+        return Timing(seconds_per_step=64e-3 * per_example.get((m, label), 2.0), compile_seconds=0.1, steps=5)
+
+    result = tune(
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=64, strategies=["scan", "loop"],
+        n_trials=6, storage=":memory:", measure=measure, race_rounds=0,
+    )  # fmt: skip
+    assert calls == [
+        (64, "scan"),
+        (32, "scan"),
+        (16, "scan"),
+        (32, "scan:unroll=2"),
+        (32, "loop"),
+        (16, "scan:unroll=2"),
+    ]
+    assert (result.plan.microbatch_size, result.plan.options) == (16, {"unroll": 2})
