@@ -24,7 +24,8 @@ it was given was reached).
 
 Reproducibility on the CPU: the cap is on the child's address space, with glibc's malloc made predictable
 (`child_env`) and every program compiled before the cap is set. For steps whose kernels only use XLA's own
-buffers (the linear test workload) the memory a trial uses is then identical to the byte from run to run.
+buffers (the linear test workload) the memory a trial uses is then the same to within a few KiB from run to run
+(under a loaded machine a separate run at boundary + 1 has fit, on an 8 KiB margin, where the probe's did not).
 XLA:CPU also runs independent kernels concurrently and some of them (YNNPACK's dots) allocate their own
 workspace, so for such models (the demo transformer) a step's peak varies between runs by a few percent
 (measured: 188 to 267 MB for one size under a 256 MiB cap); the boundary is exact for the runs the probe

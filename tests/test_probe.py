@@ -232,6 +232,8 @@ def test_probe_finds_the_exact_boundary_under_a_real_cap() -> None:
     seen: list[Trial] = []
     # 12 KiB above 100 MiB: each example needs 16 KiB, and at 100 MiB exactly the boundary's step needs 4 KiB
     # more than the cap when run uncapped, so a separate run could land either side; here both sides have 8 KiB.
+    # Separate runs still varied by a few KiB under CI's load (twice in ~6 runs the boundary + 1 fit on its own),
+    # so they are checked one example (16 KiB) clear of the boundary on each side.
     limit = 100 * 2**20 + 12 * 2**10
     kwargs = dict(optimizer=optax.sgd(0.1), memory_limit=limit, max_microbatch=16384)
     result = autoaccum.probe(loss_fn, params, batch, progress=seen.append, **kwargs)
@@ -241,7 +243,7 @@ def test_probe_finds_the_exact_boundary_under_a_real_cap() -> None:
     assert result.memory_limit_bytes == limit and result.estimate is not None
     assert any(t.microbatch_size == m and t.fits for t in result.trials)
     assert any(t.microbatch_size == m + 1 and not t.fits for t in result.trials)
-    assert verify(kwargs, [m, m + 1]) == [True, False]
+    assert verify(kwargs, [m - 1, m + 2]) == [True, False]
     jax.tree.map(np.testing.assert_array_equal, before, params)
     assert result.to_dict()["max_microbatch"] == m
 
@@ -297,7 +299,7 @@ def test_probe_on_a_gpu_under_a_cap() -> None:
     result = autoaccum.probe(loss_fn, params, batch, **kwargs)
     m = result.max_microbatch
     assert result.device.platform == "gpu" and 0 < m < 1 << 17 and result.runs <= 8
-    assert verify(kwargs, [m, m + 1]) == [True, False]
+    assert verify(kwargs, [m - 1, m + 2]) == [True, False]
 
 
 def test_isolated_probe_with_typed_keys_in_the_batch_and_the_state() -> None:
