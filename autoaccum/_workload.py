@@ -14,6 +14,7 @@ from typing import Any
 import optax
 
 from autoaccum._checks import check_loss_fn, check_optimizer
+from autoaccum._knobs import Knobs
 from autoaccum.strategies import PyTree, leading_size
 
 
@@ -35,6 +36,8 @@ class Workload:
       name: a short name for reports.
       memory_limit: the memory limit the CLI uses when ``--memory-limit`` is not given (e.g. ``"64MiB"``);
         None: the device's default. The demo sets one, so that its effective batch does not fit in one step.
+      knobs: the loss's own knobs (`autoaccum.Knobs`), which ``autoaccum tune`` searches beside the built-in
+        ones; ``loss_fn`` is then the loss of their default values (what ``probe`` and ``plan`` use).
     """
 
     loss_fn: Callable[..., Any]
@@ -46,9 +49,15 @@ class Workload:
     loss_reduction: str = "mean"
     name: str = "workload"
     memory_limit: str | int | None = None
+    knobs: Knobs | None = None
 
     def __post_init__(self) -> None:
         check_loss_fn(self.loss_fn)
+        if self.knobs is not None and not isinstance(self.knobs, Knobs):
+            raise TypeError(
+                f"`Workload.knobs` must be an autoaccum.Knobs (a loss factory and the values to try) or None, got "
+                f"{type(self.knobs).__name__}: {self.knobs!r}."
+            )
         check_optimizer(self.optimizer, "Workload.optimizer")
         leading_size(self.batch)
 

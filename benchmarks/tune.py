@@ -8,9 +8,11 @@ interleaved rounds, median; a control column times the grid's best against itsel
 Goal: the tuned pick >= 0.97 of the grid's best, in <= 1/3 of the grid's time, in every run (the worst run is
 reported).
 
-(b) Under ``--tight-limit`` (where the transformer without remat fits only a small microbatch), `autoaccum.tune`
-searching no remat (``remat=(None,)``) against `autoaccum.tune` searching the remat policies too
-(``--remat``): each pick's throughput, re-timed side by side, and each one's measured peak.
+(b) The demo (`autoaccum.workloads.demo`: the transformer with its blocks scanned, 128 sequences under 32 MiB on
+a CPU, where without remat a microbatch of about 27 fits): `autoaccum.tune` of its plain loss with no knobs
+against `autoaccum.tune` of its `autoaccum.Knobs` (each block's remat policy, ``block_remat``; whole-loss policies
+too with ``--remat``), both with their defaults: each pick's throughput, re-timed side by side in one worker, and
+each one's measured peak.
 
 Run: ``python benchmarks/tune.py [--effective-batch 64] [--seq-len 64] [--runs 5] [--part a|b|both]``.
 Prints Markdown tables.
@@ -19,6 +21,7 @@ Prints Markdown tables.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -45,15 +48,25 @@ def worker_for(setup: Any) -> TimingWorker:
     return TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=600, step_timeout=120)
 
 
-def side_by_side(worker: TimingWorker, configs: dict[str, Config], labels: dict[str, Any], rows: int, rounds: int):
-    """Median examples/s of each config over ``rounds`` interleaved rounds in one worker."""
+def side_by_side(
+    worker: TimingWorker,
+    configs: dict[str, Config],
+    labels: dict[str, Any],
+    rows: int,
+    rounds: int,
+    settings: dict[str, int] | None = None,
+) -> dict[str, float]:
+    """Median examples/s of each config over ``rounds`` interleaved rounds in one worker (``settings``: the index
+    of each config's knob setting among the worker's, default 0)."""
     rates: dict[str, list[float]] = {key: [] for key in configs}
     for r in range(rounds):
         keys = list(configs)[r % len(configs) :] + list(configs)[: r % len(configs)]
         for key in keys:
             m, label, remat = configs[key]
             name, options = labels[label]
-            outcome = worker.time(Request({"strategy": name, **options, "remat": remat}, m, rows, STEPS, WARMUP))
+            setting = (settings or {}).get(key, 0)
+            build = {"strategy": name, **options, "remat": remat}
+            outcome = worker.time(Request(build, m, rows, STEPS, WARMUP, setting=setting))
             if outcome.status == "fits":
                 rates[key].extend(rows / t for t in outcome.times or ())
     return {key: statistics.median(v) if v else 0.0 for key, v in rates.items()}
@@ -114,34 +127,46 @@ def part_a(w: autoaccum.Workload, args: argparse.Namespace) -> None:
     )
 
 
-def part_b(w: autoaccum.Workload, args: argparse.Namespace) -> None:
-    batch = args.effective_batch
+def part_b(args: argparse.Namespace) -> None:
+    w = workloads.demo()  # the scanned transformer, its block_remat knob declared (workloads.BLOCK_REMAT)
+    assert w.knobs is not None
+    batch, limit = w.batch_size, args.tight_limit or w.memory_limit
     remats = (None, *args.remat)
-    print(f"\n(b) knobs under a tight limit: {args.tight_limit}, effective batch {batch}, remat searched {remats}\n")
+    print(
+        f"\n(b) knobs under a tight limit: the demo transformer (blocks scanned), effective batch {batch}, limit "
+        f"{limit}; with knobs: block_remat {w.knobs.choices['block_remat']}, whole-loss remat {remats}\n"
+    )
     results = {}
-    for key, search in (("without knobs", (None,)), ("with knobs", remats)):
+    searches = (("without knobs", w.loss_fn, (None,)), ("with knobs", w.knobs, remats))
+    for key, loss, search in searches:
         start = time.perf_counter()
         results[key] = autoaccum.tune(
-            w.loss_fn, w.params, w.batch, optimizer=w.optimizer, storage=":memory:", memory_limit=args.tight_limit,
-            remat=search,
+            loss, w.params, w.batch, optimizer=w.optimizer, storage=":memory:", memory_limit=limit, remat=search,
+            seed=args.seed,
         )  # fmt: skip
-        print(f"{key}: {time.perf_counter() - start:.0f} s; bounds {getattr(results[key], 'bounds', None)}")
+        print(f"{key}: {time.perf_counter() - start:.0f} s; bounds {results[key].bounds}")
     labels = variants(list(autoaccum.strategies.available()))
-    configs = {}
+    settings = w.knobs.settings()
+    configs, picks = {}, {}
     for key, result in results.items():
         plan = result.plan
-        configs[key] = (plan.microbatch_size, next(k for k, v in labels.items() if v == (plan.strategy, plan.options)),
-                        plan.remat)  # fmt: skip
-    setup = prepare(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit=args.tight_limit)
-    with worker_for(setup) as wk:
-        rates = side_by_side(wk, configs, labels, batch, args.rounds)
+        label = next(k for k, v in labels.items() if v == (plan.strategy, plan.options))
+        configs[key] = (plan.microbatch_size, label, plan.remat)
+        picks[key] = settings.index(plan.knobs or w.knobs.default)
+    setup = prepare(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit=limit)
+    job = dataclasses.replace(setup.job, loss_fn=w.knobs)
+    with TimingWorker(
+        job, setup.device, setup.memory_limit_bytes, compile_timeout=600, step_timeout=120, settings=settings
+    ) as wk:
+        rates = side_by_side(wk, configs, labels, batch, args.rounds, settings=picks)
     print("\n| search | pick | examples/s (side by side) | measured peak | limit |")
     print("|---|---|---:|---:|---:|")
     for key, result in results.items():
         m, label, remat = configs[key]
+        knobs = settings[picks[key]]
         peak = "n/a" if result.peak_bytes is None else format_bytes(result.peak_bytes)
-        limit = format_bytes(result.memory_limit_bytes or 0)
-        print(f"| {key} | {m} x {label} remat={remat} | {rates[key]:,.0f} | {peak} | {limit} |")
+        limit_text = format_bytes(result.memory_limit_bytes or 0)
+        print(f"| {key} | {m} x {label} remat={remat} {knobs} | {rates[key]:,.0f} | {peak} | {limit_text} |")
     print(f"\nwith knobs / without: {rates['with knobs'] / rates['without knobs']:.3f}")
 
 
@@ -153,10 +178,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="side-by-side re-timing rounds")
     parser.add_argument("--part", choices=("a", "b", "both"), default="both")
     parser.add_argument("--memory-limit", default="1GiB", help="(a): the limit trials run under")
-    parser.add_argument("--tight-limit", default="24MiB", help="(b): a limit where no remat fits a small microbatch")
-    parser.add_argument("--remat", action="append", default=None, help="(b): policies searched with knobs")
+    parser.add_argument("--tight-limit", default=None, help="(b): the limit [default: the demo's, 32MiB on a CPU]")
+    parser.add_argument("--remat", action="append", default=[], help="(b): whole-loss policies searched with knobs")
+    parser.add_argument("--seed", type=int, default=0, help="(b): the tuner's seed")
     args = parser.parse_args()
-    args.remat = args.remat or ["nothing_saveable", "dots_saveable"]
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     w = workloads.transformer(batch_size=args.effective_batch, seq_len=args.seq_len)
     print(
@@ -167,7 +192,7 @@ def main() -> None:
     if args.part in ("a", "both"):
         part_a(w, args)
     if args.part in ("b", "both"):
-        part_b(w, args)
+        part_b(args)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def main() -> None:
     # The tuner searches the knob beside the microbatch and the strategy. Without max_microbatch it probes the
     # default setting under memory_limit and bounds the others by their calibrated estimates (slower).
     result = autoaccum.tune(
-        knobs, params, batch, optimizer=tx, max_microbatch=16, strategies=["scan"], n_trials=4, storage=":memory:"
+        knobs, params, batch, optimizer=tx, max_microbatch=16, strategies=["scan"], n_trials=3, storage=":memory:"
     )
     plan = result.plan
     print(f"tuned: microbatch {plan.microbatch_size} x {plan.accumulation_steps}, knobs {plan.knobs}")
@@ -91,7 +91,7 @@ def main() -> None:
     sgd = optax.sgd(0.1)
     update = plan.build(knobs, sgd, donate=False)
     new, _, loss = update(params, sgd.init(params), batch)
-    full_loss, grads = jax.value_and_grad(make_loss())(params, batch)
+    full_loss, grads = jax.jit(jax.value_and_grad(make_loss()))(params, batch)
     expected = optax.apply_updates(params, sgd.update(grads, sgd.init(params), params)[0])
     pairs = zip(jax.tree.leaves(new), jax.tree.leaves(expected), strict=True)
     gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs)

@@ -70,3 +70,17 @@ def keyed_loss(params: Any, batch: Any, state: Any) -> tuple[jax.Array, Any]:
     keep = jax.random.bernoulli(sub, 0.9, batch["x"].shape)
     loss = jnp.mean(((batch["x"] * keep) @ params["w"] + params["b"] + 0.01 * noise - batch["y"]) ** 2)
     return loss, {"key": key, "count": state["count"] + 1}
+
+
+def make_scaled_loss(scale: float = 1.0) -> Any:
+    """A loss factory with one knob of its own (`knobbed`): ``scale`` times the linear regression's loss."""
+    return lambda params, batch: scale * linear_loss(params, batch)
+
+
+def knobbed() -> Workload:
+    """The linear regression declaring a ``scale`` knob: ``autoaccum tune`` searches it."""
+    from autoaccum import Knobs
+
+    _, params, batch = linear(rows=8)
+    knobs = Knobs(make_scaled_loss, scale=(1.0, 0.5))
+    return Workload(make_scaled_loss(), params, batch, optax.sgd(0.1), name="knobbed", knobs=knobs)

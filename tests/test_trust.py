@@ -145,19 +145,30 @@ def test_workload_file_imports_modules_beside_it(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "ModuleNotFoundError" in result.output, result.output
 
 
-# 11. Library hygiene: no Optuna INFO lines in the user's log, and the user's verbosity is left as it was.
+# 11. Library hygiene: no Optuna trial lines in the user's log (nor a failed trial's traceback: the tuner reports
+# why), and the user's verbosity is left as it was.
 def test_tune_prints_no_optuna_trial_lines(capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
     import optuna
 
     before = optuna.logging.get_verbosity()
+    from autoaccum._tune.timing import TrialFailed
+
     params, batch = linear_problem()
+    measure = constant_measure([])
+
+    def failing_at_12(update: Any, params: Any, batch: Any) -> Any:
+        if update.microbatch_size == 12:
+            raise TrialFailed("out of memory in the worker (a test's)")
+        return measure(update, params, batch)
+
     with caplog.at_level(logging.INFO):
-        tune(
+        result = tune(
             lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), params, batch, optimizer=optax.sgd(0.1),
-            max_microbatch=12, strategies=["scan"], n_trials=2, storage=":memory:", measure=constant_measure([]),
+            max_microbatch=12, strategies=["scan"], n_trials=2, storage=":memory:", measure=failing_at_12,
         )  # fmt: skip
     out, err = capfd.readouterr()
-    assert "Trial 0 finished" not in out + err + caplog.text
+    assert any(t.reason and "a test's" in t.reason for t in result.trials)  # the failure is reported, by the tuner
+    assert "Trial 0 f" not in out + err + caplog.text and "Traceback" not in out + err + caplog.text
     assert optuna.logging.get_verbosity() == before
 
 

@@ -104,11 +104,12 @@ def fingerprint(program_text: str, context: dict[str, Any]) -> str:
 
 @contextlib.contextmanager
 def quiet_optuna() -> Iterator[None]:
-    """Optuna's per-trial INFO lines (``[I ...] Trial 3 finished ...``) are not printed while the tuner runs;
-    the verbosity the user had is restored after. The tuner reports trials through its callbacks. Usable as a
-    decorator too (``@quiet_optuna()``)."""
+    """Optuna's per-trial lines (``[I ...] Trial 3 finished ...``, and ``[W ...] Trial 0 failed ...`` with a
+    traceback, for a trial that ran out of memory) are not printed while the tuner runs; the verbosity the user
+    had is restored after. The tuner reports trials, and why one failed, through its callbacks and its result.
+    Usable as a decorator too (``@quiet_optuna()``)."""
     before = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(max(before, optuna.logging.WARNING))
+    optuna.logging.set_verbosity(max(before, optuna.logging.ERROR))
     try:
         yield
     finally:

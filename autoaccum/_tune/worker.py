@@ -9,9 +9,10 @@ have separate time limits: ``{"event": "compiled"}`` once the programs are compi
 "outcome": ...}`` once the steps are timed. Its compiled programs stay cached (the finalists' re-timing
 compiles nothing again).
 
-The parent restarts the worker after anything but a clean fit: an out-of-memory (the allocator's state is not
-trusted after one), an error, a crash (classified from the exit status and output as the probe's children are:
-`autoaccum._isolation.classify_exit`) or a hang (killed with its process group when a limit passes). None of
+The parent restarts the worker after anything but a clean fit or a step that ran over the limit to its end
+(`keeps_worker`): an allocation failure (the allocator's state is not trusted after one), an error, a crash
+(classified from the exit status and output as the probe's children are: `autoaccum._isolation.classify_exit`)
+or a hang (killed with its process group when a limit passes). None of
 these reaches the caller: each is an `Outcome` with its reason, and the study goes on.
 """
 
@@ -123,7 +124,7 @@ class TimingWorker:
             assert message["event"] == event, message
         if outcome is None:
             raise AssertionError("the worker answered without an outcome")
-        if outcome.status != "fits":
+        if not keeps_worker(outcome):
             self._stop()  # a fresh worker for the next trial: nothing of a failed one carries over
         return outcome
 
@@ -190,6 +191,18 @@ class TimingWorker:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def keeps_worker(outcome: Outcome) -> bool:
+    """Whether the worker that produced ``outcome`` may time the next trial: after a fit, and after a step that ran
+    to the end but measured a peak over the limit (`over_limit`: its memory was freed as a fit's is); not after an
+    allocation failure, an error, a crash or a hang.
+
+    Example:
+      >>> keeps_worker(Outcome("oom", peak_bytes=2048)), keeps_worker(Outcome("oom", message="Out of memory"))
+      (True, False)
+    """
+    return outcome.status == "fits" or (outcome.status == "oom" and outcome.peak_bytes is not None)
 
 
 def over_limit(outcome: Outcome, limit: int) -> Outcome:

@@ -15,7 +15,7 @@ from autoaccum.cli._common import resolve_workload, workload_arguments
 SNIPPET = """\
 import autoaccum
 plan = autoaccum.Plan.load({path!r})
-update = plan.build(loss_fn, optimizer, params=params)   # checks params match the plan
+update = plan.build({loss}, optimizer, params=params)   # checks params match the plan
 opt_state = update.init(params)
 params, opt_state, loss = update(params, opt_state, batch)   # batch: {batch} examples"""
 
@@ -132,7 +132,7 @@ def tune(
 
         try:
             result = run_tune(
-                w.loss_fn,
+                w.loss_fn if w.knobs is None else w.knobs,
                 w.params,
                 w.batch,
                 optimizer=w.optimizer,
@@ -202,7 +202,10 @@ def tune(
     if out is not None:
         console.print(f"plan saved to {out}\n")
         console.print(
-            SNIPPET.format(path=str(out), batch=plan.effective_batch), highlight=False, markup=False, soft_wrap=True
+            SNIPPET.format(path=str(out), batch=plan.effective_batch, loss="knobs" if plan.knobs else "loss_fn"),
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
         )
 
 
