@@ -186,7 +186,7 @@ def main() -> None:
     w = workloads.transformer(batch_size=args.effective_batch, seq_len=args.seq_len)
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, device "
-        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, optax {optax.__version__}; transformer seq "
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, optax {optax.__version__}; (a): transformer seq "
         f"{args.seq_len}"
     )
     if args.part in ("a", "both"):

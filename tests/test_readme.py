@@ -53,3 +53,5 @@ def test_demo_command_runs(tmp_path: Path) -> None:
     assert f"memory limit {limit}" in result.stdout and "does not fit in one step" in result.stdout
     steps = re.search(rf"best plan.*: microbatch (\d+) x (\d+) steps = {batch} examples", result.stdout)
     assert steps is not None and int(steps.group(2)) > 1, result.stdout
+    # Trials over the limit fail as out of memory in the worker, which goes on serving (no other failure).
+    assert "failed in the worker" not in result.stdout and "timed out" not in result.stdout, result.stdout

@@ -261,5 +261,5 @@ def serve(payload_path: str, answers_fd: int, limit: int) -> None:
         request = Request(**json.loads(line))
         outcome = guarded(functools.partial(run, request))
         answers.write(json.dumps({"event": "done", "outcome": outcome.to_dict()}) + "\n")
-        if outcome.status != "fits":
-            return
+        if not keeps_worker(outcome):
+            return  # the parent starts a fresh worker
