@@ -12,7 +12,9 @@ import optax
 import pytest
 
 from autoaccum import tune
+from autoaccum._estimate import estimate
 from autoaccum._probe import prepare
+from autoaccum._tune.timing import Timing
 from autoaccum._tune.worker import Request, TimingWorker
 
 
@@ -79,3 +81,40 @@ def test_bad_time_limits_are_refused_before_anything_runs() -> None:
     for kw in ({"trial_timeout": 0}, {"compile_timeout": -1.0}, {"race_rounds": -1}, {"isolate": "yes"}):
         with pytest.raises((ValueError, TypeError), match=next(iter(kw))):
             tune(linear_loss, params, batch, optimizer=optax.sgd(0.1), max_microbatch=4, storage=":memory:", **kw)
+
+
+def wide_loss(params: Any, batch: Any) -> jax.Array:
+    """A one-hidden-layer MLP whose 4 MiB first layer makes the accumulator weigh as much as 64 examples."""
+    return jnp.mean((jax.nn.relu(batch["x"] @ params["w1"]) @ params["w2"] - batch["y"]) ** 2)
+
+
+def test_sizes_whose_accumulating_step_is_predicted_over_the_limit_are_never_timed() -> None:
+    """The probe runs one microbatch's step: under 24 MiB, 256 examples fit. The accumulating step over 512
+    (2 x 256) also holds the accumulator and the whole batch: the calibrated estimate predicts it over the
+    limit, so the tuner never times it; run in the worker, it really does run out of memory. (Sizes predicted
+    just under the limit may still run over it: CPU peaks of one step vary by a few percent from run to run, and
+    such a trial fails in the worker as before.)"""
+    params = {"w1": jnp.zeros((256, 4096)), "w2": jnp.zeros((4096, 1))}
+    batch = {"x": jnp.ones((512, 256)), "y": jnp.ones((512, 1))}
+    timed: list[int] = []
+
+    def measure(update: Any, params: Any, batch: Any) -> Timing:
+        timed.append(update.microbatch_size)
+        return Timing(seconds_per_step=0.01 + 1 / update.microbatch_size, compile_seconds=0.1, steps=3)
+
+    result = tune(
+        wide_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="24MiB", strategies=["scan"],
+        storage=":memory:", measure=measure, race_rounds=0,
+    )  # fmt: skip
+    assert result.probe is not None
+    boundary, limit = result.probe.max_microbatch, result.probe.memory_limit_bytes
+    assert 256 <= boundary < 512 and timed and boundary not in timed, (boundary, timed)
+    accumulating = estimate(
+        wide_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit=limit, max_microbatch=512, effective_batch=512
+    )
+    assert all(result.probe.predicted_peak(accumulating, m, 512) <= limit for m in timed)
+    assert result.probe.predicted_peak(accumulating, boundary, 512) > limit
+    setup = prepare(wide_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="24MiB")
+    with TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+        dropped = w.time(Request({"strategy": "scan"}, boundary, 512, 3, 1))
+        assert dropped.status == "oom", dropped

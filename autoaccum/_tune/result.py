@@ -81,8 +81,9 @@ class TuneResult(JsonMixin):
       bounds: the microbatch bound of each setting of the knobs before any trial (``"remat=None"``, or with the loss's
         own knobs ``"remat=None, block_remat='dots_saveable'"``): the probe's for the default setting, the
         calibrated compile-only estimate's for the others (`autoaccum.ProbeResult.bound_for`), or the
-        ``max_microbatch`` given. A strategy whose accumulating step ran out of memory at a size below it is
-        not timed at that size or above again.
+        ``max_microbatch`` given. Below it, a size whose accumulating step is predicted over the limit
+        (`autoaccum.ProbeResult.predicted_peak`) is not timed either; a strategy whose accumulating step ran out
+        of memory at a size below it is not timed at that size or above again.
       update_fn: the plan's update, already compiled for the effective batch's shapes (not in the JSON).
       init: ``init(params) -> opt_state`` for ``update_fn`` (not in the JSON).
       step: from `autoaccum.nnx.tune`, the plan as an nnx step, ``loss = step(model, optimizer, batch)``

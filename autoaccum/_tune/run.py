@@ -17,7 +17,7 @@ import optuna
 
 from autoaccum._batch import abstract, abstract_batch, resize_batch
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
-from autoaccum._estimate import estimate
+from autoaccum._estimate import Estimate, estimate
 from autoaccum._knobs import Knobs
 from autoaccum._plan import Plan, params_signature
 from autoaccum._probe import prepare, probe
@@ -150,7 +150,9 @@ def tune(
     accumulator's dtype (``accumulator_dtype``), and the loss's own (pass an `autoaccum.Knobs`, a loss factory,
     as ``loss_fn``). Each setting of them has its own microbatch bound: the probe runs once, for the default
     setting (each knob's first value), and every other setting's bound is its compile-only estimate calibrated
-    by what the probe measured (`ProbeResult.bound_for`).
+    by what the probe measured (`ProbeResult.bound_for`). Where the effective batch needs accumulating, a size
+    whose accumulating step (which also holds the accumulator and the whole batch) the calibrated estimate predicts
+    over the limit is not timed (`ProbeResult.predicted_peak`).
 
     First the probe bounds the microbatch (`autoaccum.probe`, trying only the sizes the tuner can time,
     `autoaccum._tune.space.probe_sizes`; no size above a setting's bound is ever timed); then an Optuna study times
@@ -305,16 +307,26 @@ def tune(
         )
         max_microbatch = probed.max_microbatch
     bounds = {setting: max_microbatch for setting in knob_settings}
+    # Where the effective batch does not fit in one step, the accumulating step also holds the accumulator and the
+    # whole batch (and, for an uneven split, a second program for the last microbatch): each setting's estimate of
+    # it, calibrated by the probe, drops the sizes predicted over the limit, so they are not timed only to run out
+    # of memory (on the demo transformer, three trials of about 20 s each).
+    accumulating: dict[Setting, Estimate] = {}
     if probed is not None:  # every other setting: its compile-only estimate, calibrated by the probe
-        for setting in knob_settings[1:]:
+        accumulates = max_microbatch < effective_batch
+        for setting in knob_settings:
+            if setting == default and not accumulates:
+                continue  # the probe measured it
             predicted = estimate(
                 loss_for(setting), params, batch, optimizer=optimizer, strategy=names[0],
-                memory_limit=probed.memory_limit_bytes, max_microbatch=probed.microbatch_cap, accumulation=False,
-                has_aux=has_aux, state=state, loss_reduction=loss_reduction, remat=setting.remat,
+                memory_limit=probed.memory_limit_bytes, max_microbatch=probed.microbatch_cap,
+                accumulation=accumulates, effective_batch=effective_batch if accumulates else None, has_aux=has_aux,
+                state=state, loss_reduction=loss_reduction, **setting.build,
             )  # fmt: skip
-            # One microbatch's step holds no accumulator: a setting that differs only in the accumulator dtype
-            # has the same estimate; an accumulating step that runs out of memory lowers its bound (below).
-            bounds[setting] = probed.bound_for(predicted)
+            if setting != default:
+                bounds[setting] = probed.bound_for(predicted)
+            if accumulates:
+                accumulating[setting] = predicted
         if max(bounds.values()) < 1:
             raise RuntimeError(
                 "nothing fits: even a microbatch of 1 ran out of memory under the probe's limit "
@@ -324,10 +336,17 @@ def tune(
 
     ceilings: dict[tuple[Setting, str], int] = {}  # (setting, strategy label): below a size that ran out of memory
     labels = variants(names, fsdp=layout is not None and layout.sharded_params)
-    fitting = {
-        s: [m for m in microbatch_candidates(effective_batch, b) if m % shards == 0] if b >= 1 else []
-        for s, b in bounds.items()
-    }
+
+    def predicted_to_fit(setting: Setting, m: int) -> bool:
+        if setting not in accumulating or m >= effective_batch or probed is None:
+            return True
+        return probed.predicted_peak(accumulating[setting], m, effective_batch) <= probed.memory_limit_bytes
+
+    fitting: dict[Setting, list[int]] = {}
+    for s, b in bounds.items():
+        candidates = [m for m in microbatch_candidates(effective_batch, b) if m % shards == 0] if b >= 1 else []
+        # (every size predicted over: the smallest is still timed, and a real trial decides)
+        fitting[s] = [m for m in candidates if predicted_to_fit(s, m)] or candidates[:1]
     sizes = list(dict.fromkeys(m for s in knob_settings for m in fitting[s]))
     knob_params = knob_space.params()
     space: dict[str, list[Any]] = {"microbatch_size": sizes, "strategy": list(labels), **knob_params}
