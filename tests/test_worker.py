@@ -114,6 +114,8 @@ def test_sizes_whose_accumulating_step_is_predicted_over_the_limit_are_never_tim
     )
     assert all(result.probe.predicted_peak(accumulating, m, 512) <= limit for m in timed)
     assert result.probe.predicted_peak(accumulating, boundary, 512) > limit
+    assert boundary in result.predicted_over["remat=None"]
+    assert not set(timed) & set(result.predicted_over["remat=None"])
     setup = prepare(wide_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="24MiB")
     with TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
         dropped = w.time(Request({"strategy": "scan"}, boundary, 512, 3, 1))

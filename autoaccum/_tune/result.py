@@ -84,6 +84,8 @@ class TuneResult(JsonMixin):
         ``max_microbatch`` given. Below it, a size whose accumulating step is predicted over the limit
         (`autoaccum.ProbeResult.predicted_peak`) is not timed either; a strategy whose accumulating step ran out
         of memory at a size below it is not timed at that size or above again.
+      predicted_over: per setting of the knobs (as in ``bounds``), the candidate sizes within its bound that were
+        not timed because their accumulating step is predicted over the limit (empty when none).
       update_fn: the plan's update, already compiled for the effective batch's shapes (not in the JSON).
       init: ``init(params) -> opt_state`` for ``update_fn`` (not in the JSON).
       step: from `autoaccum.nnx.tune`, the plan as an nnx step, ``loss = step(model, optimizer, batch)``
@@ -103,6 +105,7 @@ class TuneResult(JsonMixin):
     new_trials: int
     message: str
     bounds: dict[str, int] = dataclasses.field(default_factory=dict)
+    predicted_over: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     update_fn: Update | None = dataclasses.field(metadata=NOT_JSON, default=None, repr=False, compare=False)
     init: Callable[[PyTree], PyTree] | None = dataclasses.field(
         metadata=NOT_JSON, default=None, repr=False, compare=False

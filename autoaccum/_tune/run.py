@@ -343,10 +343,13 @@ def tune(
         return probed.predicted_peak(accumulating[setting], m, effective_batch) <= probed.memory_limit_bytes
 
     fitting: dict[Setting, list[int]] = {}
+    predicted_over: dict[str, list[int]] = {}
     for s, b in bounds.items():
         candidates = [m for m in microbatch_candidates(effective_batch, b) if m % shards == 0] if b >= 1 else []
         # (every size predicted over: the smallest is still timed, and a real trial decides)
         fitting[s] = [m for m in candidates if predicted_to_fit(s, m)] or candidates[:1]
+        if len(fitting[s]) < len(candidates):
+            predicted_over[str(s)] = [m for m in candidates if m not in fitting[s]]
     sizes = list(dict.fromkeys(m for s in knob_settings for m in fitting[s]))
     knob_params = knob_space.params()
     space: dict[str, list[Any]] = {"microbatch_size": sizes, "strategy": list(labels), **knob_params}
@@ -705,6 +708,7 @@ def tune(
         new_trials=new,
         message=message,
         bounds={str(setting): bound for setting, bound in bounds.items()},
+        predicted_over=predicted_over,
         update_fn=update_fn,
         init=update_fn.init,
     )

@@ -184,6 +184,12 @@ def tune(
             f"{plan.effective_batch} {fits}",
             highlight=False,
         )
+    for setting, sizes in result.predicted_over.items():
+        console.print(
+            f"not timed: microbatch {', '.join(map(str, sizes))} at {setting}, whose accumulating step (the whole "
+            "batch and the accumulator too) is predicted over the limit",
+            highlight=False,
+        )
     console.print(
         f"\n[bold green]best plan[/]: microbatch {plan.microbatch_size} x {plan.accumulation_steps} steps "
         f"= {plan.effective_batch} examples, strategy {plan.strategy} {plan.options or ''}"
