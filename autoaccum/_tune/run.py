@@ -68,6 +68,13 @@ def default_budget(grid_points: int, strategies: int) -> int:
     return min(grid_points, max(strategies + 2, -(-grid_points // 4)))
 
 
+CLOSE = 0.95
+"""The ladder's third step also tries a strategy whose one trial came within this fraction of the first's: one
+trial of a few steps cannot tell 5% apart on a shared CPU (benchmarks/tune.py: the same program re-timed side by
+side read 0.97 to 1.04 of itself; scan unroll=2 at 16 beat scan at 32 by 2% to 14% and was never tried when it
+had to beat it in one trial)."""
+
+
 POLL_SECONDS = 0.5
 """How often a worker with nothing left to run looks at the trials other workers are running."""
 
@@ -431,9 +438,10 @@ def tune(
     # of its best so far while that keeps getting faster (on a GPU the largest is usually fastest; on a CPU a
     # smaller microbatch that stays in cache often is: 16 x 4 beat 64 x 1 by 1.38x on the demo transformer);
     # then every other strategy at the ladder's best size, and each other setting of the knobs at its largest;
-    # then, if another strategy beat the first there, that one at the ladder's runner-up size (a step of
-    # coordinate search: on the demo transformer scan unroll=2 at 16 beat scan at 32 by up to 13% where scan alone
-    # measured 16 and 32 alike). The sampler (TPE) spends the rest of the budget.
+    # then, if another strategy beat the first there or came within `CLOSE` of it (one trial cannot tell them
+    # apart), the best of them at the ladder's runner-up size (a step of coordinate search: on the demo
+    # transformer scan unroll=2 at 16 beat scan at 32 by up to 13% where scan alone measured 16 and 32 alike).
+    # The sampler (TPE) spends the rest of the budget.
     ladder: dict[str, Any] = {}
     if not exhaustive and not trials:
         first = next(iter(labels))
@@ -458,7 +466,7 @@ def tune(
                 ladder["finished"] = True
                 winner = max(ladder["others"], key=ladder["others"].get)
                 sizes = {c: v for c, v in ladder["sizes"].items() if c != ladder["best"][0] and c < effective_batch}
-                if ladder["others"][winner] > ladder["best"][1] and sizes:
+                if ladder["others"][winner] >= CLOSE * ladder["best"][1] and sizes:
                     start(max(sizes, key=sizes.__getitem__), winner, default)
             return
         if label != ladder["label"] or m != ladder["size"] or value is None:
