@@ -456,14 +456,16 @@ def test_the_warm_start_climbs_down_the_sizes_while_they_get_faster_then_tries_e
     assert (result.plan.microbatch_size, result.plan.strategy) == (16, "scan")
 
 
-def test_a_strategy_that_beats_the_first_at_the_best_size_is_tried_at_the_runner_up_size() -> None:
-    """The ladder's third step: scan measures 32 best (16 a little slower), scan unroll=2 beats it at 32; the
-    winner is then timed at 16, the ladder's runner-up, where it is fastest of all (as on the demo transformer)."""
+@pytest.mark.parametrize("unroll_at_32", [0.97, 1.25])
+def test_the_best_other_strategy_at_the_best_size_is_tried_at_the_runner_up_size(unroll_at_32: float) -> None:
+    """The ladder's third step: scan measures 32 best (16 a little slower); scan unroll=2, the best of the other
+    strategies at 32 (whether it beat scan there or, in its one trial, read 20% slower: one trial cannot tell),
+    is then timed at 16, the ladder's runner-up, where it is fastest of all (as on the example transformer)."""
     w = workloads.linear(batch_size=64, features=8)
     calls: list[tuple[int, str]] = []
     per_example = {
         (64, "scan"): 1.30, (32, "scan"): 1.00, (16, "scan"): 1.02, (8, "scan"): 1.5,
-        (32, "scan:unroll=2"): 0.97, (16, "scan:unroll=2"): 0.88, (32, "loop"): 1.1,
+        (32, "scan:unroll=2"): unroll_at_32, (16, "scan:unroll=2"): 0.88, (32, "loop"): 1.3,
     }  # fmt: skip
 
     def measure(update: Update, params: Any, batch: Any) -> Timing:
@@ -485,36 +487,3 @@ def test_a_strategy_that_beats_the_first_at_the_best_size_is_tried_at_the_runner
         (16, "scan:unroll=2"),
     ]
     assert (result.plan.microbatch_size, result.plan.options) == (16, {"unroll": 2})
-
-
-@pytest.mark.parametrize(("unroll_at_32", "tried_at_16"), [(1.03, True), (1.2, False)])
-def test_a_strategy_within_noise_of_the_first_at_the_best_size_is_tried_at_the_runner_up_size(
-    unroll_at_32: float, tried_at_16: bool
-) -> None:
-    """One trial cannot tell 5% apart: scan unroll=2 measuring 3% slower than scan at 32 (within `CLOSE`) is
-    still tried at 16, the runner-up size, where it is fastest; at 20% slower it is not."""
-    from autoaccum._tune.run import CLOSE
-
-    assert (1 / unroll_at_32 >= CLOSE) == tried_at_16  # the throughput ratio against the first strategy
-    w = workloads.linear(batch_size=64, features=8)
-    calls: list[tuple[int, str]] = []
-    per_example = {
-        (64, "scan"): 1.30, (32, "scan"): 1.00, (16, "scan"): 1.02, (8, "scan"): 1.5,
-        (32, "scan:unroll=2"): unroll_at_32, (16, "scan:unroll=2"): 0.88, (32, "loop"): 1.3,
-    }  # fmt: skip
-
-    def measure(update: Update, params: Any, batch: Any) -> Timing:
-        m = update.microbatch_size
-        label = "scan:unroll=2" if update.options.get("unroll") == 2 else update.strategy
-        calls.append((m, label))
-        return Timing(seconds_per_step=64e-3 * per_example.get((m, label), 2.0), compile_seconds=0.1, steps=5)
-
-    result = tune(
-        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=64, strategies=["scan", "loop"],
-        n_trials=6, storage=":memory:", measure=measure, race_rounds=0,
-    )  # fmt: skip
-    assert calls[:5] == [(64, "scan"), (32, "scan"), (16, "scan"), (32, "scan:unroll=2"), (32, "loop")]
-    assert ((16, "scan:unroll=2") in calls) == tried_at_16
-    if tried_at_16:
-        assert calls[5] == (16, "scan:unroll=2")
-        assert (result.plan.microbatch_size, result.plan.options) == (16, {"unroll": 2})

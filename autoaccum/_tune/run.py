@@ -68,13 +68,6 @@ def default_budget(grid_points: int, strategies: int) -> int:
     return min(grid_points, max(strategies + 2, -(-grid_points // 4)))
 
 
-CLOSE = 0.95
-"""The ladder's third step also tries a strategy whose one trial came within this fraction of the first's: one
-trial of a few steps cannot tell 5% apart on a shared CPU (benchmarks/tune.py: the same program re-timed side by
-side read 0.97 to 1.04 of itself; scan unroll=2 at 16 beat scan at 32 by 2% to 14% and was never tried when it
-had to beat it in one trial)."""
-
-
 POLL_SECONDS = 0.5
 """How often a worker with nothing left to run looks at the trials other workers are running."""
 
@@ -165,7 +158,8 @@ def tune(
     `autoaccum._tune.space.probe_sizes`; no size above a setting's bound is ever timed); then an Optuna study times
     real update steps at the effective batch: every configuration when the space is small (``GridSampler``), else a
     seeded ``TPESampler`` warm-started by a ladder (the first strategy from the largest fitting microbatch down
-    while it gets faster, then every other strategy at the best size). Trials that run out of memory or over
+    while it gets faster, then every other strategy at the best size, then the best of those at the second-best
+    size). Trials that run out of memory or over
     ``trial_timeout`` are recorded as failed and the study goes on. The study lives in ``storage``, so an
     interrupted tune resumes where it stopped (finished trials are not re-run) and several processes (one per host)
     can tune one study together: each configuration is measured once, by the worker that claims it first
@@ -438,10 +432,11 @@ def tune(
     # of its best so far while that keeps getting faster (on a GPU the largest is usually fastest; on a CPU a
     # smaller microbatch that stays in cache often is: 16 x 4 beat 64 x 1 by 1.38x on the demo transformer);
     # then every other strategy at the ladder's best size, and each other setting of the knobs at its largest;
-    # then, if another strategy beat the first there or came within `CLOSE` of it (one trial cannot tell them
-    # apart), the best of them at the ladder's runner-up size (a step of coordinate search: on the demo
-    # transformer scan unroll=2 at 16 beat scan at 32 by up to 13% where scan alone measured 16 and 32 alike).
-    # The sampler (TPE) spends the rest of the budget.
+    # then the best of the other strategies there at the ladder's runner-up size (a step of coordinate search: on
+    # the example transformer scan unroll=2 at 16 beat scan at 32 by 2% to 14% side by side where scan alone
+    # measured 16 and 32 alike; it was never tried while it had to beat scan at 32 in one trial, or come within
+    # 5% of it: one trial of a few steps read it 0.79 of scan there). The sampler (TPE) spends the rest of the
+    # budget (with the default budget, one trial or none, which its random start spends).
     ladder: dict[str, Any] = {}
     if not exhaustive and not trials:
         first = next(iter(labels))
@@ -466,7 +461,7 @@ def tune(
                 ladder["finished"] = True
                 winner = max(ladder["others"], key=ladder["others"].get)
                 sizes = {c: v for c, v in ladder["sizes"].items() if c != ladder["best"][0] and c < effective_batch}
-                if ladder["others"][winner] >= CLOSE * ladder["best"][1] and sizes:
+                if sizes:
                     start(max(sizes, key=sizes.__getitem__), winner, default)
             return
         if label != ladder["label"] or m != ladder["size"] or value is None:
