@@ -198,8 +198,9 @@ class ProbeResult(JsonMixin):
         calibrated by what this probe measured (`missed`).
 
         The probe runs one microbatch's step; an accumulating step also holds the accumulator and the whole
-        batch, and an uneven split a second program for its last microbatch (measured on the demo transformer:
-        22 x 6 needs more than 32 x 4). The tuner times no size this predicts above the limit.
+        batch, and an uneven split a second program for its last microbatch (on the demo transformer the estimate
+        puts 22 x 6, 128 examples, at 40 MiB and 32 x 4 at 36). The tuner times no size this predicts above the
+        limit.
 
         Example:
           >>> from autoaccum import workloads
