@@ -159,14 +159,14 @@ def tune(
     real update steps at the effective batch: every configuration when the space is small (``GridSampler``), else a
     seeded ``TPESampler`` warm-started by a ladder (the first strategy from the largest fitting microbatch down
     while it gets faster, then every other strategy at the best size, then the best of those at the second-best
-    size). Trials that run out of memory or over
-    ``trial_timeout`` are recorded as failed and the study goes on. The study lives in ``storage``, so an
-    interrupted tune resumes where it stopped (finished trials are not re-run) and several processes (one per host)
-    can tune one study together: each configuration is measured once, by the worker that claims it first
-    (`autoaccum._tune.claims`), and each worker returns once the study's budget is settled, so all return the same
-    plan; a worker that dies mid-trial leaves a trial that another one runs again once its heartbeat is stale (90
-    s). A study is identified by a fingerprint of what determines its timings (`TuneResult.fingerprint`): change the
-    loss's body or the optimizer and a new study starts, never the old one's answer.
+    size). Trials that run out of memory or over ``trial_timeout`` are recorded as failed and the study goes on. The
+    study lives in ``storage``, so an interrupted tune resumes where it stopped (finished trials are not re-run) and
+    several processes (one per host) can tune one study together: each configuration is measured once, by the worker
+    that claims it first (`autoaccum._tune.claims`), and each worker returns once the study's budget is settled, so
+    all return the same plan; a worker that dies mid-trial leaves a trial that another one runs again once its
+    heartbeat is stale (90 s). A study is identified by a fingerprint of what determines its timings
+    (`TuneResult.fingerprint`): change the loss's body or the optimizer and a new study starts, never the old one's
+    answer.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss (``-> (loss, aux)`` with ``has_aux``), or an
@@ -313,7 +313,7 @@ def tune(
     # it, calibrated by the probe, drops the sizes predicted over the limit, so they are not timed only to run out
     # of memory (on the demo transformer, three trials of about 20 s each).
     accumulating: dict[Setting, Estimate] = {}
-    if probed is not None:  # every other setting: its compile-only estimate, calibrated by the probe
+    if probed is not None:  # every other setting's bound, and every setting's accumulating step: estimated
         accumulates = max_microbatch < effective_batch
         for setting in knob_settings:
             if setting == default and not accumulates:
