@@ -15,7 +15,7 @@ from autoaccum import tune
 from autoaccum._estimate import estimate
 from autoaccum._probe import prepare
 from autoaccum._tune.timing import Timing
-from autoaccum._tune.worker import Request, TimingWorker
+from autoaccum._tune.worker import MAX_CACHED, Request, TimingWorker
 
 
 def linear_loss(params: Any, batch: Any) -> jax.Array:
@@ -74,6 +74,33 @@ def test_a_crashing_and_a_hanging_trial_are_recorded_and_the_study_goes_on() -> 
         4: "FAIL",
     }
     assert result.peak_bytes is not None and result.peak_bytes <= result.memory_limit_bytes
+
+
+def slow_small_loss(params: Any, batch: Any) -> jax.Array:
+    """Sleeps 20 ms per microbatch of fewer than 16 examples: every configuration at 8 is slower than 16 x 4."""
+    if batch["x"].shape[0] < 16:
+        jax.debug.callback(lambda: time.sleep(0.02))
+    return linear_loss(params, batch)
+
+
+def test_the_worker_keeps_the_fastest_programs_so_the_race_compiles_nothing_again() -> None:
+    """The fastest configuration was timed first; after more configurations than the worker keeps, all slower,
+    timing it again compiles nothing (the finalists of a tune are re-timed this way)."""
+    params, batch = problem(features=16)
+    setup = prepare(slow_small_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB")
+    slower = [{"strategy": "scan", "unroll": 1}, {"strategy": "scan", "unroll": 2}, {"strategy": "loop"}]
+    slower += [{"strategy": "multisteps"}, {"strategy": "scan", "unroll": 4}]
+    assert len(slower) > MAX_CACHED
+    with TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+        fastest = w.time(Request({"strategy": "scan"}, 16, 64, 2, 0))
+        assert fastest.status == "fits" and w.compiles == 1
+        for build in slower:
+            outcome = w.time(Request(build, 8, 64, 2, 0))
+            assert outcome.status == "fits" and outcome.seconds and fastest.seconds
+            assert outcome.seconds > fastest.seconds + 0.1, (build, outcome.seconds, fastest.seconds)
+        assert w.compiles == 1 + len(slower)
+        again = w.time(Request({"strategy": "scan"}, 16, 64, 2, 0))
+        assert again.status == "fits" and w.compiles == 1 + len(slower)  # (kept the most recent: compiled again)
 
 
 def test_bad_time_limits_are_refused_before_anything_runs() -> None:
