@@ -456,6 +456,40 @@ def test_the_warm_start_climbs_down_the_sizes_while_they_get_faster_then_tries_e
     assert (result.plan.microbatch_size, result.plan.strategy) == (16, "scan")
 
 
+def test_where_the_next_size_down_reads_slower_in_its_one_trial_the_two_sizes_are_re_timed_side_by_side() -> None:
+    """16 x scan reads 5% slower than 32 in its one trial (a slow spell of the machine) and 5% faster in every
+    timing after: re-timed side by side with 32, it wins, so the ladder goes on down (8 is slower, also side by
+    side) and the other strategies are tried at 16. Without re-timing (``race_rounds=0``) the ladder stops at 32
+    on the one trial's word."""
+    w = workloads.linear(batch_size=64, features=8)
+    per_example = {(64, "scan"): 1.3, (32, "scan"): 1.0, (16, "scan"): 0.95, (8, "scan"): 1.5}
+
+    def tuned(race_rounds: int) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+        calls: list[tuple[int, str]] = []
+
+        def measure(update: Update, params: Any, batch: Any) -> Timing:
+            label = "scan:unroll=2" if update.options.get("unroll") == 2 else update.strategy
+            config = (update.microbatch_size, label)
+            slow_spell = config == (16, "scan") and config not in calls
+            calls.append(config)
+            base = 64e-3 * (1.05 if slow_spell else per_example.get(config, 2.0))
+            times = tuple(base * (1 + 0.01 * i) for i in range(5))
+            return Timing(times[2], 0.1, 5, times)
+
+        tune(
+            w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=64, strategies=["scan", "loop"],
+            n_trials=6, storage=":memory:", measure=measure, race_rounds=race_rounds,
+        )  # fmt: skip
+        return calls, list(dict.fromkeys(calls))
+
+    calls, configs = tuned(race_rounds=4)
+    assert configs == [(64, "scan"), (32, "scan"), (16, "scan"), (8, "scan"), (16, "scan:unroll=2"), (16, "loop")]
+    ladder = [(64, "scan"), (32, "scan"), (16, "scan"), (32, "scan"), (16, "scan"), (8, "scan"), (16, "scan")]
+    assert calls[:7] == ladder  # 16 re-timed beside 32 (wins), then beside 8 (wins)
+    _, configs = tuned(race_rounds=0)
+    assert configs[:5] == [(64, "scan"), (32, "scan"), (16, "scan"), (32, "scan:unroll=2"), (32, "loop")]
+
+
 @pytest.mark.parametrize("unroll_at_32", [0.97, 1.25])
 def test_the_best_other_strategy_at_the_best_size_is_tried_at_the_runner_up_size(unroll_at_32: float) -> None:
     """The ladder's third step: scan measures 32 best (16 a little slower); scan unroll=2, the best of the other

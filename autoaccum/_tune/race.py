@@ -4,9 +4,11 @@ One trial's timing is a few steps on a shared, noisy machine; two configurations
 places from run to run. So the study's best few (`FINALISTS`, distinct programs) are timed again in rounds,
 interleaved (each round times every finalist still in the race, in an order rotated round by round, so that
 a slow spell of the machine falls on all of them), and every step time of every round is pooled per finalist.
-After each round a finalist whose lower quartile is slower than the leader's upper quartile is out (its
-distribution is clearly worse); the race ends when one is left or after ``rounds`` rounds, and the fastest
-median of the pooled step times wins.
+Only the race's own times count: a finalist's study trial ran at another moment, and the machine's speed drifts
+by more than the finalists differ (on the example transformer, the same configuration's rounds ran 69 to 92 ms
+a step while its trial's steps sat 10% above the rounds of another finalist). After each round a finalist whose
+lower quartile is slower than the leader's upper quartile is out (its distribution is clearly worse); the race
+ends when one is left or after ``rounds`` rounds, and the fastest median of the pooled step times wins.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Runner(JsonMixin):
 
     Attributes:
       trial: the study's trial number of the configuration.
-      times: every step time, seconds (the study's trial's first, then each round's).
+      times: every step time of its rounds, seconds (none run: its study trial's, which decide nothing).
       rounds: the rounds it ran (0: it was out before the first, or the race was not run).
       out_after: the round after which it was dropped (None: it finished the race).
     """
@@ -68,19 +70,19 @@ def race(
     *,
     rounds: int = ROUNDS,
 ) -> list[Runner]:
-    """Races ``finalists`` (``(key, trial number, step times so far)``); ``time_one(key)`` times one again and
-    returns its step times (None: it failed this time, and is out). Returns the runners, the winner first
-    (fastest median of the pooled times among those that finished), then the others by median.
+    """Races ``finalists`` (``(key, trial number, its trial's step times)``); ``time_one(key)`` times one again
+    and returns its step times (None: it failed this time, and is out). Returns the runners, the winner first
+    (fastest median of its rounds' pooled times among those that finished), then the others by median.
 
     Pure Python and deterministic given ``time_one``: testable with made-up timings.
 
     Example:
       >>> fast = iter([[1.0, 1.1], [0.9, 1.0]])
       >>> slow = iter([[2.0, 2.1], [2.2, 1.9]])
-      >>> [r.trial for r in race([("a", 0, [1.5]), ("b", 1, [1.4])], lambda k: next(fast if k == "a" else slow))]
+      >>> [r.trial for r in race([("a", 0, [1.5]), ("b", 1, [0.4])], lambda k: next(fast if k == "a" else slow))]
       [0, 1]
     """
-    pooled = {key: list(times) for key, _, times in finalists}
+    pooled: dict[K, list[float]] = {key: [] for key, _, _ in finalists}
     ran = dict.fromkeys(pooled, 0)
     out: dict[K, int] = {}
     alive = [key for key, _, _ in finalists]
@@ -104,6 +106,5 @@ def race(
             if key != leader and quartiles(pooled[key])[0] > worst_of_leader:
                 out[key] = r
         alive = [k for k in alive if k not in out]
-    numbers = {key: number for key, number, _ in finalists}
-    runners = [Runner(numbers[k], tuple(pooled[k]), ran[k], out.get(k)) for k, _, _ in finalists]
-    return sorted(runners, key=lambda x: (x.out_after is not None, x.quartiles[1]))
+    runners = [Runner(number, tuple(pooled[k] or times), ran[k], out.get(k)) for k, number, times in finalists]
+    return sorted(runners, key=lambda x: (x.out_after is not None, not x.rounds, x.quartiles[1] if x.times else 0.0))

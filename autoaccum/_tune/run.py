@@ -47,6 +47,9 @@ from autoaccum.strategies import get as get_strategy
 STEPS, WARMUP = 5, 1
 """Timed steps and warm-up steps of one trial in the worker (after the compiling call)."""
 
+DUEL_ROUNDS = 2
+"""Rounds of the side-by-side re-timing that decides where the warm start's ladder stops (``beats`` in `tune`)."""
+
 EXHAUSTIVE_UP_TO = 8
 """Without ``n_trials``, a space of at most this many configurations is searched whole (``GridSampler``)."""
 
@@ -447,6 +450,23 @@ def tune(
             if fitting[setting]:
                 start(max(fitting[setting]), first, setting)
 
+    def beats(challenger: int, incumbent: int) -> bool:
+        """Whether trial ``challenger``'s configuration is faster than ``incumbent``'s, re-timed side by side
+        (`DUEL_ROUNDS` interleaved rounds of `race`; their programs are still compiled in the worker): where the
+        ladder's next size down reads slower in its one trial. Two trials seconds apart differ by the machine's
+        drift as much as by their speed: on the example transformer 16 x scan read 4% and 12% slower than 32
+        in two tunes, and 5% faster side by side, so the ladder stopped at 32 and never tried scan unroll=2 at
+        16, the grid's best. False without re-timing (``race_rounds=0``)."""
+        if race_rounds == 0:
+            return False
+        trials = by_number()
+        runners = race(
+            [(n, n, trials[n].user_attrs.get("times") or ()) for n in (incumbent, challenger)],
+            lambda number: _retime(by_number()[number], time_config),
+            rounds=min(DUEL_ROUNDS, race_rounds),
+        )
+        return runners[0].trial == challenger and runners[0].rounds > 0
+
     def climb(trial: optuna.trial.FrozenTrial) -> None:
         """The ladder's next step, after a trial of it (see the warm start above). A trial of it that ran out of
         memory has moved it already (`next_down` queued the size below)."""
@@ -467,8 +487,8 @@ def tune(
         if label != ladder["label"] or m != ladder["size"] or value is None:
             return
         ladder["sizes"][m] = value
-        if ladder["best"] is None or value > ladder["best"][1]:
-            ladder["best"] = (m, value)
+        if ladder["best"] is None or value > ladder["best"][1] or beats(trial.number, ladder["best"][2]):
+            ladder["best"] = (m, value if ladder["best"] is None else max(value, ladder["best"][1]), trial.number)
             smaller = [c for c in fitting[default] if c <= m // 2]
             if smaller:
                 ladder["size"] = max(smaller)

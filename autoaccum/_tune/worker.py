@@ -35,9 +35,9 @@ from autoaccum._trial import Job
 
 _TIMEOUT: dict[str, Any] = {"event": "timeout"}
 
-MAX_CACHED = 4
-"""Configurations whose compiled programs a worker keeps: the fastest timed so far (`evicted`), so the finalists
-the tuner races are re-timed without compiling again."""
+MAX_CACHED = 6
+"""Configurations whose compiled programs a worker keeps: the fastest timed so far (`evicted`), so the tuner's
+re-timings (the ladder's two sizes, the three finalists of its race) compile nothing again."""
 
 
 def evicted(rates: Mapping[str, float], keep: int = MAX_CACHED) -> list[str]:
