@@ -161,13 +161,14 @@ def tune(
     `autoaccum._tune.space.probe_sizes`; no size above a setting's bound is ever timed); then an Optuna study times
     real update steps at the effective batch: every configuration when the space is small (``GridSampler``), else a
     seeded ``TPESampler`` warm-started by a ladder (the first strategy from the largest fitting microbatch down
-    while it gets faster, then every other strategy at the best size, then the best of those at the second-best
-    size). Trials that run out of memory or over ``trial_timeout`` are recorded as failed and the study goes on. The
-    study lives in ``storage``, so an interrupted tune resumes where it stopped (finished trials are not re-run) and
-    several processes (one per host) can tune one study together: each configuration is measured once, by the worker
-    that claims it first (`autoaccum._tune.claims`), and each worker returns once the study's budget is settled, so
-    all return the same plan; a worker that dies mid-trial leaves a trial that another one runs again once its
-    heartbeat is stale (90 s). A study is identified by a fingerprint of what determines its timings
+    while it gets faster, re-timing the two sizes side by side where its one trial reads slower, then every other
+    strategy at the best size, then the best of those at the second-best size). Trials that run out of memory or
+    over ``trial_timeout`` are recorded as failed and the study goes on. The study lives in ``storage``, so an
+    interrupted tune resumes where it stopped (finished trials are not re-run) and several processes (one per host)
+    can tune one study together: each configuration is measured once, by the worker that claims it first
+    (`autoaccum._tune.claims`), and each worker returns once the study's budget is settled, so all return the same
+    plan; a worker that dies mid-trial leaves a trial that another one runs again once its heartbeat is stale
+    (90 s). A study is identified by a fingerprint of what determines its timings
     (`TuneResult.fingerprint`): change the loss's body or the optimizer and a new study starts, never the old one's
     answer.
 
@@ -214,7 +215,8 @@ def tune(
         worker restarts, and the caller's process never runs a trial. ``False``: time in this process, with no
         cap (faster to start; a trial that does not fit fails here).
       race_rounds: rounds of re-timing the study's best configurations side by side before the pick
-        (`autoaccum._tune.race`; 0: pick the study's best as measured).
+        (`autoaccum._tune.race`; 0: pick the study's best as measured, and let the ladder decide on single trials;
+        otherwise it re-times two sizes for at most `DUEL_ROUNDS`).
       measure: how a configuration is timed in this process, ``measure(update, params, batch) -> Timing``
         (with ``state`` given: ``measure(update, params, batch, state=state)``), instead of the worker (tests
         inject a deterministic one); with ``isolate=False`` the default is `autoaccum._tune.timing.time_update`.
