@@ -367,11 +367,13 @@ def test_the_finalists_race_and_a_lucky_trial_loses(linear: autoaccum.Workload) 
     (microbatch 2: 8 ms once, 10.5 ms ever after) loses to the one that is really faster (4: 10 ms)."""
     counts: dict[int, int] = {}
     order: list[int] = []
+    updates: dict[int, list[Update]] = {}
 
     def measure(update: Update, params: Any, batch: Any) -> Timing:
         m = update.microbatch_size
         counts[m] = counts.get(m, 0) + 1
         order.append(m)
+        updates.setdefault(m, []).append(update)
         base = 0.008 if (m, counts[m]) == (2, 1) else {4: 0.010, 2: 0.0105}.get(m, 0.03)
         times = tuple(base * (1 + 0.01 * i) for i in range(5))
         return Timing(times[2], 0.1, 5, times)
@@ -381,6 +383,7 @@ def test_the_finalists_race_and_a_lucky_trial_loses(linear: autoaccum.Workload) 
     assert unraced.plan.microbatch_size == 2 and unraced.race == ()
     counts.clear()
     order.clear()
+    updates.clear()
     result = tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, **kw)
     assert result.plan.microbatch_size == 4
     by_number = {r.number: r.microbatch_size for r in result.trials}
@@ -391,6 +394,8 @@ def test_the_finalists_race_and_a_lucky_trial_loses(linear: autoaccum.Workload) 
     assert result.plan.throughput == pytest.approx(24 / winner.quartiles[1])
     # Interleaved: the race's first round times each finalist once, before any is timed twice.
     assert sorted(order[4:7]) == [2, 3, 4]
+    # Each configuration's update is built once and re-timed as it is (its programs compiled once).
+    assert all(len(u) > 1 and all(x is u[0] for x in u) for m, u in updates.items() if m in (2, 3, 4)), updates
     counts.clear()
     again = tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, **kw)
     assert again.race == result.race  # deterministic given the timings

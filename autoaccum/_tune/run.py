@@ -522,17 +522,21 @@ def tune(
         )  # fmt: skip
     limit_label = None if setup is None else format_bytes(setup.memory_limit_bytes)
 
+    updates: dict[tuple[int, str, Setting], Update] = {}
+
     def time_config(trial: optuna.Trial | optuna.trial.FrozenTrial) -> Timing:
         """Times the configuration of ``trial`` (its Optuna parameters): in the worker, or here."""
         m = int(trial.params["microbatch_size"])
         strategy, options = labels[trial.params["strategy"]]
         setting = knob_space.setting_of(trial.params)
-        if worker is None:
-            update = build_update(
-                loss_for(setting), optimizer, microbatch_size=m, strategy=strategy, **setting.build, **loss_kw,
-                **options,
-            )  # fmt: skip
-            return timer(update, params, full_batch, **with_state)
+        if worker is None:  # (each configuration's update is kept: timing it again compiles nothing again)
+            config = (m, trial.params["strategy"], setting)
+            if config not in updates:
+                updates[config] = build_update(
+                    loss_for(setting), optimizer, microbatch_size=m, strategy=strategy, **setting.build, **loss_kw,
+                    **options,
+                )  # fmt: skip
+            return timer(updates[config], params, full_batch, **with_state)
         build = {"strategy": strategy, **options, **setting.build}
         index = knob_settings.index(setting)
         outcome = worker.time(Request(build, m, effective_batch, STEPS, WARMUP, setting=index))
