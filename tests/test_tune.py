@@ -13,6 +13,7 @@ import pytest
 
 import autoaccum
 from autoaccum import Plan, Update, tune, workloads
+from autoaccum._tune.race import race
 from autoaccum._tune.space import microbatch_candidates, variants
 from autoaccum._tune.timing import Timing, TrialFailed
 
@@ -399,6 +400,24 @@ def test_the_finalists_race_and_a_lucky_trial_loses(linear: autoaccum.Workload) 
     counts.clear()
     again = tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, **kw)
     assert again.race == result.race  # deterministic given the timings
+
+
+def test_the_race_ranks_each_round_by_that_rounds_speed() -> None:
+    """The machine's speed drifts from round to round (factors 1.0, 1.5, 0.7, 1.2): "a" is 5% faster than "b" in
+    every round, yet their raw step times overlap across rounds. Each time over its round's median, "b" is clearly
+    slower after one round (its lower quartile above the leader's upper one) and out; the winner's times stay the
+    raw seconds measured."""
+    speeds = iter([1.0, 1.0, 1.5, 1.5, 0.7, 0.7, 1.2, 1.2])
+    base = {"a": (1.00, 1.01, 1.02), "b": (1.05, 1.06, 1.07)}
+
+    def time_one(key: str) -> list[float]:
+        f = next(speeds)
+        return [f * t for t in base[key]]
+
+    winner, loser = race([("a", 0, [9.0]), ("b", 1, [0.1])], time_one, rounds=4)
+    assert (winner.trial, loser.trial) == (0, 1)
+    assert loser.out_after == 1 and winner.out_after is None and winner.times == (1.00, 1.01, 1.02)
+    assert winner.relative is not None and loser.relative is not None and winner.relative < 1 < loser.relative
 
 
 def test_the_plan_records_the_accumulator_dtype_it_was_tuned_with(linear: autoaccum.Workload) -> None:

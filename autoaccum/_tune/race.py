@@ -3,12 +3,14 @@
 One trial's timing is a few steps on a shared, noisy machine; two configurations a few percent apart swap
 places from run to run. So the study's best few (`FINALISTS`, distinct programs) are timed again in rounds,
 interleaved (each round times every finalist still in the race, in an order rotated round by round, so that
-a slow spell of the machine falls on all of them), and every step time of every round is pooled per finalist.
-Only the race's own times count: a finalist's study trial ran at another moment, and the machine's speed drifts
-by more than the finalists differ (on the example transformer, the same configuration's rounds ran 69 to 92 ms
-a step while its trial's steps sat 10% above the rounds of another finalist). After each round a finalist whose
-lower quartile is slower than the leader's upper quartile is out (its distribution is clearly worse); the race
-ends when one is left or after ``rounds`` rounds, and the fastest median of the pooled step times wins.
+a slow spell of the machine falls on all of them), and every step time of every round, divided by that round's
+median step time over all its finalists (the machine's speed in that round), is pooled per finalist: a race of
+four rounds once ran one finalist 85, 83, 79 and 66 ms a step and another 85, 93, 82 and 72, the first ahead in
+every round and the two alike by their pooled raw medians. Only the race's own times count: a finalist's study
+trial ran at another moment, and the machine's speed drifts by more than the finalists differ. After each round
+a finalist whose lower quartile is slower than the leader's upper quartile is out (its distribution is clearly
+worse); the race ends when one is left or after ``rounds`` rounds, and the fastest median of the pooled relative
+times wins.
 """
 
 from __future__ import annotations
@@ -51,12 +53,15 @@ class Runner(JsonMixin):
       times: every step time of its rounds, seconds (none run: its study trial's, which decide nothing).
       rounds: the rounds it ran (0: it was out before the first, or the race was not run).
       out_after: the round after which it was dropped (None: it finished the race).
+      relative: the median of its step times, each over its round's median (what the race ranks by; None: it
+        ran no round).
     """
 
     trial: int
     times: tuple[float, ...]
     rounds: int
     out_after: int | None = None
+    relative: float | None = None
 
     @property
     def quartiles(self) -> tuple[float, float, float]:
@@ -72,7 +77,7 @@ def race(
 ) -> list[Runner]:
     """Races ``finalists`` (``(key, trial number, its trial's step times)``); ``time_one(key)`` times one again
     and returns its step times (None: it failed this time, and is out). Returns the runners, the winner first
-    (fastest median of its rounds' pooled times among those that finished), then the others by median.
+    (fastest median of its rounds' pooled relative times among those that finished), then the others likewise.
 
     Pure Python and deterministic given ``time_one``: testable with made-up timings.
 
@@ -83,6 +88,7 @@ def race(
       [0, 1]
     """
     pooled: dict[K, list[float]] = {key: [] for key, _, _ in finalists}
+    relative: dict[K, list[float]] = {key: [] for key in pooled}  # each time over its round's median
     ran = dict.fromkeys(pooled, 0)
     out: dict[K, int] = {}
     alive = [key for key, _, _ in finalists]
@@ -90,21 +96,29 @@ def race(
         if len(alive) < 2:
             break
         shift = (r - 1) % len(alive)
+        this_round: dict[K, Sequence[float]] = {}
         for key in alive[shift:] + alive[:shift]:
             times = time_one(key)
-            if times is None:
+            if times is None or not times:
                 out[key] = r
                 continue
+            this_round[key] = times
             pooled[key].extend(times)
             ran[key] += 1
         alive = [k for k in alive if k not in out]
         if not alive:
             break
-        leader = min(alive, key=lambda k: quartiles(pooled[k])[1])
-        worst_of_leader = quartiles(pooled[leader])[2]
+        speed = statistics.median([t for times in this_round.values() for t in times])
+        for key, times in this_round.items():
+            relative[key].extend(t / speed for t in times)
+        leader = min(alive, key=lambda k: quartiles(relative[k])[1])
+        worst_of_leader = quartiles(relative[leader])[2]
         for key in alive:
-            if key != leader and quartiles(pooled[key])[0] > worst_of_leader:
+            if key != leader and quartiles(relative[key])[0] > worst_of_leader:
                 out[key] = r
         alive = [k for k in alive if k not in out]
-    runners = [Runner(number, tuple(pooled[k] or times), ran[k], out.get(k)) for k, number, times in finalists]
-    return sorted(runners, key=lambda x: (x.out_after is not None, not x.rounds, x.quartiles[1] if x.times else 0.0))
+    runners = [
+        Runner(number, tuple(pooled[k] or times), ran[k], out.get(k), quartiles(relative[k])[1] if ran[k] else None)
+        for k, number, times in finalists
+    ]
+    return sorted(runners, key=lambda x: (x.out_after is not None, x.relative is None, x.relative or 0.0))
