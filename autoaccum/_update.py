@@ -94,8 +94,7 @@ class Update:
     def __call__(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = _MISSING) -> tuple[Any, ...]:
         """``(params, opt_state, loss)``, or ``(params, opt_state, loss, state)`` with ``has_state``."""
         state = self._state(state, "update")
-        leading_size(batch)  # clear errors for a malformed batch or params before anything is traced
-        check_params(params)
+        # The strategy checks the batch and params (clear errors before anything is traced) once per signature.
         params, opt_state, loss, state = self.accumulation(params, opt_state, batch, state)
         return (params, opt_state, loss, state) if self.has_state else (params, opt_state, loss)
 

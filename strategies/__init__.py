@@ -30,13 +30,14 @@ from autoaccum.strategies._base import (
     finish_loss,
     leading_size,
     output_dtypes,
+    signature,
     take,
     tree_bytes,
     weighted_grad,
 )
 from autoaccum.strategies._layout import Layout, layout_of
 from autoaccum.strategies._remat import REMAT_POLICIES, check_remat
-from autoaccum.strategies._strategy import Strategy
+from autoaccum.strategies._strategy import Call, Strategy
 from autoaccum.strategies.auto import Auto, has_convolution
 from autoaccum.strategies.loop import Loop
 from autoaccum.strategies.multisteps import MultiSteps
@@ -109,6 +110,7 @@ __all__ = [
     "SCHEDULES",
     "Accum",
     "Auto",
+    "Call",
     "Layout",
     "Loop",
     "LossReduction",
@@ -133,6 +135,7 @@ __all__ = [
     "leading_size",
     "output_dtypes",
     "register",
+    "signature",
     "take",
     "tree_bytes",
     "unregister",

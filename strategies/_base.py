@@ -158,6 +158,18 @@ def check_params(params: PyTree) -> None:
             )
 
 
+def signature(*trees: PyTree) -> Any:
+    """What an update call's host-side checks and choices depend on, hashable: the trees' structure and each
+    leaf's shape, dtype and sharding (None for host arrays), read in one flatten.
+
+    A strategy checks the arguments and decides its layout and microbatches once per signature, so a training
+    loop's later calls pay one flatten before the jitted call (on a sub-millisecond step the checks cost as
+    much as 10% of it).
+    """
+    leaves, treedef = jax.tree.flatten(trees)
+    return treedef, tuple((np.shape(x), getattr(x, "dtype", type(x)), getattr(x, "sharding", None)) for x in leaves)
+
+
 def split(batch_size: int, microbatch_size: int) -> tuple[int, int]:
     """``(full, remainder)``: ``full`` microbatches of ``microbatch_size``, then one of ``remainder``."""
     return divmod(batch_size, microbatch_size)

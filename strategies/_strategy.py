@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import numpy as np
@@ -16,21 +16,40 @@ from autoaccum.strategies._base import (
     Spec,
     add,
     apply_optimizer,
-    dtype_of,
+    check_params,
     leading_size,
     output_dtypes,
+    signature,
     split,
     weighted_grad,
 )
 from autoaccum.strategies._layout import Layout, check_microbatch, layout_of
 from autoaccum.strategies._sharding import OnMesh, combine_state
 
+MAX_SIGNATURES = 64
+"""Argument signatures a strategy remembers its checks for (a training loop sees one or two)."""
+
+
+class Call(NamedTuple):
+    """What a strategy decided for one signature of its arguments (`Strategy.checked`).
+
+    Attributes:
+      key: the arguments' `signature`.
+      layout: where the batch is sharded, or None on one device.
+      microbatches: ``(start, size)`` of each microbatch, in order.
+    """
+
+    key: Any
+    layout: Layout | None
+    microbatches: tuple[tuple[int, int], ...]
+
 
 class Strategy(abc.ABC):
     """One way to accumulate gradients; subclasses are small and registered by `name`.
 
-    A subclass implements ``__call__`` and ``programs``; ``stream`` (microbatches from a data loader) is shared.
-    ``state`` is the model state (``()`` when ``spec.has_state`` is False).
+    A subclass implements ``run`` (one update, given the `Call` that `checked` made of the arguments) and
+    ``programs``; ``__call__`` checks the arguments once per signature and runs; ``stream`` (microbatches from a
+    data loader) is shared. ``state`` is the model state (``()`` when ``spec.has_state`` is False).
 
     Attributes:
       name: the registry key (``strategies.available()``).
@@ -49,6 +68,7 @@ class Strategy(abc.ABC):
         self.spec = spec
         self.config = {k: options.get(k, v[0]) for k, v in self.options.items()}
         self._dtypes: dict[Any, OutDtypes] = {}
+        self._calls: dict[Any, Call] = {}
         self._grad = weighted_grad(spec)
         # Shared by the host-loop strategies and `stream`: the optimizer step on accumulated sums.
         self._apply = jax.jit(
@@ -63,12 +83,41 @@ class Strategy(abc.ABC):
         """The optimizer's own state (``optimizer.init(params)``): the same type for every strategy."""
         return self.spec.optimizer.init(params)
 
-    @abc.abstractmethod
     def __call__(
         self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
         """One full-batch-equivalent update: ``(params, opt_state, loss, state)`` (loss is ``(loss, aux)`` with
-        aux; state is the one the last microbatch returned)."""
+        aux; state is the one the last microbatch returned).
+
+        Raises:
+          ValueError, TypeError: the batch or parameters are malformed (checked before anything is traced).
+        """
+        return self.run(self.checked(params, batch, state), params, opt_state, batch, state)
+
+    @abc.abstractmethod
+    def run(
+        self, call: Call, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree
+    ) -> tuple[PyTree, PyTree, Any, PyTree]:
+        """`__call__` on arguments already checked: ``call`` is what `checked` made of them."""
+
+    def checked(self, params: PyTree, batch: PyTree, state: PyTree = ()) -> Call:
+        """The arguments checked (the batch's leading sizes, the parameters' dtypes, the layout and
+        ``microbatch_size`` against it) and the update's `Call`, once per `signature`: later calls with the same
+        structure, shapes, dtypes and shardings pay one flatten.
+
+        Raises:
+          ValueError, TypeError: as `leading_size`, `check_params` and `layout` do.
+        """
+        key = signature(params, batch, state)
+        call = self._calls.get(key)
+        if call is None:
+            leading_size(batch)
+            check_params(params)
+            call = Call(key, self.layout(params, batch, state), tuple(self.microbatches(batch)))
+            if len(self._calls) >= MAX_SIGNATURES:
+                self._calls.clear()
+            self._calls[key] = call
+        return call
 
     @abc.abstractmethod
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
@@ -156,10 +205,10 @@ class Strategy(abc.ABC):
     def donate_argnums(self, *argnums: int) -> tuple[int, ...]:
         return argnums if self.spec.donate else ()
 
-    def out_dtypes(self, params: PyTree, batch: PyTree, state: PyTree = ()) -> OutDtypes:
-        """`output_dtypes`, remembered per argument shapes so a host loop traces ``loss_fn`` once."""
-        leaves = jax.tree.leaves((params, batch, state))
-        key = (jax.tree.structure((params, batch, state)), tuple((np.shape(x), dtype_of(x)) for x in leaves))
+    def out_dtypes(self, params: PyTree, batch: PyTree, state: PyTree = (), *, key: Any = None) -> OutDtypes:
+        """`output_dtypes`, remembered per argument `signature` (``key``, if known) so a host loop traces
+        ``loss_fn`` once."""
+        key = signature(params, batch, state) if key is None else key
         if key not in self._dtypes:
             self._dtypes[key] = output_dtypes(self.spec, params, batch, state)
         return self._dtypes[key]

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from autoaccum.strategies._base import Program, PyTree, Spec, checked_loss, dtype_of
 from autoaccum.strategies._layout import Layout
-from autoaccum.strategies._strategy import Strategy
+from autoaccum.strategies._strategy import Call, Strategy
 from autoaccum.strategies.loop import Loop
 from autoaccum.strategies.scan import Scan
 from jax.extend import core as jax_core
@@ -80,15 +80,15 @@ class Auto(Strategy):
         self._chosen: dict[Any, Strategy] = {}
 
     def choose(self, params: PyTree, batch: PyTree, state: PyTree = ()) -> Strategy:
-        """The strategy that runs these arguments (`Loop` or `Scan`), decided once per shapes and platform."""
-        leaves = jax.tree.leaves((params, batch, state))
-        platform = platform_of(batch)
-        shapes = tuple((np.shape(x), dtype_of(x)) for x in leaves)
-        key = (jax.tree.structure((params, batch, state)), shapes, platform)
-        if key not in self._chosen:
-            slow_in_loop = platform == "cpu" and self._convolves(params, batch, state)
-            self._chosen[key] = self._loop if slow_in_loop else self._scan
-        return self._chosen[key]
+        """The strategy that runs these arguments (`Loop` or `Scan`), decided once per `signature` (whose
+        shardings tell the platform)."""
+        return self._choice(self.checked(params, batch, state), params, batch, state)
+
+    def _choice(self, call: Call, params: PyTree, batch: PyTree, state: PyTree) -> Strategy:
+        if call.key not in self._chosen:
+            slow_in_loop = platform_of(batch) == "cpu" and self._convolves(params, batch, state)
+            self._chosen[call.key] = self._loop if slow_in_loop else self._scan
+        return self._chosen[call.key]
 
     def _convolves(self, params: PyTree, batch: PyTree, state: PyTree) -> bool:
         """Whether one microbatch's loss has a convolution (traced abstractly; nothing runs)."""
@@ -98,10 +98,10 @@ class Auto(Strategy):
         closed = jax.make_jaxpr(checked_loss(self.spec))(params, microbatch, state)
         return has_convolution(closed.jaxpr)
 
-    def __call__(
-        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
+    def run(
+        self, call: Call, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
-        return self.choose(params, batch, state)(params, opt_state, batch, state)
+        return self._choice(call, params, batch, state).run(call, params, opt_state, batch, state)
 
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
         return self.choose(params, batch, state).programs(params, opt_state, batch, state)

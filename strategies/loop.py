@@ -16,7 +16,7 @@ from autoaccum.strategies._base import (
     tree_bytes,
 )
 from autoaccum.strategies._layout import Layout
-from autoaccum.strategies._strategy import Strategy
+from autoaccum.strategies._strategy import Call, Strategy
 
 
 class Loop(Strategy):
@@ -79,30 +79,26 @@ class Loop(Strategy):
         params, opt_state, loss = self._apply_fn(params, opt_state, acc, dtypes=dtypes)
         return params, opt_state, loss, state
 
-    def _arguments(self, params: PyTree, batch: PyTree, state: PyTree) -> tuple[Layout | None, PyTree, PyTree]:
-        """The layout, the parameters each microbatch's program takes (gathered once per update, or as they
-        are) and the state it starts from (on a mesh: each device's own copy)."""
-        layout = self.layout(params, batch, state)
-        if layout is None:
-            return None, params, state
-        mesh = self.on_mesh(layout, host_loop=True)
-        return layout, mesh.gathered(params), mesh.stack_state(state)
-
-    def __call__(
-        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
+    def run(
+        self, call: Call, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
-        dtypes = self.out_dtypes(params, batch, state)
-        layout, inputs, state = self._arguments(params, batch, state)
+        dtypes = self.out_dtypes(params, batch, state, key=call.key)
+        layout = call.layout
         acc = None
-        *rest, (last, last_size) = self.microbatches(batch)
-        for start, size in rest if layout is None else self.microbatches(batch):
-            acc, state = self._accumulate(acc, inputs, batch, start, state, size=size, dtypes=dtypes, layout=layout)
         if layout is None:
-            del inputs
+            *rest, (last, last_size) = call.microbatches
+            for start, size in rest:
+                acc, state = self._accumulate(acc, params, batch, start, state, size=size, dtypes=dtypes, layout=None)
             return self._finish(acc, params, opt_state, batch, last, state, size=last_size, dtypes=dtypes)
+        # On a mesh: the parameters each microbatch's program takes, gathered once per update (or as they are),
+        # and each device's own copy of the state.
+        mesh = self.on_mesh(layout, host_loop=True)
+        inputs, state = mesh.gathered(params), mesh.stack_state(state)
+        for start, size in call.microbatches:
+            acc, state = self._accumulate(acc, inputs, batch, start, state, size=size, dtypes=dtypes, layout=layout)
         del inputs  # the gathered copy, if any, is freed before the optimizer step
         params, opt_state, loss = self._apply(params, opt_state, acc, dtypes=dtypes, layout=layout)
-        return params, opt_state, loss, (state if layout is None else self._combine(state))
+        return params, opt_state, loss, self._combine(state)
 
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
         dtypes = self.out_dtypes(params, batch, state)

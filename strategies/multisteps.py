@@ -23,7 +23,7 @@ from autoaccum.strategies._base import (
 )
 from autoaccum.strategies._layout import Layout
 from autoaccum.strategies._sharding import expand, own_row
-from autoaccum.strategies._strategy import Strategy
+from autoaccum.strategies._strategy import Call, Strategy
 from jax.sharding import PartitionSpec
 
 
@@ -174,15 +174,15 @@ class MultiSteps(Strategy):
         return not layout.sharded_params
 
     def _start(
-        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree
+        self, call: Call, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree
     ) -> tuple[Layout | None, optax.MultiStepsState, Accum, PyTree, OutDtypes]:
-        layout = self.layout(params, batch, state)
+        layout = call.layout
         if layout is not None and not self.supports(layout):
             raise NotImplementedError(
                 "strategy 'multisteps' runs optax.MultiSteps, whose inner optimizer sees whole parameters; with "
                 "parameters sharded over the mesh (FSDP) use strategy='scan' or 'loop'."
             )
-        dtypes = self.out_dtypes(params, batch, state)
+        dtypes = self.out_dtypes(params, batch, state, key=call.key)
         sums = dtypes.zero_sums(self.spec.accumulator_dtype)  # the same step program for every microbatch
         wrapped = self._wrap(opt_state, params)
         if layout is not None:  # each device's own accumulator and sums, stacked
@@ -191,11 +191,11 @@ class MultiSteps(Strategy):
             wrapped = wrapped._replace(acc_grads=mesh.stacked_zeros(wrapped.acc_grads))
         return layout, wrapped, sums, state, dtypes
 
-    def __call__(
-        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
+    def run(
+        self, call: Call, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
-        calls = self.microbatches(batch)
-        layout, wrapped, sums, state, dtypes = self._start(params, opt_state, batch, state)
+        calls = call.microbatches
+        layout, wrapped, sums, state, dtypes = self._start(call, params, opt_state, batch, state)
         for i, (start, size) in enumerate(calls):
             final = layout is not None and i == len(calls) - 1
             params, wrapped, sums, state = self._step(

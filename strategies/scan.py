@@ -17,7 +17,7 @@ from autoaccum.strategies._base import (
 )
 from autoaccum.strategies._layout import Layout
 from autoaccum.strategies._sharding import OnMesh
-from autoaccum.strategies._strategy import Strategy
+from autoaccum.strategies._strategy import Call, Strategy
 
 
 class Scan(Strategy):
@@ -46,10 +46,10 @@ class Scan(Strategy):
         params, opt_state, loss = apply_optimizer(self.spec, params, opt_state, acc, dtypes)
         return params, opt_state, loss, state
 
-    def __call__(
-        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
+    def run(
+        self, call: Call, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
-        return self._step(params, opt_state, batch, state, layout=self.layout(params, batch, state))
+        return self._step(params, opt_state, batch, state, layout=call.layout)
 
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
         layout = self.layout(params, batch, state)
