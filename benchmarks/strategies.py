@@ -28,7 +28,8 @@ workload's optimizer (AdamW) stepping once per ``B`` examples, ``params`` and ``
 check first asserts that one step of every method from the same start matches the full-batch step.
 
 Timing excludes compilation: each method runs ``--warmup`` steps first. Then ``--rounds`` rounds run every
-method for ``--steps`` steps each (the order rotating from round to round, so that drifting load on a shared
+method for ``--steps`` steps each, or as many as last ``--round-ms`` (30 ms) for a faster method (the order
+rotating from round to round, so that drifting load on a shared
 machine hits every method alike); a method's time is its median per-step time over the rounds.
 
 Run it as ``python benchmarks/strategies.py`` (4 to 4.5 minutes on two shared, loaded CPU cores); ``--help`` lists the
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import os
 import platform
 import statistics
@@ -269,7 +271,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=64, help="transformer width")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per method (compilation included)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per method per round")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per method per round, at least")
+    p.add_argument(
+        "--round-ms", type=float, default=30.0, help="each method runs at least this long per round (more steps)"
+    )
     p.add_argument("--rounds", type=int, default=15, help="rounds; each method's time is its median over them")
     scan_unroll = list(strategies.get("scan").options["unroll"])
     p.add_argument("--unroll", type=int, nargs="+", default=scan_unroll, help="scan unroll values to time")
@@ -292,6 +297,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.batch, args.microbatch, args.steps, args.rounds) < 1 or args.warmup < 1:
         p.error("--batch, --microbatch, --steps, --rounds and --warmup must be >= 1")
+    if args.round_ms < 0:
+        p.error(f"--round-ms must be >= 0 (0: exactly --steps steps a round), got {args.round_ms:g}")
     if args.batch % args.microbatch:
         p.error(f"--microbatch={args.microbatch} must divide --batch={args.batch} (as optax.microbatching needs)")
     return args
@@ -351,17 +358,31 @@ def check_and_warm(
 
 
 def time_rounds(methods: list[Method], states: dict[str, State], args: argparse.Namespace) -> dict[str, list[float]]:
-    """Per-step seconds of every method in every round (the order rotating from round to round)."""
+    """Per-step seconds of every method in every round (the order rotating from round to round).
+
+    Each method runs at least ``--steps`` steps a round, and enough to last ``--round-ms`` (sized from one
+    untimed pass of ``--steps`` steps): three steps of a 0.4 ms update are a 1.2 ms window, in which one
+    scheduler hiccup of the machine moves the reading by 10%.
+    """
+    steps = {}
+    for method in methods:
+        state = states[method.name]
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            state = method.step(state)
+        states[method.name] = jax.block_until_ready(state)
+        per_step = (time.perf_counter() - start) / args.steps
+        steps[method.name] = max(args.steps, math.ceil(args.round_ms / 1e3 / per_step))
     times: dict[str, list[float]] = {method.name: [] for method in methods}
     for r in range(args.rounds):
         shift = r % len(methods)
         for method in methods[shift:] + methods[:shift]:
             state = states[method.name]
             start = time.perf_counter()
-            for _ in range(args.steps):
+            for _ in range(steps[method.name]):
                 state = method.step(state)
             state = jax.block_until_ready(state)
-            times[method.name].append((time.perf_counter() - start) / args.steps)
+            times[method.name].append((time.perf_counter() - start) / steps[method.name])
             states[method.name] = state
     return times
 
@@ -438,7 +459,7 @@ def workload_table(args: argparse.Namespace, name: str) -> int | Summary:
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(w.params))
     print(
         f"\n{name} table: workloads.{name}, {n_params:,} params, 28x28x1 images, the workload's optimizer "
-        f"(Adam 1e-3); B={b}, m={m} (k={b // m}), {args.rounds} rounds x {args.steps} steps\n"
+        f"(Adam 1e-3); B={b}, m={m} (k={b // m}), {args.rounds} rounds x {args.steps} steps or {args.round_ms:g} ms\n"
     )
     states, first_call, failed, worst = check_and_warm(methods, w.params, args)
     if failed:
@@ -491,7 +512,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"workload: transformer LM, {n_params:,} params, seq_len={args.seq_len}, dim={args.dim}, "
         f"layers={args.layers}, the workload's optimizer (AdamW 1e-3)"
     )
-    print(f"batch B={b}, microbatch m={m} (k={k} microbatches), {args.rounds} rounds x {args.steps} steps\n")
+    print(
+        f"batch B={b}, microbatch m={m} (k={k} microbatches), {args.rounds} rounds x {args.steps} steps or "
+        f"{args.round_ms:g} ms\n"
+    )
 
     states, first_call, failed, worst = check_and_warm(methods, w.params, args)
     if failed:
