@@ -391,7 +391,7 @@ def test_the_finalists_race_and_a_lucky_trial_loses(linear: autoaccum.Workload) 
     sizes = [by_number[r.trial] for r in result.race]
     assert sizes == [4, 2, 3]  # the winner, then the others by median
     winner, lucky, slow = result.race
-    assert winner.out_after is None and lucky.out_after is not None and slow.out_after == 1
+    assert winner.out_after is None and lucky.out_after is not None and slow.out_after == 2  # none out in round 1
     assert result.plan.throughput == pytest.approx(24 / winner.quartiles[1])
     # Interleaved: the race's first round times each finalist once, before any is timed twice.
     assert sorted(order[4:7]) == [2, 3, 4]
@@ -405,8 +405,8 @@ def test_the_finalists_race_and_a_lucky_trial_loses(linear: autoaccum.Workload) 
 def test_the_race_ranks_each_round_by_that_rounds_speed() -> None:
     """The machine's speed drifts from round to round (factors 1.0, 1.5, 0.7, 1.2): "a" is 5% faster than "b" in
     every round, yet their raw step times overlap across rounds. Each time over its round's median, "b" is clearly
-    slower after one round (its lower quartile above the leader's upper one) and out; the winner's times stay the
-    raw seconds measured."""
+    slower (its lower quartile above the leader's upper one) and out after the second round, the first where one
+    can be; the winner's times stay the raw seconds measured."""
     speeds = iter([1.0, 1.0, 1.5, 1.5, 0.7, 0.7, 1.2, 1.2])
     base = {"a": (1.00, 1.01, 1.02), "b": (1.05, 1.06, 1.07)}
 
@@ -416,8 +416,27 @@ def test_the_race_ranks_each_round_by_that_rounds_speed() -> None:
 
     winner, loser = race([("a", 0, [9.0]), ("b", 1, [0.1])], time_one, rounds=4)
     assert (winner.trial, loser.trial) == (0, 1)
-    assert loser.out_after == 1 and winner.out_after is None and winner.times == (1.00, 1.01, 1.02)
+    assert loser.out_after == 2 and winner.out_after is None
+    assert winner.times == pytest.approx((1.00, 1.01, 1.02, 1.50, 1.515, 1.53))
     assert winner.relative is not None and loser.relative is not None and winner.relative < 1 < loser.relative
+
+
+def test_a_finalist_out_leaves_its_rounds_to_the_close_call() -> None:
+    """Three finalists, a budget of four rounds each: "c" is clearly slower and out after round 2 (none is out
+    after one round, one moment of the machine); the six timings it leaves unspent give "a" and "b", 2% apart,
+    three more rounds (five in all), the close call, level (0.5% apart, their spreads overlapping)."""
+    base = {"a": (1.00, 1.01, 1.02), "b": (1.005, 1.015, 1.025), "c": (1.5, 1.51, 1.52)}
+    order: list[str] = []
+
+    def time_one(key: str) -> list[float]:
+        order.append(key)
+        return list(base[key])
+
+    a, b, c = race([("a", 0, [1.0]), ("b", 1, [1.0]), ("c", 2, [1.0])], time_one, rounds=4)
+    assert (a.trial, b.trial, c.trial) == (0, 1, 2)
+    assert (a.rounds, b.rounds, c.rounds) == (5, 5, 2) and c.out_after == 2 and a.out_after is b.out_after is None
+    assert len(order) == 4 * 3  # the budget: as many timings as four rounds of all three
+    assert sorted(order[:3]) == ["a", "b", "c"]  # interleaved: each once before any twice
 
 
 def test_the_plan_records_the_accumulator_dtype_it_was_tuned_with(linear: autoaccum.Workload) -> None:
@@ -508,8 +527,10 @@ def test_where_the_next_size_down_reads_slower_in_its_one_trial_the_two_sizes_ar
 
     calls, configs = tuned(race_rounds=4)
     assert configs == [(64, "scan"), (32, "scan"), (16, "scan"), (8, "scan"), (16, "scan:unroll=2"), (16, "loop")]
-    ladder = [(64, "scan"), (32, "scan"), (16, "scan"), (32, "scan"), (16, "scan"), (8, "scan"), (16, "scan")]
-    assert calls[:7] == ladder  # 16 re-timed beside 32 (wins), then beside 8 (wins)
+    duel_32 = [(32, "scan"), (16, "scan"), (16, "scan"), (32, "scan")]  # two rounds, the order rotated
+    duel_8 = [(16, "scan"), (8, "scan"), (8, "scan"), (16, "scan")]
+    ladder = [(64, "scan"), (32, "scan"), (16, "scan"), *duel_32, (8, "scan"), *duel_8]
+    assert calls[:12] == ladder  # 16 re-timed beside 32 (wins), then beside 8 (wins)
     _, configs = tuned(race_rounds=0)
     assert configs[:5] == [(64, "scan"), (32, "scan"), (16, "scan"), (32, "scan:unroll=2"), (32, "loop")]
 

@@ -7,10 +7,14 @@ a slow spell of the machine falls on all of them), and every step time of every 
 median step time over all its finalists (the machine's speed in that round), is pooled per finalist: a race of
 four rounds once ran one finalist 85, 83, 79 and 66 ms a step and another 85, 93, 82 and 72, the first ahead in
 every round and the two alike by their pooled raw medians. Only the race's own times count: a finalist's study
-trial ran at another moment, and the machine's speed drifts by more than the finalists differ. After each round
-a finalist whose lower quartile is slower than the leader's upper quartile is out (its distribution is clearly
-worse); the race ends when one is left or after ``rounds`` rounds, and the fastest median of the pooled relative
-times wins.
+trial ran at another moment, and the machine's speed drifts by more than the finalists differ.
+
+From the second round on (`MIN_ROUNDS`: one round is one moment of the machine, and a hiccup in it falls on one
+finalist alone), a finalist whose lower quartile is slower than the leader's upper quartile is out (its
+distribution is clearly worse). The race spends a budget of timings, ``rounds`` for each finalist: the timings
+a finalist that is out leaves unspent go to more rounds between those still in (three finalists, four rounds:
+once the third is out after round two, the other two run five), which is where the close calls are. It ends
+when one is left or the budget is spent, and the fastest median of the pooled relative times wins.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ FINALISTS = 3
 """Configurations the race re-times (the study's best by throughput)."""
 
 ROUNDS = 4
-"""Rounds the race runs at most."""
+"""Rounds the race runs while every finalist stays in (its budget: this many timings per finalist)."""
+
+MIN_ROUNDS = 2
+"""Rounds every finalist runs before any is out."""
 
 K = TypeVar("K", bound=Hashable)
 
@@ -76,8 +83,9 @@ def race(
     rounds: int = ROUNDS,
 ) -> list[Runner]:
     """Races ``finalists`` (``(key, trial number, its trial's step times)``); ``time_one(key)`` times one again
-    and returns its step times (None: it failed this time, and is out). Returns the runners, the winner first
-    (fastest median of its rounds' pooled relative times among those that finished), then the others likewise.
+    and returns its step times (None: it failed this time, and is out). The race spends at most ``rounds``
+    timings per finalist (see the module's docstring). Returns the runners, the winner first (fastest median of
+    its rounds' pooled relative times among those that finished), then the others likewise.
 
     Pure Python and deterministic given ``time_one``: testable with made-up timings.
 
@@ -92,9 +100,11 @@ def race(
     ran = dict.fromkeys(pooled, 0)
     out: dict[K, int] = {}
     alive = [key for key, _, _ in finalists]
-    for r in range(1, rounds + 1):
-        if len(alive) < 2:
-            break
+    budget = rounds * len(alive)  # timings
+    r = 0
+    while len(alive) >= 2 and len(alive) <= budget:
+        r += 1
+        budget -= len(alive)
         shift = (r - 1) % len(alive)
         this_round: dict[K, Sequence[float]] = {}
         for key in alive[shift:] + alive[:shift]:
@@ -111,6 +121,8 @@ def race(
         speed = statistics.median([t for times in this_round.values() for t in times])
         for key, times in this_round.items():
             relative[key].extend(t / speed for t in times)
+        if r < min(MIN_ROUNDS, rounds):
+            continue
         leader = min(alive, key=lambda k: quartiles(relative[k])[1])
         worst_of_leader = quartiles(relative[leader])[2]
         for key in alive:

@@ -214,9 +214,10 @@ def tune(
         `autoaccum._tune.worker`): an out-of-memory, a crash or a hang is recorded as the trial's failure, the
         worker restarts, and the caller's process never runs a trial. ``False``: time in this process, with no
         cap (faster to start; a trial that does not fit fails here).
-      race_rounds: rounds of re-timing the study's best configurations side by side before the pick
-        (`autoaccum._tune.race`; 0: pick the study's best as measured, and let the ladder decide on single trials;
-        otherwise it re-times two sizes for at most `DUEL_ROUNDS`).
+      race_rounds: rounds of re-timing the study's best configurations side by side before the pick, while
+        all stay in (a budget of this many timings per finalist: those one that is out leaves go to more rounds
+        of the others; `autoaccum._tune.race`; 0: pick the study's best as measured, and let the ladder decide
+        on single trials; otherwise it re-times two sizes for at most `DUEL_ROUNDS`).
       measure: how a configuration is timed in this process, ``measure(update, params, batch) -> Timing``
         (with ``state`` given: ``measure(update, params, batch, state=state)``), instead of the worker (tests
         inject a deterministic one); with ``isolate=False`` the default is `autoaccum._tune.timing.time_update`.

@@ -54,7 +54,8 @@ params, opt_state, loss = update(params, opt_state, batch)   # batch: {batch} ex
 )  # fmt: skip
 @click.option(
     "--race-rounds", type=click.IntRange(min=0), default=4, show_default=True,
-    help="Rounds of re-timing the best configurations side by side before the pick (0: none).",
+    help="Rounds of re-timing the best configurations side by side before the pick, while all stay in (a "
+    "budget of timings per finalist; one that drops out leaves its rounds to the others; 0: none).",
 )  # fmt: skip
 @click.option(
     "--remat", "remat_policies", multiple=True,
