@@ -97,7 +97,7 @@ def part_a(w: autoaccum.Workload, args: argparse.Namespace) -> None:
     print(f"grid: {len(grid)} of {len(grid_configs)} configurations ran in {grid_seconds:.0f} s; best {best}\n")
     print("| run | tuned | grid best | tuned / grid best | control | search s tuned / grid | goal |")
     print("|---|---|---|---:|---:|---|---|")
-    ratios, times = [], []
+    ratios, times, races = [], [], []
     for run in range(1, args.runs + 1):
         start = time.perf_counter()
         result = autoaccum.tune(
@@ -105,6 +105,7 @@ def part_a(w: autoaccum.Workload, args: argparse.Namespace) -> None:
             memory_limit=args.memory_limit, seed=run,
         )  # fmt: skip
         tune_seconds = time.perf_counter() - start
+        races.append(f"run {run}: " + race_line(result))
         plan = result.plan
         tuned_label = next(k for k, v in labels.items() if v == (plan.strategy, plan.options))
         tuned: Config = (plan.microbatch_size, tuned_label, plan.remat)
@@ -126,10 +127,26 @@ def part_a(w: autoaccum.Workload, args: argparse.Namespace) -> None:
             f"{met} |",
             flush=True,
         )
+    print("\neach tune's race (finalist: trial's ex/s, rounds, median step time over its round's median, out after):")
+    print("\n".join(races))
     print(
         f"\nworst of {args.runs} runs: tuned / grid best {min(ratios):.3f} (goal >= 0.97), search time ratio "
         f"{max(times):.2f} (goal <= 0.33)"
     )
+
+
+def race_line(result: autoaccum.TuneResult) -> str:
+    """The race of one tune, winner first: what decided its pick."""
+    trials = {t.number: t for t in result.trials}
+    parts = []
+    for r in result.race:
+        t = trials[r.trial]
+        name = f"{t.microbatch_size} x {t.strategy}" + "".join(f":{k}={v}" for k, v in t.options.items())
+        name += f" remat={t.remat}" if t.remat else ""
+        relative = "-" if r.relative is None else f"{r.relative:.3f}"
+        out = "" if r.out_after is None else f", out after {r.out_after}"
+        parts.append(f"{name} ({t.throughput or 0:,.0f} ex/s, {r.rounds} rounds, {relative}{out})")
+    return "; ".join(parts) or "no race"
 
 
 def part_b(args: argparse.Namespace) -> None:
