@@ -535,6 +535,31 @@ def test_where_the_next_size_down_reads_slower_in_its_one_trial_the_two_sizes_ar
     assert configs[:5] == [(64, "scan"), (32, "scan"), (16, "scan"), (32, "scan:unroll=2"), (32, "loop")]
 
 
+def test_a_close_call_on_the_ladder_is_re_timed_for_the_race_budget() -> None:
+    """16 x scan reads slower than 32 in its one trial, and 0.5% faster in every timing after, the two timings'
+    spreads overlapping: no round settles it, so the re-timing runs the race's whole budget (four rounds of two),
+    where a clear difference takes two."""
+    w = workloads.linear(batch_size=64, features=8)
+    per_example = {(64, "scan"): 1.3, (32, "scan"): 1.0, (16, "scan"): 0.995, (8, "scan"): 1.5}
+    calls: list[tuple[int, str]] = []
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        config = (update.microbatch_size, "scan:unroll=2" if update.options.get("unroll") == 2 else update.strategy)
+        slow_spell = config == (16, "scan") and config not in calls
+        calls.append(config)
+        base = 64e-3 * (1.05 if slow_spell else per_example.get(config, 2.0))
+        times = tuple(base * (1 + 0.01 * i) for i in range(5))
+        return Timing(times[2], 0.1, 5, times)
+
+    tune(
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=64, strategies=["scan", "loop"],
+        n_trials=6, storage=":memory:", measure=measure, race_rounds=4,
+    )  # fmt: skip
+    duel = [(32, "scan"), (16, "scan"), (16, "scan"), (32, "scan")] * 2  # four rounds, the order rotated
+    assert calls[:11] == [(64, "scan"), (32, "scan"), (16, "scan"), *duel]
+    assert calls[11] == (8, "scan")  # 16 won the close call: the ladder goes on down
+
+
 @pytest.mark.parametrize("unroll_at_32", [0.97, 1.25])
 def test_the_best_other_strategy_at_the_best_size_is_tried_at_the_runner_up_size(unroll_at_32: float) -> None:
     """The ladder's third step: scan measures 32 best (16 a little slower); scan unroll=2, the best of the other

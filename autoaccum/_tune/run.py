@@ -47,9 +47,6 @@ from autoaccum.strategies import get as get_strategy
 STEPS, WARMUP = 5, 1
 """Timed steps and warm-up steps of one trial in the worker (after the compiling call)."""
 
-DUEL_ROUNDS = 2
-"""Rounds of the side-by-side re-timing that decides where the warm start's ladder stops (``beats`` in `tune`)."""
-
 EXHAUSTIVE_UP_TO = 8
 """Without ``n_trials``, a space of at most this many configurations is searched whole (``GridSampler``)."""
 
@@ -217,7 +214,7 @@ def tune(
       race_rounds: rounds of re-timing the study's best configurations side by side before the pick, while
         all stay in (a budget of this many timings per finalist: those one that is out leaves go to more rounds
         of the others; `autoaccum._tune.race`; 0: pick the study's best as measured, and let the ladder decide
-        on single trials; otherwise it re-times two sizes for at most `DUEL_ROUNDS`).
+        on single trials; otherwise the ladder's re-timing of two sizes is a race of two with this budget).
       measure: how a configuration is timed in this process, ``measure(update, params, batch) -> Timing``
         (with ``state`` given: ``measure(update, params, batch, state=state)``), instead of the worker (tests
         inject a deterministic one); with ``isolate=False`` the default is `autoaccum._tune.timing.time_update`.
@@ -455,18 +452,20 @@ def tune(
 
     def beats(challenger: int, incumbent: int) -> bool:
         """Whether trial ``challenger``'s configuration is faster than ``incumbent``'s, re-timed side by side
-        (`DUEL_ROUNDS` interleaved rounds of `race`; their programs are still compiled in the worker): where the
-        ladder's next size down reads slower in its one trial. Two trials seconds apart differ by the machine's
-        drift as much as by their speed: on the example transformer 16 x scan read 4% and 12% slower than 32
-        in two tunes, and 5% faster side by side, so the ladder stopped at 32 and never tried scan unroll=2 at
-        16, the grid's best. False without re-timing (``race_rounds=0``)."""
+        (a `race` of the two, with the race's budget: a clear difference is settled after two rounds, a close
+        one gets them all; their programs are still compiled in the worker): where the ladder's next size down
+        reads slower in its one trial. Two trials seconds apart differ by the machine's drift as much as by their
+        speed: on the example transformer 16 x scan read 4% and 12% slower than 32 in two tunes, and 5% faster
+        side by side, so the ladder stopped at 32 and never tried scan unroll=2 at 16, the grid's best; with two
+        rounds of re-timing the ladder still stopped at 32 in two tunes of five where the finalists' race (five
+        rounds) then put 16 ahead. False without re-timing (``race_rounds=0``)."""
         if race_rounds == 0:
             return False
         trials = by_number()
         runners = race(
             [(n, n, trials[n].user_attrs.get("times") or ()) for n in (incumbent, challenger)],
             lambda number: _retime(by_number()[number], time_config),
-            rounds=min(DUEL_ROUNDS, race_rounds),
+            rounds=race_rounds,
         )
         return runners[0].trial == challenger and runners[0].rounds > 0
 
