@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -50,9 +50,13 @@ class MultiSteps(Strategy):
         self._step = jax.jit(
             self._step_fn,
             donate_argnums=(2, *self.donate_argnums(0, 1, 5)),
-            static_argnames=("size", "k", "final", "layout"),
+            static_argnames=("size", "k", "final", "layout", "even"),
         )
+        self._mean_grad = weighted_grad(spec, scale_grads=False)
         self._wrap = jax.jit(self._wrap_fn, donate_argnums=self.donate_argnums(0))
+        # One device: the wrapped state and the zero sums in one program, the loss divided out in one more.
+        self._begin = jax.jit(self._begin_fn, donate_argnums=self.donate_argnums(0), static_argnames=("dtypes",))
+        self._loss = jax.jit(functools.partial(finish_loss, spec), static_argnames=("dtypes",))
         self._total = jax.jit(lambda sums: jax.tree.map(lambda x: x.sum(0), sums))  # the devices' loss sums
 
     def _wrapped(self, k: int, inner: optax.GradientTransformation | None = None) -> optax.MultiSteps:
@@ -62,6 +66,9 @@ class MultiSteps(Strategy):
     def _wrap_fn(self, opt_state: PyTree, params: PyTree) -> optax.MultiStepsState:
         """A ``MultiStepsState`` around ``opt_state`` with a zero accumulator (the inner init is dead code)."""
         return self._wrapped(1).init(params)._replace(inner_opt_state=opt_state)  # the state does not depend on k
+
+    def _begin_fn(self, opt_state: PyTree, params: PyTree, *, dtypes: OutDtypes) -> tuple[optax.MultiStepsState, Accum]:
+        return self._wrap_fn(opt_state, params), dtypes.zero_sums(self.spec.accumulator_dtype)
 
     def _microbatch_step(
         self,
@@ -101,11 +108,16 @@ class MultiSteps(Strategy):
         k: int,
         final: bool = False,
         layout: Layout | None = None,
+        even: bool = False,
     ) -> tuple[PyTree, optax.MultiStepsState, Accum, PyTree]:
         if layout is not None:
             return self._mesh_step(
                 params, opt_state, sums, batch, start, state, size=size, k=k, final=final, layout=layout
             )
+        if even:  # k equal microbatches of a mean loss: the equal-weight mean of their mean gradients is exact
+            new, state = self._mean_grad(params, take(batch, start, size), state)
+            updates, opt_state = self._wrapped(k).update(new.grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, add(sums, new._replace(grads=())), state
 
         def divisor(opt_state: optax.MultiStepsState, sums: Accum) -> jax.Array:  # traced: one program per size
             return jnp.where(opt_state.mini_step == k - 1, sums.weight, jnp.ones_like(sums.weight))
@@ -183,12 +195,13 @@ class MultiSteps(Strategy):
                 "parameters sharded over the mesh (FSDP) use strategy='scan' or 'loop'."
             )
         dtypes = self.out_dtypes(params, batch, state, key=call.key)
-        sums = dtypes.zero_sums(self.spec.accumulator_dtype)  # the same step program for every microbatch
+        if layout is None:  # zero sums: the same step program for every microbatch
+            return None, *self._begin(opt_state, params, dtypes=dtypes), state, dtypes
+        # On a mesh: each device's own accumulator and sums, stacked.
+        mesh = self.on_mesh(layout, host_loop=True)
+        sums, state = mesh.stacked_zeros(dtypes.zero_sums(self.spec.accumulator_dtype)), mesh.stack_state(state)
         wrapped = self._wrap(opt_state, params)
-        if layout is not None:  # each device's own accumulator and sums, stacked
-            mesh = self.on_mesh(layout, host_loop=True)
-            sums, state = mesh.stacked_zeros(sums), mesh.stack_state(state)
-            wrapped = wrapped._replace(acc_grads=mesh.stacked_zeros(wrapped.acc_grads))
+        wrapped = wrapped._replace(acc_grads=mesh.stacked_zeros(wrapped.acc_grads))
         return layout, wrapped, sums, state, dtypes
 
     def run(
@@ -196,14 +209,22 @@ class MultiSteps(Strategy):
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
         calls = call.microbatches
         layout, wrapped, sums, state, dtypes = self._start(call, params, opt_state, batch, state)
+        even = self._even(call.microbatches, layout)
         for i, (start, size) in enumerate(calls):
             final = layout is not None and i == len(calls) - 1
             params, wrapped, sums, state = self._step(
-                params, wrapped, sums, batch, start, state, size=size, k=len(calls), final=final, layout=layout
-            )
+                params, wrapped, sums, batch, start, state, size=size, k=len(calls), final=final, layout=layout,
+                even=even,
+            )  # fmt: skip
         if layout is not None:
             sums, state = self._total(sums), self._combine(state)
-        return params, wrapped.inner_opt_state, finish_loss(self.spec, sums, dtypes), state
+        return params, wrapped.inner_opt_state, self._loss(sums, dtypes=dtypes), state
+
+    def _even(self, microbatches: Sequence[tuple[int, int]], layout: Layout | None) -> bool:
+        """Whether the microbatches' mean-loss gradients go to ``MultiSteps`` as they are (one device, a mean
+        loss, every microbatch of one size): its mean of them is then the full batch's, with no scaling by
+        the weights (which costs passes over the gradients and the accumulator in every microbatch's step)."""
+        return layout is None and self.spec.loss_reduction == "mean" and len({n for _, n in microbatches}) == 1
 
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
         calls = self.microbatches(batch)
@@ -219,10 +240,27 @@ class MultiSteps(Strategy):
         finals = (False, True) if layout is not None else (False,)
         steps = [
             Program(
-                self._step.lower(params, wrapped, sums, batch, 0, state, size=n, k=len(calls), final=f, layout=layout),
+                self._step.lower(
+                    params,
+                    wrapped,
+                    sums,
+                    batch,
+                    0,
+                    state,
+                    size=n,
+                    k=len(calls),
+                    final=f,
+                    layout=layout,
+                    even=self._even(calls, layout),
+                ),
                 0,
             )
             for n in sizes
             for f in finals
         ]
-        return [Program(self._wrap.lower(opt_state, params), tree_bytes(batch)), *steps]
+        begin = (
+            self._wrap.lower(opt_state, params)
+            if layout is not None
+            else self._begin.lower(opt_state, params, dtypes=dtypes)
+        )
+        return [Program(begin, tree_bytes(batch)), *steps]
