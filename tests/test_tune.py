@@ -499,48 +499,11 @@ def test_the_warm_start_climbs_down_the_sizes_while_they_get_faster_then_tries_e
     assert (result.plan.microbatch_size, result.plan.strategy) == (16, "scan")
 
 
-def test_where_the_next_size_down_reads_slower_in_its_one_trial_the_two_sizes_are_re_timed_side_by_side() -> None:
-    """16 x scan reads 5% slower than 32 in its one trial (a slow spell of the machine) and 5% faster in every
-    timing after: re-timed side by side with 32, it wins, so the ladder goes on down (8 is slower, also side by
-    side) and the other strategies are tried at 16. Without re-timing (``race_rounds=0``) the ladder stops at 32
-    on the one trial's word."""
+def ladder_calls(per_example: dict[tuple[int, str], float], race_rounds: int) -> list[tuple[int, str]]:
+    """The configurations a tune of 64 examples times, in order (re-timings included), with made-up timings:
+    ``per_example`` seconds per 64 examples (2.0 where not given), 16 x scan 5% slower than 32 in its first
+    timing only (a slow spell of the machine)."""
     w = workloads.linear(batch_size=64, features=8)
-    per_example = {(64, "scan"): 1.3, (32, "scan"): 1.0, (16, "scan"): 0.95, (8, "scan"): 1.5}
-
-    def tuned(race_rounds: int) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
-        calls: list[tuple[int, str]] = []
-
-        def measure(update: Update, params: Any, batch: Any) -> Timing:
-            label = "scan:unroll=2" if update.options.get("unroll") == 2 else update.strategy
-            config = (update.microbatch_size, label)
-            slow_spell = config == (16, "scan") and config not in calls
-            calls.append(config)
-            base = 64e-3 * (1.05 if slow_spell else per_example.get(config, 2.0))
-            times = tuple(base * (1 + 0.01 * i) for i in range(5))
-            return Timing(times[2], 0.1, 5, times)
-
-        tune(
-            w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=64, strategies=["scan", "loop"],
-            n_trials=6, storage=":memory:", measure=measure, race_rounds=race_rounds,
-        )  # fmt: skip
-        return calls, list(dict.fromkeys(calls))
-
-    calls, configs = tuned(race_rounds=4)
-    assert configs == [(64, "scan"), (32, "scan"), (16, "scan"), (8, "scan"), (16, "scan:unroll=2"), (16, "loop")]
-    duel_32 = [(32, "scan"), (16, "scan"), (16, "scan"), (32, "scan")]  # two rounds, the order rotated
-    duel_8 = [(16, "scan"), (8, "scan"), (8, "scan"), (16, "scan")]
-    ladder = [(64, "scan"), (32, "scan"), (16, "scan"), *duel_32, (8, "scan"), *duel_8]
-    assert calls[:12] == ladder  # 16 re-timed beside 32 (wins), then beside 8 (wins)
-    _, configs = tuned(race_rounds=0)
-    assert configs[:5] == [(64, "scan"), (32, "scan"), (16, "scan"), (32, "scan:unroll=2"), (32, "loop")]
-
-
-def test_a_close_call_on_the_ladder_is_re_timed_for_the_race_budget() -> None:
-    """16 x scan reads slower than 32 in its one trial, and 0.5% faster in every timing after, the two timings'
-    spreads overlapping: no round settles it, so the re-timing runs the race's whole budget (four rounds of two),
-    where a clear difference takes two."""
-    w = workloads.linear(batch_size=64, features=8)
-    per_example = {(64, "scan"): 1.3, (32, "scan"): 1.0, (16, "scan"): 0.995, (8, "scan"): 1.5}
     calls: list[tuple[int, str]] = []
 
     def measure(update: Update, params: Any, batch: Any) -> Timing:
@@ -553,8 +516,33 @@ def test_a_close_call_on_the_ladder_is_re_timed_for_the_race_budget() -> None:
 
     tune(
         w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=64, strategies=["scan", "loop"],
-        n_trials=6, storage=":memory:", measure=measure, race_rounds=4,
+        n_trials=6, storage=":memory:", measure=measure, race_rounds=race_rounds,
     )  # fmt: skip
+    return calls
+
+
+def test_where_the_next_size_down_reads_slower_in_its_one_trial_the_two_sizes_are_re_timed_side_by_side() -> None:
+    """16 x scan reads 5% slower than 32 in its one trial (a slow spell of the machine) and 5% faster in every
+    timing after: re-timed side by side with 32, it wins, so the ladder goes on down (8 is slower, also side by
+    side) and the other strategies are tried at 16. Without re-timing (``race_rounds=0``) the ladder stops at 32
+    on the one trial's word."""
+    per_example = {(64, "scan"): 1.3, (32, "scan"): 1.0, (16, "scan"): 0.95, (8, "scan"): 1.5}
+    calls = ladder_calls(per_example, race_rounds=4)
+    configs = list(dict.fromkeys(calls))
+    assert configs == [(64, "scan"), (32, "scan"), (16, "scan"), (8, "scan"), (16, "scan:unroll=2"), (16, "loop")]
+    duel_32 = [(32, "scan"), (16, "scan"), (16, "scan"), (32, "scan")]  # two rounds, the order rotated
+    duel_8 = [(16, "scan"), (8, "scan"), (8, "scan"), (16, "scan")]
+    ladder = [(64, "scan"), (32, "scan"), (16, "scan"), *duel_32, (8, "scan"), *duel_8]
+    assert calls[:12] == ladder  # 16 re-timed beside 32 (wins), then beside 8 (wins)
+    configs = list(dict.fromkeys(ladder_calls(per_example, race_rounds=0)))
+    assert configs[:5] == [(64, "scan"), (32, "scan"), (16, "scan"), (32, "scan:unroll=2"), (32, "loop")]
+
+
+def test_a_close_call_on_the_ladder_is_re_timed_for_the_race_budget() -> None:
+    """16 x scan reads slower than 32 in its one trial, and 0.5% faster in every timing after, the two timings'
+    spreads overlapping: no round settles it, so the re-timing runs the race's whole budget (four rounds of two),
+    where a clear difference takes two."""
+    calls = ladder_calls({(64, "scan"): 1.3, (32, "scan"): 1.0, (16, "scan"): 0.995, (8, "scan"): 1.5}, 4)
     duel = [(32, "scan"), (16, "scan"), (16, "scan"), (32, "scan")] * 2  # four rounds, the order rotated
     assert calls[:11] == [(64, "scan"), (32, "scan"), (16, "scan"), *duel]
     assert calls[11] == (8, "scan")  # 16 won the close call: the ladder goes on down
