@@ -357,6 +357,15 @@ def check_and_warm(
     return states, first_call, failed, worst
 
 
+def run_steps(method: Method, state: State, steps: int) -> tuple[State, float]:
+    """``steps`` steps of ``method`` from ``state``, synchronised at the end: the new state and seconds per step."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        state = method.step(state)
+    state = jax.block_until_ready(state)
+    return state, (time.perf_counter() - start) / steps
+
+
 def time_rounds(methods: list[Method], states: dict[str, State], args: argparse.Namespace) -> dict[str, list[float]]:
     """Per-step seconds of every method in every round (the order rotating from round to round).
 
@@ -366,24 +375,14 @@ def time_rounds(methods: list[Method], states: dict[str, State], args: argparse.
     """
     steps = {}
     for method in methods:
-        state = states[method.name]
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            state = method.step(state)
-        states[method.name] = jax.block_until_ready(state)
-        per_step = (time.perf_counter() - start) / args.steps
+        states[method.name], per_step = run_steps(method, states[method.name], args.steps)
         steps[method.name] = max(args.steps, math.ceil(args.round_ms / 1e3 / per_step))
     times: dict[str, list[float]] = {method.name: [] for method in methods}
     for r in range(args.rounds):
         shift = r % len(methods)
         for method in methods[shift:] + methods[:shift]:
-            state = states[method.name]
-            start = time.perf_counter()
-            for _ in range(steps[method.name]):
-                state = method.step(state)
-            state = jax.block_until_ready(state)
-            times[method.name].append((time.perf_counter() - start) / steps[method.name])
-            states[method.name] = state
+            states[method.name], per_step = run_steps(method, states[method.name], steps[method.name])
+            times[method.name].append(per_step)
     return times
 
 

@@ -163,8 +163,8 @@ def signature(*trees: PyTree) -> Any:
     leaf's shape, dtype and sharding (None for host arrays), read in one flatten.
 
     A strategy checks the arguments and decides its layout and microbatches once per signature, so a training
-    loop's later calls pay one flatten before the jitted call (on a sub-millisecond step the checks cost as
-    much as 10% of it).
+    loop's later calls pay one flatten before the jitted call (on the example mlp's 0.45 ms update, checking
+    every call cost a fifth of the step).
     """
     leaves, treedef = jax.tree.flatten(trees)
     return treedef, tuple((np.shape(x), getattr(x, "dtype", type(x)), getattr(x, "sharding", None)) for x in leaves)

@@ -209,7 +209,7 @@ class MultiSteps(Strategy):
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
         calls = call.microbatches
         layout, wrapped, sums, state, dtypes = self._start(call, params, opt_state, batch, state)
-        even = self._even(call.microbatches, layout)
+        even = self._even(calls, layout)
         for i, (start, size) in enumerate(calls):
             final = layout is not None and i == len(calls) - 1
             params, wrapped, sums, state = self._step(

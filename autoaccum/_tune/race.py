@@ -109,7 +109,7 @@ def race(
         this_round: dict[K, Sequence[float]] = {}
         for key in alive[shift:] + alive[:shift]:
             times = time_one(key)
-            if times is None or not times:
+            if not times:  # None: it failed this time
                 out[key] = r
                 continue
             this_round[key] = times
