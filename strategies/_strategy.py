@@ -79,6 +79,13 @@ class Strategy(abc.ABC):
             self._add_fn, donate_argnums=(0, *self.donate_argnums(3)), static_argnames=("dtypes", "layout")
         )
 
+    @classmethod
+    def program_options(cls, options: Mapping[str, Any], steps: int) -> dict[str, Any]:
+        """``options`` as they shape the compiled program of an update of ``steps`` accumulation steps: two sets
+        whose results are equal compile to the same program, and the tuner times one of them. By default every
+        option matters."""
+        return dict(options)
+
     def init(self, params: PyTree) -> PyTree:
         """The optimizer's own state (``optimizer.init(params)``): the same type for every strategy."""
         return self.spec.optimizer.init(params)

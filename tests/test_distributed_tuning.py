@@ -24,7 +24,7 @@ import pytest
 from autoaccum._tune.claims import open_claims
 
 WORKER = Path(__file__).parent / "tune_worker.py"
-GRID = 12  # microbatch 1..4 x (scan, scan:unroll=2, loop)
+GRID = 16  # microbatch 1..4 x (scan, scan:unroll=2, scan:unroll=8, loop)
 
 
 @pytest.fixture

@@ -225,12 +225,13 @@ def test_tune_searches_a_knob_of_the_loss() -> None:
 
     knobs = Knobs(scaled_loss, scale=(1.0, 0.5))
     result = tune(
-        knobs, w.params, w.batch, optimizer=w.optimizer, max_microbatch=4, strategies=["scan", "loop"], n_trials=24,
+        knobs, w.params, w.batch, optimizer=w.optimizer, max_microbatch=4, strategies=["scan", "loop"], n_trials=32,
         storage=":memory:", measure=measure, race_rounds=0,  # the grid's timings only: no finalists re-timed
     )  # fmt: skip
-    # The whole grid: sizes 1..4 x (scan, scan:unroll=2, loop) x both values of the knob, each timed once.
+    # The whole grid: sizes 1..4 x (scan, scan:unroll=2, scan:unroll=8, loop) x both values of the knob, each timed
+    # once.
     assert sorted(calls) == sorted(
-        (m, s, scale) for m in (1, 2, 3, 4) for s in ("scan", "scan", "loop") for scale in (1.0, 0.5)
+        (m, s, scale) for m in (1, 2, 3, 4) for s in ("scan", "scan", "scan", "loop") for scale in (1.0, 0.5)
     )
     assert result.plan.knobs == {"scale": 0.5} and result.plan.remat is None
     assert {(r.knobs["scale"], r.remat) for r in result.trials} == {(1.0, None), (0.5, None)}

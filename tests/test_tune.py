@@ -44,7 +44,9 @@ def linear() -> autoaccum.Workload:
 def test_candidates_and_variants() -> None:
     assert microbatch_candidates(24, 16) == [1, 2, 3, 4, 6, 8, 12, 16]
     assert microbatch_candidates(10, 100) == [1, 2, 5, 10, 4, 8]
-    assert list(variants(["scan", "loop", "multisteps"])) == ["scan", "scan:unroll=2", "loop", "multisteps"]
+    assert list(variants(["scan", "loop", "multisteps"])) == [
+        "scan", "scan:unroll=2", "scan:unroll=8", "loop", "multisteps"
+    ]  # fmt: skip
 
 
 def test_emitted_update_equals_full_batch_step(linear: autoaccum.Workload) -> None:
@@ -93,7 +95,7 @@ def test_small_space_is_covered_completely(linear: autoaccum.Workload) -> None:
         race_rounds=0,
         measure=fake_measure(calls),
     )
-    # sizes 1, 2, 3, 4 x 4 variants = 16 > EXHAUSTIVE_UP_TO, so pass n_trials to cover it all:
+    # sizes 1, 2, 3, 4 x 5 variants = 20 > EXHAUSTIVE_UP_TO, so pass n_trials to cover it all:
     assert len(calls) == len(result.trials) <= 12
     full = tune(
         linear.loss_fn,
@@ -102,7 +104,7 @@ def test_small_space_is_covered_completely(linear: autoaccum.Workload) -> None:
         optimizer=linear.optimizer,
         max_microbatch=4,
         storage=":memory:",
-        n_trials=16,
+        n_trials=20,
         race_rounds=0,
         measure=fake_measure(calls := []),
     )
@@ -111,7 +113,7 @@ def test_small_space_is_covered_completely(linear: autoaccum.Workload) -> None:
         for m in (1, 2, 3, 4)
         for name, opts in variants(["scan", "loop", "multisteps"]).values()
     )
-    assert full.plan.microbatch_size == 4 and full.plan.strategy == "scan" and full.plan.options == {"unroll": 2}
+    assert full.plan.microbatch_size == 4 and full.plan.strategy == "scan" and full.plan.options == {"unroll": 8}
 
 
 def test_never_times_a_size_above_the_bound(linear: autoaccum.Workload) -> None:
@@ -343,24 +345,29 @@ def test_two_workers_share_one_study(tmp_path: Path) -> None:
     grid = {(m, s) for m in (1, 2, 3, 4) for s in ("scan", "loop", "multisteps")}
     assert grid <= set(measured)
     configurations = [tuple(json.loads(line)) for log in logs if log.exists() for line in log.read_text().splitlines()]
-    assert len(configurations) == len({json.dumps(c) for c in configurations}) == 16, "each measured once"
+    assert len(configurations) == len({json.dumps(c) for c in configurations}) == 20, "each measured once"
     assert all(log.exists() for log in logs), "both workers measured something"
     plans = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     assert plans[0] == plans[1]
 
 
-def test_one_step_configurations_are_timed_once(linear: autoaccum.Workload) -> None:
+def test_equivalent_configurations_are_timed_once(linear: autoaccum.Workload) -> None:
     """With one accumulation step every strategy runs the same plain step: it is timed once, not once per
-    strategy (four timings of one program would let noise pick the plan)."""
+    strategy (five timings of one program would let noise pick the plan). So is scan unrolled 2 and 8 times over
+    two steps (both unroll the whole loop); over four steps they differ, and both are timed."""
     calls: list[Any] = []
     result = tune(
         linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, effective_batch=8, max_microbatch=8,
-        n_trials=16, storage=":memory:", measure=fake_measure(calls), race_rounds=0,  # the whole grid
+        n_trials=20, storage=":memory:", measure=fake_measure(calls), race_rounds=0,  # the whole grid
     )  # fmt: skip
     assert [m for m, _, _ in calls].count(8) == 1
     at_full = [r for r in result.trials if r.microbatch_size == 8]
     assert len(at_full) == len(variants(autoaccum.strategies.available()))  # every configuration is reported
     assert sum(r.same_program_as is None for r in at_full) == 1
+    unrolled = {(m, dict(options)["unroll"]) for m, name, options in calls if name == "scan"}
+    assert {(4, 2), (2, 2), (2, 8)} <= unrolled and (4, 8) not in unrolled
+    two_steps = {r.options.get("unroll"): r for r in result.trials if r.microbatch_size == 4 and r.strategy == "scan"}
+    assert two_steps[8].same_program_as == two_steps[2].number and two_steps[2].same_program_as is None
 
 
 def test_the_finalists_race_and_a_lucky_trial_loses(linear: autoaccum.Workload) -> None:
@@ -464,7 +471,7 @@ def test_an_accumulating_step_out_of_memory_lowers_its_strategys_bound_and_tries
 
     result = tune(
         w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=32, strategies=["scan", "loop"],
-        n_trials=7, storage=":memory:", measure=measure, race_rounds=0,
+        n_trials=8, storage=":memory:", measure=measure, race_rounds=0,
     )  # fmt: skip
     loop = [m for m, name in calls if name == "loop"]
     assert loop == [32, 16, 8, 4]  # the warm start, then the next size down after each failure
@@ -490,13 +497,20 @@ def test_the_warm_start_climbs_down_the_sizes_while_they_get_faster_then_tries_e
 
     result = tune(
         w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=64, strategies=["scan", "loop"],
-        n_trials=6, storage=":memory:", measure=measure, race_rounds=0,
+        n_trials=7, storage=":memory:", measure=measure, race_rounds=0,
     )  # fmt: skip
     assert calls == [
         (64, "scan", (("unroll", 1),)), (32, "scan", (("unroll", 1),)), (16, "scan", (("unroll", 1),)),
-        (8, "scan", (("unroll", 1),)), (16, "scan", (("unroll", 2),)), (16, "loop", ()),
+        (8, "scan", (("unroll", 1),)), (16, "scan", (("unroll", 2),)), (16, "scan", (("unroll", 8),)),
+        (16, "loop", ()),
     ]  # fmt: skip
     assert (result.plan.microbatch_size, result.plan.strategy) == (16, "scan")
+
+
+def label_of(update: Update) -> str:
+    """The tuner's label of an update's strategy variant (`variants`)."""
+    unroll = update.options.get("unroll", 1)
+    return update.strategy if unroll == 1 else f"{update.strategy}:unroll={unroll}"
 
 
 def ladder_calls(per_example: dict[tuple[int, str], float], race_rounds: int) -> list[tuple[int, str]]:
@@ -507,7 +521,7 @@ def ladder_calls(per_example: dict[tuple[int, str], float], race_rounds: int) ->
     calls: list[tuple[int, str]] = []
 
     def measure(update: Update, params: Any, batch: Any) -> Timing:
-        config = (update.microbatch_size, "scan:unroll=2" if update.options.get("unroll") == 2 else update.strategy)
+        config = (update.microbatch_size, label_of(update))
         slow_spell = config == (16, "scan") and config not in calls
         calls.append(config)
         base = 64e-3 * (1.05 if slow_spell else per_example.get(config, 2.0))
@@ -516,7 +530,7 @@ def ladder_calls(per_example: dict[tuple[int, str], float], race_rounds: int) ->
 
     tune(
         w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=64, strategies=["scan", "loop"],
-        n_trials=6, storage=":memory:", measure=measure, race_rounds=race_rounds,
+        n_trials=7, storage=":memory:", measure=measure, race_rounds=race_rounds,
     )  # fmt: skip
     return calls
 
@@ -529,7 +543,10 @@ def test_where_the_next_size_down_reads_slower_in_its_one_trial_the_two_sizes_ar
     per_example = {(64, "scan"): 1.3, (32, "scan"): 1.0, (16, "scan"): 0.95, (8, "scan"): 1.5}
     calls = ladder_calls(per_example, race_rounds=4)
     configs = list(dict.fromkeys(calls))
-    assert configs == [(64, "scan"), (32, "scan"), (16, "scan"), (8, "scan"), (16, "scan:unroll=2"), (16, "loop")]
+    assert configs == [
+        (64, "scan"), (32, "scan"), (16, "scan"), (8, "scan"),
+        (16, "scan:unroll=2"), (16, "scan:unroll=8"), (16, "loop"),
+    ]  # fmt: skip
     duel_32 = [(32, "scan"), (16, "scan"), (16, "scan"), (32, "scan")]  # two rounds, the order rotated
     duel_8 = [(16, "scan"), (8, "scan"), (8, "scan"), (16, "scan")]
     ladder = [(64, "scan"), (32, "scan"), (16, "scan"), *duel_32, (8, "scan"), *duel_8]
@@ -562,13 +579,13 @@ def test_the_best_other_strategy_at_the_best_size_is_tried_at_the_runner_up_size
 
     def measure(update: Update, params: Any, batch: Any) -> Timing:
         m = update.microbatch_size
-        label = "scan:unroll=2" if update.options.get("unroll") == 2 else update.strategy
+        label = label_of(update)
         calls.append((m, label))
         return Timing(seconds_per_step=64e-3 * per_example.get((m, label), 2.0), compile_seconds=0.1, steps=5)
 
     result = tune(
         w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=64, strategies=["scan", "loop"],
-        n_trials=6, storage=":memory:", measure=measure, race_rounds=0,
+        n_trials=7, storage=":memory:", measure=measure, race_rounds=0,
     )  # fmt: skip
     assert calls == [
         (64, "scan"),

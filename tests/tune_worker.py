@@ -27,7 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("storage", help="an RDB URL")
     parser.add_argument("out", type=Path, help="where to append the configurations this worker measures")
-    parser.add_argument("--n-trials", type=int, default=16)
+    parser.add_argument("--n-trials", type=int, default=20)
     parser.add_argument("--study-name", default="shared", help="'' for the default: named after the fingerprint")
     parser.add_argument("--strategies", default=None, help="comma-separated; default all")
     parser.add_argument("--salt", type=int, default=0, help="scales the loss by 1 + salt/1e6: another fingerprint")

@@ -27,8 +27,9 @@ class TrialRecord(JsonMixin):
       compile_seconds: the first (compiling) call's duration (``None`` if unknown).
       state: Optuna's trial state name (``COMPLETE``, ``FAIL``, ``RUNNING``, ...).
       reason: why it failed, if it did.
-      same_program_as: the trial whose timing this one reuses: with one accumulation step every strategy runs
-        the same plain step, which is timed once.
+      same_program_as: the trial whose timing this one reuses, the same program timed once: with one
+        accumulation step every strategy runs the plain step; scan unrolled at least as many times as there are
+        steps runs them all unrolled (`autoaccum._tune.space.program_key`).
       seconds: ``(q1, median, q3)`` of the trial's step times, in seconds (None unless it completed);
         ``throughput`` is the effective batch over the median.
       peak_bytes: the trial's peak memory per device, in the timing worker (`autoaccum._tune.worker`): on the

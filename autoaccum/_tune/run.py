@@ -32,6 +32,7 @@ from autoaccum._tune.space import (
     check_remat_values,
     microbatch_candidates,
     probe_sizes,
+    program_key,
     variants,
 )
 from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
@@ -580,12 +581,14 @@ def tune(
             if other.state == _COMPLETE:
                 return float(other.value)  # type: ignore[arg-type]
             raise optuna.TrialPruned(f"trial {holder} measures this configuration")
-        done = study.get_trials(deepcopy=False, states=(_COMPLETE,))
-        for other in done:
+        program = program_key(m, labels[label], effective_batch)
+        for other in study.get_trials(deepcopy=False, states=(_COMPLETE,)):
             same_knobs = all(other.params.get(k) == trial.params[k] for k in knob_params)
-            if m >= effective_batch and other.params["microbatch_size"] >= effective_batch and same_knobs:
-                # One accumulation step: every strategy and option runs the same plain step (for one setting of
-                # the knobs). Timing it again would only let noise pick between identical programs.
+            other_m, other_label = int(other.params["microbatch_size"]), other.params["strategy"]
+            if same_knobs and program_key(other_m, labels[other_label], effective_batch) == program:
+                # The same program (with one accumulation step every strategy runs the plain step; scan unrolled
+                # 2 or 8 times over 2 steps unrolls them both): timing it again would only let noise pick
+                # between identical programs.
                 trial.set_user_attr("same_program_as", other.number)
                 return float(other.value)  # type: ignore[arg-type]
         try:

@@ -163,7 +163,7 @@ def variants(names: Sequence[str], *, fsdp: bool = False) -> dict[str, tuple[str
 
     Example:
       >>> list(variants(["scan", "loop"]))
-      ['scan', 'scan:unroll=2', 'loop']
+      ['scan', 'scan:unroll=2', 'scan:unroll=8', 'loop']
       >>> list(variants(["loop"], fsdp=True))[1]
       'loop:reduce_grads=per_microbatch'
     """
@@ -178,6 +178,27 @@ def variants(names: Sequence[str], *, fsdp: bool = False) -> dict[str, tuple[str
             changed = [f"{k}={v}" for k, v in options.items() if v != choices[k][0]]
             out[":".join([name, *changed])] = (name, options)
     return out
+
+
+def program_key(m: int, variant: tuple[str, Mapping[str, Any]], effective_batch: int) -> tuple[Any, ...]:
+    """What the compiled update of microbatch ``m`` with ``variant`` (``(strategy, options)``, a `variants` value)
+    depends on, for one setting of the knobs: configurations with equal keys run the same program and are timed
+    once. With one accumulation step every strategy runs the plain step; otherwise each strategy says which of
+    its options matter at that many steps (`Strategy.program_options`).
+
+    Example:
+      >>> program_key(32, ("scan", {"unroll": 2}), 64) == program_key(32, ("scan", {"unroll": 8}), 64)
+      True
+      >>> program_key(64, ("scan", {"unroll": 1}), 64) == program_key(64, ("loop", {}), 64)
+      True
+      >>> program_key(16, ("scan", {"unroll": 2}), 64) == program_key(16, ("scan", {"unroll": 8}), 64)
+      False
+    """
+    steps = -(-effective_batch // m)
+    if steps == 1:
+        return ("plain step",)
+    name, options = variant
+    return (name, m, tuple(sorted(get_strategy(name).program_options(options, steps).items())))
 
 
 def microbatch_candidates(effective_batch: int, max_microbatch: int) -> list[int]:
