@@ -27,7 +27,7 @@ from autoaccum.strategies._layout import Layout, check_microbatch, layout_of
 from autoaccum.strategies._sharding import OnMesh, combine_state
 
 MAX_SIGNATURES = 64
-"""Argument signatures a strategy remembers its checks for (a training loop sees one or two)."""
+"""Argument signatures a strategy remembers its checks and output dtypes for (a training loop sees one or two)."""
 
 
 class Call(NamedTuple):
@@ -214,9 +214,11 @@ class Strategy(abc.ABC):
 
     def out_dtypes(self, params: PyTree, batch: PyTree, state: PyTree = (), *, key: Any = None) -> OutDtypes:
         """`output_dtypes`, remembered per argument `signature` (``key``, if known) so a host loop traces
-        ``loss_fn`` once."""
+        ``loss_fn`` once (the last `MAX_SIGNATURES` signatures, as `checked`)."""
         key = signature(params, batch, state) if key is None else key
         if key not in self._dtypes:
+            if len(self._dtypes) >= MAX_SIGNATURES:
+                self._dtypes.clear()
             self._dtypes[key] = output_dtypes(self.spec, params, batch, state)
         return self._dtypes[key]
 

@@ -186,6 +186,18 @@ def test_arguments_are_checked_once_per_signature_and_again_when_it_changes(
         update(params, opt_state, {"x": w.batch["x"], "y": w.batch["y"][:5]})
 
 
+def test_what_a_strategy_remembers_per_signature_is_bounded() -> None:
+    # A loop over ever-new shapes (a data pipeline without padding) keeps at most MAX_SIGNATURES of each.
+    w, update = linear_update(strategy="loop")
+    strategy = update.accumulation
+    for rows in range(1, strategies._strategy.MAX_SIGNATURES + 6):
+        batch = jax.tree.map(lambda x, n=rows: jnp.resize(x, (n, *x.shape[1:])), w.batch)
+        strategy.checked(w.params, batch)
+        strategy.out_dtypes(w.params, batch)
+    limit = strategies._strategy.MAX_SIGNATURES
+    assert 0 < len(strategy._calls) <= limit and 0 < len(strategy._dtypes) <= limit
+
+
 def test_signature_tells_apart_what_the_checks_depend_on() -> None:
     x = jnp.ones((4, 3))
     same = strategies.signature({"x": x}, ())
@@ -387,3 +399,14 @@ def test_auto_passes_scans_options_and_finds_nested_convolutions() -> None:
     # loop's programs: the first microbatch (new sums), the last one with the optimizer step (2 microbatches)
     assert len(update.programs(kernel, update.init(kernel), batch)) == 2
     assert len(update.programs(kernel, update.init(kernel), jnp.ones((6, 5, 5, 1)))) == 3  # and those between
+
+
+@pytest.mark.parametrize(("rows", "loops"), [(8, False), (32, True)])
+def test_scan_unrolled_8_times_leaves_no_loop_at_up_to_8_steps(rows: int, loops: bool) -> None:
+    # What the tuner's `scan:unroll=8` is for: with no loop left, XLA:CPU gives a convolution its fast kernel.
+    update = autoaccum.build_update(conv_loss, optax.sgd(0.1), microbatch_size=1, strategy="scan", unroll=8)
+    kernel, batch = jnp.ones((3, 3, 1, 2)), jnp.ones((rows, 5, 5, 1))
+    (program,) = update.programs(kernel, update.init(kernel), batch)
+    assert ("while" in program.lowered.compile().as_text()) == loops
+    expected, _, _ = full_batch_step(conv_loss, optax.sgd(0.1), kernel, optax.sgd(0.1).init(kernel), batch)
+    assert_trees_close(update(jnp.ones((3, 3, 1, 2)), update.init(kernel), batch)[0], expected, atol=1e-5)

@@ -37,7 +37,7 @@ _TIMEOUT: dict[str, Any] = {"event": "timeout"}
 
 MAX_CACHED = 6
 """Configurations whose compiled programs a worker keeps: the fastest timed so far (`evicted`), so the tuner's
-re-timings (the ladder's two sizes, the three finalists of its race) compile nothing again."""
+re-timings (the ladder's two sizes, the five finalists of its race) compile nothing again."""
 
 
 def evicted(rates: Mapping[str, float], keep: int = MAX_CACHED) -> list[str]:
