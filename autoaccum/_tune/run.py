@@ -48,25 +48,32 @@ from autoaccum.strategies import get as get_strategy
 STEPS, WARMUP = 5, 1
 """Timed steps and warm-up steps of one trial in the worker (after the compiling call)."""
 
+RETIME_WARMUP = 0
+"""Warm-up steps of a re-timing (the ladder's, the race's) in the worker: its program ran before, and the call
+before the timed ones warms it up (a race of five finalists spends twenty timings: one step less in each is
+about 1.3 s of the example transformer's tune)."""
+
 EXHAUSTIVE_UP_TO = 8
 """Without ``n_trials``, a space of at most this many configurations is searched whole (``GridSampler``)."""
 
 
 def default_budget(grid_points: int, strategies: int) -> int:
     """The trials a tune runs without ``n_trials``: the whole space when it is small (`EXHAUSTIVE_UP_TO`), else a
-    quarter of it, at least as many as the strategies and two more.
+    fifth of it, at least as many as the strategies (variants) and three more.
 
     ``benchmarks/tune.py`` measures the pick against the whole grid's best (the goal: >= 0.97 of it, in <= 1/3
-    of the grid's time); the warm start's ladder (largest size, halving while faster, then the other strategies
-    at the best size) spends most of this budget.
+    of the grid's time); the warm start's ladder spends this budget: the largest size, halving while faster
+    (three or four trials), the other strategies at the best size, the best of them at the runner-up size. A
+    quarter of the example transformer's 35 configurations left one trial to the sampler's random start, which
+    drew 4 x multisteps, 8 x loop, 1 x scan unroll=8: 6 to 9 s of a 55 to 70 s tune, never a finalist.
 
     Example:
-      >>> default_budget(6, 4), default_budget(28, 4), default_budget(100, 4)
-      (6, 7, 25)
+      >>> default_budget(6, 4), default_budget(28, 4), default_budget(35, 5), default_budget(100, 4)
+      (6, 7, 8, 20)
     """
     if grid_points <= EXHAUSTIVE_UP_TO:
         return grid_points
-    return min(grid_points, max(strategies + 2, -(-grid_points // 4)))
+    return min(grid_points, max(strategies + 3, -(-grid_points // 5)))
 
 
 POLL_SECONDS = 0.5
@@ -465,7 +472,7 @@ def tune(
         trials = by_number()
         runners = race(
             [(n, n, trials[n].user_attrs.get("times") or ()) for n in (incumbent, challenger)],
-            lambda number: _retime(by_number()[number], time_config),
+            lambda number: _retime(by_number()[number], functools.partial(time_config, warmup=RETIME_WARMUP)),
             rounds=race_rounds,
         )
         return runners[0].trial == challenger and runners[0].rounds > 0
@@ -525,8 +532,9 @@ def tune(
 
     updates: dict[tuple[int, str, Setting], Update] = {}
 
-    def time_config(trial: optuna.Trial | optuna.trial.FrozenTrial) -> Timing:
-        """Times the configuration of ``trial`` (its Optuna parameters): in the worker, or here."""
+    def time_config(trial: optuna.Trial | optuna.trial.FrozenTrial, warmup: int = WARMUP) -> Timing:
+        """Times the configuration of ``trial`` (its Optuna parameters): in the worker (after ``warmup`` steps),
+        or here."""
         m = int(trial.params["microbatch_size"])
         strategy, options = labels[trial.params["strategy"]]
         setting = knob_space.setting_of(trial.params)
@@ -540,7 +548,7 @@ def tune(
             return timer(updates[config], params, full_batch, **with_state)
         build = {"strategy": strategy, **options, **setting.build}
         index = knob_settings.index(setting)
-        outcome = worker.time(Request(build, m, effective_batch, STEPS, WARMUP, setting=index))
+        outcome = worker.time(Request(build, m, effective_batch, STEPS, warmup, setting=index))
         if outcome.status == "oom":
             raise TrialFailed(f"out of memory in the worker (limit {limit_label}): {outcome.message}")
         if outcome.status != "fits":
@@ -660,7 +668,7 @@ def tune(
         if (race_record is None or race_record["entrants"] != settled_key) and race_rounds > 0 and len(entrants) > 1:
             runners = race(
                 [(t.number, t.number, t.user_attrs.get("times") or ()) for t in entrants[:FINALISTS]],
-                lambda number: _retime(by_number()[number], time_config),
+                lambda number: _retime(by_number()[number], functools.partial(time_config, warmup=RETIME_WARMUP)),
                 rounds=race_rounds,
             )
             race_record = study.user_attrs.get("race")
