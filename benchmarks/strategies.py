@@ -28,9 +28,9 @@ workload's optimizer (AdamW) stepping once per ``B`` examples, ``params`` and ``
 check first asserts that one step of every method from the same start matches the full-batch step.
 
 Timing excludes compilation: each method runs ``--warmup`` steps first. Then ``--rounds`` rounds run every
-method for ``--steps`` steps each, or as many as last ``--round-ms`` (30 ms) for a faster method (the order
-rotating from round to round, so that drifting load on a shared
-machine hits every method alike); a method's time is its median per-step time over the rounds.
+method for ``--steps`` steps each, or as many as last ``--round-ms`` (30 ms) for a faster method (in a new
+order each round, shuffled with a fixed seed, so that drifting load on a shared machine and what the previous
+method left behind hit every method alike); a method's time is its median per-step time over the rounds.
 
 Run it as ``python benchmarks/strategies.py`` (4 to 4.5 minutes on two shared, loaded CPU cores); ``--help`` lists the
 options. Exit status: 0 when it ran (whether or not the goal is met; the last line says), 1 when a method's
@@ -45,6 +45,7 @@ import functools
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -367,20 +368,23 @@ def run_steps(method: Method, state: State, steps: int) -> tuple[State, float]:
 
 
 def time_rounds(methods: list[Method], states: dict[str, State], args: argparse.Namespace) -> dict[str, list[float]]:
-    """Per-step seconds of every method in every round (the order rotating from round to round).
+    """Per-step seconds of every method in every round (in a new order each round, shuffled with a fixed seed).
 
     Each method runs at least ``--steps`` steps a round, and enough to last ``--round-ms`` (sized from one
     untimed pass of ``--steps`` steps): three steps of a 0.4 ms update are a 1.2 ms window, in which one
-    scheduler hiccup of the machine moves the reading by 10%.
+    scheduler hiccup of the machine moves the reading by 10%. Shuffled, not rotated: a rotation keeps every
+    method's predecessor, and what a method leaves behind (XLA:CPU frees a step's memory after it returns) is
+    charged to the next: the default, always run right after the full-batch step, read 10% to 12% slower than
+    ``scan unroll=1``, the same program, in three runs.
     """
+    order = random.Random(0)
     steps = {}
     for method in methods:
         states[method.name], per_step = run_steps(method, states[method.name], args.steps)
         steps[method.name] = max(args.steps, math.ceil(args.round_ms / 1e3 / per_step))
     times: dict[str, list[float]] = {method.name: [] for method in methods}
-    for r in range(args.rounds):
-        shift = r % len(methods)
-        for method in methods[shift:] + methods[:shift]:
+    for _ in range(args.rounds):
+        for method in order.sample(methods, len(methods)):
             states[method.name], per_step = run_steps(method, states[method.name], steps[method.name])
             times[method.name].append(per_step)
     return times
