@@ -198,7 +198,8 @@ def test_interrupted_tune_resumes_without_rerunning(linear: autoaccum.Workload, 
             raise KeyboardInterrupt  # Ctrl-C during the sixth trial
         return inner(update, params, batch)
 
-    kwargs: dict[str, Any] = dict(max_microbatch=4, n_trials=16, storage=storage, study_name="resume", race_rounds=0)
+    # n_trials: the whole grid (sizes 1-4 x 5 variants), searched by the GridSampler
+    kwargs: dict[str, Any] = dict(max_microbatch=4, n_trials=20, storage=storage, study_name="resume", race_rounds=0)
     with pytest.raises(KeyboardInterrupt):
         tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, measure=interrupting, **kwargs)
     assert len(first) == 5
@@ -208,8 +209,8 @@ def test_interrupted_tune_resumes_without_rerunning(linear: autoaccum.Workload, 
         linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, measure=fake_measure(second), **kwargs
     )
     assert not set(first) & set(second)  # nothing measured in the first run is measured again
-    assert len(first) + len(second) == 16  # and the whole grid got measured, the interrupted point included
-    assert sum(r.state == "COMPLETE" for r in result.trials) == 16
+    assert len(first) + len(second) == 20  # and the whole grid got measured, the interrupted point included
+    assert sum(r.state == "COMPLETE" for r in result.trials) == 20
 
     third: list[Any] = []  # a finished study: nothing left to run
     again = tune(
