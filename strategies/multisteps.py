@@ -238,26 +238,17 @@ class MultiSteps(Strategy):
             wrapped = wrapped._replace(acc_grads=mesh.stacked_shapes(wrapped.acc_grads))
         sizes = sorted({n for _, n in calls})
         finals = (False, True) if layout is not None else (False,)
+        even = self._even(calls, layout)
         steps = [
             Program(
                 self._step.lower(
-                    params,
-                    wrapped,
-                    sums,
-                    batch,
-                    0,
-                    state,
-                    size=n,
-                    k=len(calls),
-                    final=f,
-                    layout=layout,
-                    even=self._even(calls, layout),
+                    params, wrapped, sums, batch, 0, state, size=n, k=len(calls), final=f, layout=layout, even=even
                 ),
                 0,
             )
             for n in sizes
             for f in finals
-        ]
+        ]  # fmt: skip
         begin = (
             self._wrap.lower(opt_state, params)
             if layout is not None

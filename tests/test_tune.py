@@ -511,8 +511,8 @@ def test_the_warm_start_climbs_down_the_sizes_while_they_get_faster_then_tries_e
 
 def label_of(update: Update) -> str:
     """The tuner's label of an update's strategy variant (`variants`)."""
-    unroll = update.options.get("unroll", 1)
-    return update.strategy if unroll == 1 else f"{update.strategy}:unroll={unroll}"
+    labels = variants(autoaccum.strategies.available())
+    return next(label for label, variant in labels.items() if variant == (update.strategy, update.options))
 
 
 def ladder_calls(per_example: dict[tuple[int, str], float], race_rounds: int) -> list[tuple[int, str]]:

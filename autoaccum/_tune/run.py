@@ -472,7 +472,7 @@ def tune(
         trials = by_number()
         runners = race(
             [(n, n, trials[n].user_attrs.get("times") or ()) for n in (incumbent, challenger)],
-            lambda number: _retime(by_number()[number], functools.partial(time_config, warmup=RETIME_WARMUP)),
+            retime,
             rounds=race_rounds,
         )
         return runners[0].trial == challenger and runners[0].rounds > 0
@@ -556,6 +556,10 @@ def tune(
             raise TrialFailed(f"failed in the worker: {message if len(message) < 900 else message[:900] + ' ...'}")
         times = tuple(outcome.times or ())
         return Timing(outcome.seconds or 0.0, outcome.compile_seconds or 0.0, len(times), times, outcome.peak_bytes)
+
+    def retime(number: int) -> tuple[float, ...] | None:
+        """Trial ``number``'s configuration timed again, for a race (the ladder's or the finalists')."""
+        return _retime(by_number()[number], functools.partial(time_config, warmup=RETIME_WARMUP))
 
     def objective(trial: optuna.Trial) -> float:
         m = trial.suggest_categorical("microbatch_size", sizes)
@@ -668,7 +672,7 @@ def tune(
         if (race_record is None or race_record["entrants"] != settled_key) and race_rounds > 0 and len(entrants) > 1:
             runners = race(
                 [(t.number, t.number, t.user_attrs.get("times") or ()) for t in entrants[:FINALISTS]],
-                lambda number: _retime(by_number()[number], functools.partial(time_config, warmup=RETIME_WARMUP)),
+                retime,
                 rounds=race_rounds,
             )
             race_record = study.user_attrs.get("race")
