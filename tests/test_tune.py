@@ -13,7 +13,7 @@ import pytest
 
 import autoaccum
 from autoaccum import Plan, Update, tune, workloads
-from autoaccum._tune.race import race
+from autoaccum._tune.race import quartiles, race
 from autoaccum._tune.space import microbatch_candidates, variants
 from autoaccum._tune.timing import Timing, TrialFailed
 
@@ -428,6 +428,24 @@ def test_the_race_ranks_each_round_by_that_rounds_speed() -> None:
     assert loser.out_after == 2 and winner.out_after is None
     assert winner.times == pytest.approx((1.00, 1.01, 1.02, 1.50, 1.515, 1.53))
     assert winner.relative is not None and loser.relative is not None and winner.relative < 1 < loser.relative
+
+
+def test_a_real_difference_inside_overlapping_spreads_is_settled_before_the_budget_runs_out() -> None:
+    """Finalist "b" is 3% slower than "a" in every timing, but each timing spreads +-4%: b's lower quartile stays
+    below a's upper one however many rounds run. The medians' notches narrow as the times pool and part after
+    round 4, so b is out there, with a third of a six-round budget unspent."""
+    base = (0.96, 0.98, 1.00, 1.02, 1.04)
+    calls: list[str] = []
+
+    def time_one(key: str) -> list[float]:
+        calls.append(key)
+        return [t * (1.03 if key == "b" else 1.0) for t in base]
+
+    many = base * 100  # the quartile rule alone never settles: b's lower quartile below a's upper one
+    assert quartiles([1.03 * t for t in many])[0] < quartiles(many)[2]
+    winner, loser = race([("a", 0, [1.0]), ("b", 1, [1.0])], time_one, rounds=6)
+    assert (winner.trial, loser.trial) == (0, 1)
+    assert loser.out_after == 4 and winner.out_after is None and len(calls) == 8
 
 
 def test_a_finalist_out_leaves_its_rounds_to_the_close_call() -> None:
