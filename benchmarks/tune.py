@@ -106,7 +106,7 @@ def part_a(w: autoaccum.Workload, args: argparse.Namespace) -> None:
     )
     print("| run | tuned | grid best | tuned / grid best | control | search s tuned / grid | goal |")
     print("|---|---|---|---:|---:|---|---|")
-    ratios, times, races = [], [], []
+    ratios, times, races, trial_lines = [], [], [], []
     for run in range(1, args.runs + 1):
         start = time.perf_counter()
         result = autoaccum.tune(
@@ -115,6 +115,7 @@ def part_a(w: autoaccum.Workload, args: argparse.Namespace) -> None:
         )  # fmt: skip
         tune_seconds = time.perf_counter() - start
         races.append(f"run {run}: " + race_line(result))
+        trial_lines.append(f"run {run}: " + trials_line(result))
         plan = result.plan
         tuned_label = next(k for k, v in labels.items() if v == (plan.strategy, plan.options))
         tuned: Config = (plan.microbatch_size, tuned_label, plan.remat)
@@ -138,10 +139,27 @@ def part_a(w: autoaccum.Workload, args: argparse.Namespace) -> None:
         )
     print("\neach tune's race (finalist: trial's ex/s, rounds, median step time over its round's median, out after):")
     print("\n".join(races))
+    print("\neach tune's trials, in order (ex/s of its one timing; = #n: the same program as trial n):")
+    print("\n".join(trial_lines))
     print(
         f"\nworst of {args.runs} runs: tuned / grid best {min(ratios):.3f} (goal >= 0.97), search time ratio "
         f"{max(times):.2f} (goal <= 0.33)"
     )
+
+
+def name_of(t: autoaccum.TrialRecord) -> str:
+    """``16 x scan:unroll=2``, and the remat policy where there is one."""
+    name = f"{t.microbatch_size} x {t.strategy}" + "".join(f":{k}={v}" for k, v in t.options.items())
+    return name + (f" remat={t.remat}" if t.remat else "")
+
+
+def trials_line(result: autoaccum.TuneResult) -> str:
+    """The trials of one tune in the order they ran: what the search saw."""
+    parts = []
+    for t in sorted(result.trials, key=lambda t: t.number):
+        what = f"= #{t.same_program_as}" if t.same_program_as is not None else f"{t.throughput or 0:,.0f}"
+        parts.append(f"#{t.number} {name_of(t)} {what if t.state == 'COMPLETE' else t.state}")
+    return "; ".join(parts)
 
 
 def race_line(result: autoaccum.TuneResult) -> str:
@@ -150,8 +168,7 @@ def race_line(result: autoaccum.TuneResult) -> str:
     parts = []
     for r in result.race:
         t = trials[r.trial]
-        name = f"{t.microbatch_size} x {t.strategy}" + "".join(f":{k}={v}" for k, v in t.options.items())
-        name += f" remat={t.remat}" if t.remat else ""
+        name = name_of(t)
         relative = "-" if r.relative is None else f"{r.relative:.3f}"
         out = "" if r.out_after is None else f", out after {r.out_after}"
         parts.append(f"{name} ({t.throughput or 0:,.0f} ex/s, {r.rounds} rounds, {relative}{out})")

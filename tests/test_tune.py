@@ -466,6 +466,38 @@ def test_a_finalist_out_leaves_its_rounds_to_the_close_call() -> None:
     assert sorted(order[:3]) == ["a", "b", "c"]  # interleaved: each once before any twice
 
 
+def test_the_ladders_last_step_races_whatever_its_one_trial_read() -> None:
+    """The ladder ends at 32 x scan and tries scan unroll=2, the best other strategy there, at 16, its runner-up
+    size: one trial reads it slower than five others (2.0 against 1.0 to 1.5), every re-timing fastest of all
+    (0.9). It still enters the race (in place of the fifth) and wins it."""
+    w = workloads.linear(batch_size=64, features=8)
+    per_example = {
+        (64, "scan"): 1.30, (32, "scan"): 1.00, (16, "scan"): 1.05, (32, "scan:unroll=2"): 1.10,
+        (32, "loop"): 1.20, (16, "scan:unroll=2"): 0.90,
+    }  # fmt: skip
+    calls: list[tuple[int, str]] = []
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        config = (update.microbatch_size, label_of(update))
+        calls.append(config)
+        first = config == (16, "scan:unroll=2") and calls.count(config) == 1
+        return Timing(
+            seconds_per_step=64e-3 * (2.0 if first else per_example.get(config, 2.5)), compile_seconds=0.1, steps=5
+        )
+
+    result = tune(
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=64, strategies=["scan", "loop"],
+        n_trials=7, storage=":memory:", measure=measure,
+    )  # fmt: skip
+    ladder = [(64, "scan"), (32, "scan"), (16, "scan")]
+    assert [c for c in dict.fromkeys(calls) if c not in ladder][-1] == (16, "scan:unroll=2")
+    first_trials = {r.number: r.throughput for r in result.trials}
+    step = next(r for r in result.trials if (r.microbatch_size, r.strategy, r.options) == (16, "scan", {"unroll": 2}))
+    assert sum(t > first_trials[step.number] for t in first_trials.values() if t) >= 5  # not in the top five
+    assert [r.trial for r in result.race].count(step.number) == 1
+    assert (result.plan.microbatch_size, result.plan.options) == (16, {"unroll": 2})
+
+
 def test_the_plan_records_the_accumulator_dtype_it_was_tuned_with(linear: autoaccum.Workload) -> None:
     result = tune(
         linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, max_microbatch=4, n_trials=2,
