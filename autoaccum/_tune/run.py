@@ -483,17 +483,10 @@ def tune(
         the example transformer that step was the grid's best (16 x scan unroll=2) in every tune measured, and in
         one tune of five it was no finalist (its pick: 0.943 of it)."""
         top = entrants[:FINALISTS]
-        if "final" not in ladder:
-            return top
-        m, label = ladder["final"]
-        ran = [
-            t
-            for t in study.get_trials(deepcopy=False, states=(_COMPLETE,))
-            if (int(t.params["microbatch_size"]), t.params["strategy"]) == (m, label)
-            and knob_space.setting_of(t.params) == default
-        ]
-        held = {t.user_attrs.get("same_program_as", t.user_attrs.get("duplicate_of", t.number)) for t in ran}
-        step = next((t for t in entrants if t.number in held), None)
+        number = _settled_configs(study).get(ladder.get("final", ""))
+        if number is not None:  # its program's trial (a trial reusing another's timing names it)
+            number = by_number()[number].user_attrs.get("same_program_as", number)
+        step = next((t for t in entrants if t.number == number), None)
         if step is None or any(t.number == step.number for t in top):
             return top
         return [*top[: FINALISTS - 1], step]
@@ -513,8 +506,11 @@ def tune(
                 winner = max(ladder["others"], key=ladder["others"].get)
                 sizes = {c: v for c, v in ladder["sizes"].items() if c != ladder["best"][0] and c < effective_batch}
                 if sizes:
-                    ladder["final"] = (max(sizes, key=sizes.__getitem__), winner)
-                    start(ladder["final"][0], winner, default)
+                    size = max(sizes, key=sizes.__getitem__)
+                    ladder["final"] = config_key(
+                        {"microbatch_size": size, "strategy": winner, **knob_space.params_of(default)}
+                    )
+                    start(size, winner, default)
             return
         if label != ladder["label"] or m != ladder["size"] or value is None:
             return
