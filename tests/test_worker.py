@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -147,3 +148,32 @@ def test_sizes_whose_accumulating_step_is_predicted_over_the_limit_are_never_tim
     with TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
         dropped = w.time(Request({"strategy": "scan"}, boundary, 512, 3, 1))
         assert dropped.status == "oom", dropped
+
+
+def test_the_worker_compiles_what_makes_the_inputs_once_and_each_trial_steps_on_the_same_inputs() -> None:
+    """A worker's trials share the programs that make the parameters, the optimizer state and the batch
+    (`compile_trial`'s ``makers``): compiled for the first trial only (a new batch size gets its own), and a later
+    trial of another strategy and size makes exactly the inputs a trial compiled on its own makes."""
+    from autoaccum._batch import device_copy
+    from autoaccum._trial import compile_trial, step
+
+    params, batch = problem(features=16)
+    setup = prepare(linear_loss, params, batch, optimizer=optax.adam(0.1), memory_limit="256MiB")
+    job, device = setup.job, jax.devices()[0]
+    loop = dataclasses.replace(job, build={**job.build, "strategy": "loop"})
+    makers: dict[Any, Any] = {}
+    first = compile_trial(job, 4, device, rows=8, makers=makers)
+    later = compile_trial(loop, 2, device, rows=8, makers=makers)
+    other_rows = compile_trial(loop, 2, device, rows=6, makers=makers)
+    assert later.make_params is first.make_params and later.init is first.init and later.resize is first.resize
+    assert other_rows.resize is not first.resize and other_rows.make_params is first.make_params
+    assert jax.tree.leaves(other_rows.resize(device_copy(job.batch)))[0].shape[0] == 6
+    alone = compile_trial(loop, 2, device, rows=8)  # its own makers
+    results = []
+    for compiled in (later, alone):
+        p = compiled.make_params()
+        o = compiled.init(p)
+        b = compiled.resize(device_copy(job.batch))
+        results.append(step(compiled.update, p, o, b, job.inputs(1)[2])[:3])
+    for shared, own in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        assert jnp.allclose(shared, own, rtol=0, atol=0), (shared, own)

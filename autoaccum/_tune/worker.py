@@ -260,6 +260,7 @@ def serve(payload_path: str, answers_fd: int, limit: int) -> None:
     warm_up(device)
     answers = os.fdopen(answers_fd, "w", buffering=1)
     cache: dict[str, Any] = {}
+    makers: dict[Any, Any] = {}  # what makes the inputs, the same for every configuration (`compile_trial`)
     rates: dict[str, float] = {}  # examples per second of each cached configuration (`evicted`)
 
     def run(request: Request) -> Outcome:
@@ -271,7 +272,9 @@ def serve(payload_path: str, answers_fd: int, limit: int) -> None:
         if compiled is None:
             loss_fn = resolve(job.loss_fn, settings[request.setting])
             sub = dataclasses.replace(job, loss_fn=loss_fn, build={**job.build, **request.build})
-            compiled = cache[key] = compile_trial(sub, request.microbatch_size, device, rows=request.rows)
+            compiled = cache[key] = compile_trial(
+                sub, request.microbatch_size, device, rows=request.rows, makers=makers
+            )
             rates[key] = 0.0
         answers.write(json.dumps(answer) + "\n")
         outcome = over_limit(
