@@ -296,9 +296,14 @@ def compile_trial(
     return Compiled(job, size, device, update, make_params, init, resize, seconds, max(extra) if extra else None)
 
 
-def run_trial(compiled: Compiled, peak: Callable[[], int | None], *, steps: int = 1, warmup: int = 0) -> Outcome:
+def run_trial(
+    compiled: Compiled, peak: Callable[[], int | None], *, steps: int = 1, warmup: int = 0, time_first: bool = False
+) -> Outcome:
     """Runs the compiled update step ``1 + warmup + steps`` times on a batch made on the device (the trial's
     rows); the last ``steps`` calls are timed one by one (``Outcome.times``; ``seconds`` is their median).
+
+    ``time_first`` (with no ``warmup``): ``steps`` calls, the first one timed too, for a program that ran before
+    in this process (its first call is then a step like the others: a tuning worker's re-timings).
 
     Before each call after the first, the previous one's memory is let go (`settle`). Raises whatever the step
     raises; the callers decide which errors mean "does not fit".
@@ -316,7 +321,9 @@ def run_trial(compiled: Compiled, peak: Callable[[], int | None], *, steps: int 
         start = time.perf_counter()
         params, opt_state, loss, state = jax.block_until_ready(step(update, params, opt_state, batch, state))
         first = time.perf_counter() - start
-        for i in range(warmup + steps):
+        if time_first and not warmup:
+            times.append(first)
+        for i in range(warmup + steps - len(times)):
             settle(before)
             resume = time.perf_counter()
             params, opt_state, loss, state = jax.block_until_ready(step(update, params, opt_state, batch, state))
@@ -466,7 +473,14 @@ def warm_up(device: Any) -> None:
 
 
 def measured(
-    compiled: Compiled, platform: str, limit: int, *, steps: int = 1, warmup: int = 0, resident: bool = False
+    compiled: Compiled,
+    platform: str,
+    limit: int,
+    *,
+    steps: int = 1,
+    warmup: int = 0,
+    resident: bool = False,
+    time_first: bool = False,
 ) -> Outcome:
     """`run_trial` under the limit (per device): the CPU's address-space cap (a GPU's allocator is capped at
     start-up).
@@ -474,9 +488,10 @@ def measured(
     On the CPU, an XLA error that is not an OOM by its code (XLA's CPU kernels, e.g. YNNPACK's dot, report a
     failed allocation as ``INTERNAL: YNNPACK operation failed``) is checked by running the same step again
     without the cap: if it then runs, the cap made it fail, and the trial does not fit; if it fails again, the
-    error stands. ``steps``, ``warmup``: as `run_trial`; ``resident``: as `address_space_cap` (a reused worker).
+    error stands. ``steps``, ``warmup``, ``time_first``: as `run_trial`; ``resident``: as `address_space_cap` (a
+    reused worker).
     """
-    run = functools.partial(run_trial, steps=steps, warmup=warmup)
+    run = functools.partial(run_trial, steps=steps, warmup=warmup, time_first=time_first)
     n = compiled.job.devices
     if platform != "cpu":
         if compiled.job.mesh is None:

@@ -177,3 +177,32 @@ def test_the_worker_compiles_what_makes_the_inputs_once_and_each_trial_steps_on_
         results.append(step(compiled.update, p, o, b, job.inputs(1)[2])[:3])
     for shared, own in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
         assert jnp.allclose(shared, own, rtol=0, atol=0), (shared, own)
+
+
+def test_a_re_timing_of_a_program_the_worker_ran_before_times_its_first_call() -> None:
+    """A configuration timed again with no warm-up (the ladder's and the race's re-timings) runs ``steps`` calls,
+    the first timed as well (its program ran before in the worker); its first timing ran an untimed first call
+    and the warm-up before its ``steps`` timed ones. In the process, `run_trial` calls the step that many times."""
+    from autoaccum._trial import compile_trial, run_trial
+
+    params, batch = problem(features=16)
+    setup = prepare(linear_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB")
+    with TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+        first = w.time(Request({"strategy": "scan"}, 4, 8, 3, 1))
+        again = w.time(Request({"strategy": "scan"}, 4, 8, 3, 0))
+    assert first.status == again.status == "fits" and len(first.times) == len(again.times) == 3
+    assert first.first_seconds not in first.times and again.times[0] == again.first_seconds
+
+    calls = []
+
+    def counted(params: Any, batch: Any) -> jax.Array:
+        jax.debug.callback(lambda: calls.append(1))
+        return linear_loss(params, batch)
+
+    job = dataclasses.replace(setup.job, loss_fn=counted)
+    compiled = compile_trial(job, 8, jax.devices()[0])
+    for time_first, warmup, expected in ((False, 1, 1 + 1 + 3), (True, 0, 3), (True, 1, 1 + 1 + 3)):
+        calls.clear()
+        outcome = run_trial(compiled, lambda: None, steps=3, warmup=warmup, time_first=time_first)
+        jax.effects_barrier()
+        assert len(calls) == expected and len(outcome.times) == 3, (time_first, warmup, len(calls))
