@@ -279,8 +279,8 @@ def compile_trial(
             placed = {"out_shardings": shardings}
         if "params" not in makers:
             makers["params"] = jax.jit(functools.partial(materialize, abstract(job.params)), **placed).lower().compile()
-        if "init" not in makers:  # `Update.init` is the optimizer's, the same for every strategy
-            makers["init"] = jax.jit(update.init)
+        if "init" not in makers:  # (`Update.init` is the optimizer's, the same for every strategy)
+            makers["init"] = jax.jit(job.optimizer.init)
             makers["init"].lower(params_s).compile()  # the jit keeps it: the call in run_trial does not compile again
         if ("batch", rows) not in makers:
             out = {} if job.mesh is None else {"out_shardings": batch_sharding}
