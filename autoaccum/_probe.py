@@ -415,6 +415,7 @@ class TrialRunner:
         self.progress = progress
         self.trials: list[Trial] = []
         self._children: ChildRunner | None = None
+        self._makers: dict[Any, Any] = {}  # trials here share what makes their inputs (`compile_trial`)
 
     def __enter__(self) -> TrialRunner:
         if self.setup.isolate:
@@ -468,7 +469,7 @@ class TrialRunner:
 
         info = self.setup.device
         try:
-            compiled = compile_trial(self.setup.job, size, info.device)
+            compiled = compile_trial(self.setup.job, size, info.device, makers=self._makers)
             return measured(compiled, info.platform, self.setup.memory_limit_bytes)
         except (jax.errors.JaxRuntimeError, MemoryError) as e:
             if not is_oom(e):
