@@ -22,7 +22,7 @@ from autoaccum._knobs import Knobs
 from autoaccum._plan import Plan, params_signature
 from autoaccum._probe import prepare, probe
 from autoaccum._tune.claims import config_key, open_claims, settled
-from autoaccum._tune.race import FINALISTS, ROUNDS, Runner, race
+from autoaccum._tune.race import FINALISTS, MIN_ROUNDS, ROUNDS, Runner, race
 from autoaccum._tune.result import TrialRecord, TuneResult, record
 from autoaccum._tune.space import (
     BUILTIN_REMAT,
@@ -443,16 +443,17 @@ def tune(
     # of its best so far while that keeps getting faster (on a GPU the largest is usually fastest; on a CPU a
     # smaller microbatch that stays in cache often is: 16 x 4 beat 64 x 1 by 1.38x on the demo transformer);
     # then every other strategy at the ladder's best size, and each other setting of the knobs at its largest;
-    # then the best of the other strategies there at the ladder's runner-up size (a step of coordinate search: on
-    # the example transformer scan unroll=2 at 16 beat scan at 32 by 2% to 14% side by side where scan alone
-    # measured 16 and 32 alike; it was never tried while it had to beat scan at 32 in one trial, or come within
-    # 5% of it: one trial of a few steps read it 0.79 of scan there). The sampler (TPE) spends the rest of the
-    # budget (with the default budget, one trial or none, which its random start spends).
+    # then the best of the other strategies there (`best_other`: re-timed side by side) at the ladder's runner-up
+    # size (a step of coordinate search: on the example transformer scan unroll=2 at 16 beat scan at 32 by 2% to
+    # 14% side by side where scan alone measured 16 and 32 alike; it was never tried while it had to beat scan at
+    # 32 in one trial, or come within 5% of it: one trial of a few steps read it 0.79 of scan there). The sampler
+    # (TPE) spends the rest of the budget (with the default budget, one trial or none, which its random start
+    # spends).
     ladder: dict[str, Any] = {}
     if not exhaustive and not trials:
         first = next(iter(labels))
         if fitting[default]:
-            ladder.update(label=first, size=max(fitting[default]), best=None, sizes={}, others={})
+            ladder.update(label=first, size=max(fitting[default]), best=None, sizes={}, others={}, programs={})
             start(max(fitting[default]), first, default)
         for setting in knob_settings[1:]:
             if fitting[setting]:
@@ -476,6 +477,29 @@ def tune(
             rounds=race_rounds,
         )
         return runners[0].trial == challenger and runners[0].rounds > 0
+
+    def best_other(values: dict[str, float], programs: dict[str, int]) -> str:
+        """Of the other strategies timed at the ladder's best size (``values``: their trials' throughputs, 0 for
+        one that failed; ``programs``: the trial that timed each one's program), the one the ladder tries next at
+        its runner-up size: the fastest re-timed side by side (a `race` of `MIN_ROUNDS` rounds; their programs are
+        still compiled in the worker), not by one trial each. On the example transformer scan unroll=2 at 32
+        read 740 and 678 ex/s in its one trial in two tunes of five (925 to 964 in the others), below multisteps
+        (867, 836): multisteps went on to 16, and unroll=2 at 16, the grid's best, was never tried (the picks:
+        0.956 and 0.928 of it). Without re-timing (``race_rounds=0``), the fastest by its trial."""
+        by_program: dict[int, str] = {}  # (scan unroll=2 and 8 over two steps: one program, the first label)
+        for label, value in values.items():
+            if value > 0:
+                by_program.setdefault(programs[label], label)
+        winner = max(values, key=values.__getitem__)
+        if race_rounds == 0 or len(by_program) < 2:
+            return winner
+        trials = by_number()
+        runners = race(
+            [(n, n, trials[n].user_attrs.get("times") or ()) for n in by_program],
+            retime,
+            rounds=min(race_rounds, MIN_ROUNDS),
+        )
+        return by_program[runners[0].trial] if runners[0].rounds > 0 else winner
 
     def finalists(entrants: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
         """The race's entrants: the `FINALISTS` fastest by their trials, with the ladder's last step (the best
@@ -501,9 +525,10 @@ def tune(
         if ladder.get("done"):  # the other strategies at the best size
             if m == ladder["best"][0] and label in ladder["others"]:
                 ladder["others"][label] = value if value is not None else 0.0
+                ladder["programs"][label] = trial.user_attrs.get("same_program_as", trial.number)
             if all(v is not None for v in ladder["others"].values()):
                 ladder["finished"] = True
-                winner = max(ladder["others"], key=ladder["others"].get)
+                winner = best_other(ladder["others"], ladder["programs"])
                 sizes = {c: v for c, v in ladder["sizes"].items() if c != ladder["best"][0] and c < effective_batch}
                 if sizes:
                     size = max(sizes, key=sizes.__getitem__)
