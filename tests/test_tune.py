@@ -569,6 +569,7 @@ def ladder_calls(
     per_example: dict[tuple[int, str], float],
     race_rounds: int,
     first: dict[tuple[int, str], float] | None = None,
+    n_trials: int = 7,
 ) -> list[tuple[int, str]]:
     """The configurations a tune of 64 examples times, in order (re-timings included), with made-up timings:
     ``per_example`` seconds per 64 examples (2.0 where not given), in a configuration's first timing ``first``'s
@@ -587,7 +588,7 @@ def ladder_calls(
 
     tune(
         w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=64, strategies=["scan", "loop"],
-        n_trials=7, storage=":memory:", measure=measure, race_rounds=race_rounds,
+        n_trials=n_trials, storage=":memory:", measure=measure, race_rounds=race_rounds,
     )  # fmt: skip
     return calls
 
@@ -626,7 +627,8 @@ def test_the_other_strategies_at_the_best_size_are_re_timed_side_by_side_before_
     """The ladder's third step goes on with the other strategy that is fastest re-timed side by side, not in its
     one trial: scan unroll=2 at 32 reads 1.35 in its trial (a slow spell) against loop's 1.3, and 1.1 in every
     timing after; re-timed beside loop (two rounds, the order rotated) it wins and is tried at 16, where it is
-    fastest of all. Without re-timing (``race_rounds=0``) loop goes on, on the one trial's word."""
+    fastest of all. Without re-timing (``race_rounds=0``) loop goes on, on the one trial's word; with no trial
+    left in the budget for that step, nothing is re-timed for it (the finalists' race follows at once)."""
     per_example = {
         (64, "scan"): 1.3, (32, "scan"): 1.0, (16, "scan"): 1.02, (32, "scan:unroll=2"): 1.1,
         (16, "scan:unroll=2"): 0.88, (32, "loop"): 1.3,
@@ -642,6 +644,9 @@ def test_the_other_strategies_at_the_best_size_are_re_timed_side_by_side_before_
     assert calls[loop + 1 : loop + 6] == [*duel, (16, "scan:unroll=2")]
     configs = list(dict.fromkeys(ladder_calls(per_example, 0, first)))
     assert configs[:6] == [(64, "scan"), (32, "scan"), (16, "scan"), (32, "scan:unroll=2"), (32, "loop"), (16, "loop")]
+    calls = ladder_calls(per_example, 4, first, n_trials=6)  # (scan unroll=8 at 32 counts: unroll=2's program)
+    loop = calls.index((32, "loop"))
+    assert calls[loop + 1] == (32, "scan") and (16, "scan:unroll=2") not in calls  # the race's fastest first
 
 
 @pytest.mark.parametrize("unroll_at_32", [0.97, 1.25])

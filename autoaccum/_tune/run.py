@@ -485,13 +485,14 @@ def tune(
         still compiled in the worker), not by one trial each. On the example transformer scan unroll=2 at 32
         read 740 and 678 ex/s in its one trial in two tunes of five (925 to 964 in the others), below multisteps
         (867, 836): multisteps went on to 16, and unroll=2 at 16, the grid's best, was never tried (the picks:
-        0.956 and 0.928 of it). Without re-timing (``race_rounds=0``), the fastest by its trial."""
+        0.956 and 0.928 of it). Without re-timing (``race_rounds=0``), or with no trial left in the study's budget
+        to take that step, the fastest by its trial."""
         by_program: dict[int, str] = {}  # (scan unroll=2 and 8 over two steps: one program, the first label)
         for label, value in values.items():
             if value > 0:
                 by_program.setdefault(programs[label], label)
         winner = max(values, key=values.__getitem__)
-        if race_rounds == 0 or len(by_program) < 2:
+        if race_rounds == 0 or len(by_program) < 2 or len(_settled_configs(study)) >= budget:
             return winner
         trials = by_number()
         runners = race(
