@@ -649,6 +649,28 @@ def test_the_other_strategies_at_the_best_size_are_re_timed_side_by_side_before_
     assert calls[loop + 1] == (32, "scan") and (16, "scan:unroll=2") not in calls  # the race's fastest first
 
 
+def test_with_no_runner_up_size_the_other_strategies_are_not_re_timed_for_a_step_that_never_comes() -> None:
+    """One size fits (``max_microbatch=1``): the ladder has no runner-up size for the best other strategy to go
+    on to, so the other strategies' trials are not re-timed for it, though the budget (6 of 8 configurations: a
+    remat policy doubles the space) has trials left: each configuration is timed once until the finalists' race."""
+    w = workloads.linear(batch_size=8, features=4)
+    calls: list[tuple[str, str | None]] = []
+    speed = {"scan": 1.0, "scan:unroll=2": 1.1, "scan:unroll=8": 1.2, "loop": 1.3}
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        calls.append((label_of(update), update.remat))
+        seconds = 1e-3 * speed[label_of(update)] * (1.5 if update.remat else 1.0)
+        return Timing(seconds, 0.1, 5, (seconds,) * 5)
+
+    result = tune(
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=1, strategies=["scan", "loop"],
+        remat=(None, "nothing_saveable"), n_trials=6, storage=":memory:", measure=measure,
+    )  # fmt: skip
+    assert len(set(calls[:6])) == 6, calls
+    assert {("scan:unroll=2", None), ("scan:unroll=8", None), ("loop", None)} <= set(calls[:6])
+    assert result.race and (result.plan.strategy, result.plan.remat) == ("scan", None)
+
+
 @pytest.mark.parametrize("unroll_at_32", [0.97, 1.25])
 def test_the_best_other_strategy_at_the_best_size_is_tried_at_the_runner_up_size(unroll_at_32: float) -> None:
     """The ladder's third step: scan measures 32 best (16 a little slower); scan unroll=2, the best of the other

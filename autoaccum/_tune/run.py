@@ -529,9 +529,9 @@ def tune(
                 ladder["programs"][label] = trial.user_attrs.get("same_program_as", trial.number)
             if all(v is not None for v in ladder["others"].values()):
                 ladder["finished"] = True
-                winner = best_other(ladder["others"], ladder["programs"])
                 sizes = {c: v for c, v in ladder["sizes"].items() if c != ladder["best"][0] and c < effective_batch}
                 if sizes:
+                    winner = best_other(ladder["others"], ladder["programs"])
                     size = max(sizes, key=sizes.__getitem__)
                     ladder["final"] = config_key(
                         {"microbatch_size": size, "strategy": winner, **knob_space.params_of(default)}
