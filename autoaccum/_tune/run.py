@@ -470,12 +470,7 @@ def tune(
         rounds) then put 16 ahead. False without re-timing (``race_rounds=0``)."""
         if race_rounds == 0:
             return False
-        trials = by_number()
-        runners = race(
-            [(n, n, trials[n].user_attrs.get("times") or ()) for n in (incumbent, challenger)],
-            retime,
-            rounds=race_rounds,
-        )
+        runners = race_trials((incumbent, challenger))
         return runners[0].trial == challenger and runners[0].rounds > 0
 
     def best_other(values: dict[str, float], programs: dict[str, int]) -> str:
@@ -494,12 +489,7 @@ def tune(
         winner = max(values, key=values.__getitem__)
         if race_rounds == 0 or len(by_program) < 2 or len(_settled_configs(study)) >= budget:
             return winner
-        trials = by_number()
-        runners = race(
-            [(n, n, trials[n].user_attrs.get("times") or ()) for n in by_program],
-            retime,
-            rounds=min(race_rounds, MIN_ROUNDS),
-        )
+        runners = race_trials(list(by_program), rounds=min(race_rounds, MIN_ROUNDS))
         return by_program[runners[0].trial] if runners[0].rounds > 0 else winner
 
     def finalists(entrants: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
@@ -604,6 +594,12 @@ def tune(
     def retime(number: int) -> tuple[float, ...] | None:
         """Trial ``number``'s configuration timed again, for a race (the ladder's or the finalists')."""
         return _retime(by_number()[number], functools.partial(time_config, warmup=RETIME_WARMUP))
+
+    def race_trials(numbers: Sequence[int], rounds: int = race_rounds) -> list[Runner]:
+        """The study's trials ``numbers`` re-timed side by side (`race`: the ladder's, its other strategies', the
+        finalists')."""
+        trials = by_number()
+        return race([(n, n, trials[n].user_attrs.get("times") or ()) for n in numbers], retime, rounds=rounds)
 
     def objective(trial: optuna.Trial) -> float:
         m = trial.suggest_categorical("microbatch_size", sizes)
@@ -714,11 +710,7 @@ def tune(
         settled_key = [t.number for t in entrants]
         race_record = study.user_attrs.get("race")
         if (race_record is None or race_record["entrants"] != settled_key) and race_rounds > 0 and len(entrants) > 1:
-            runners = race(
-                [(t.number, t.number, t.user_attrs.get("times") or ()) for t in finalists(entrants)],
-                retime,
-                rounds=race_rounds,
-            )
+            runners = race_trials([t.number for t in finalists(entrants)])
             race_record = study.user_attrs.get("race")
             if race_record is None or race_record["entrants"] != settled_key:
                 race_record = {"entrants": settled_key, "runners": [r.to_dict() for r in runners]}
