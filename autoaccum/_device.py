@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,13 @@ GPU_CONTEXT_BYTES = 512 * 2**20
 handles): kept free when the default limit is taken from the memory free on the card."""
 
 _GPU_PLATFORMS = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu", "tpu": "tpu"}
+
+
+class MemoryLimitWarning(UserWarning):
+    """A ``memory_limit`` given above what the device has (`resolve_memory_limit` uses the smaller figure).
+
+    Filter it like any warning: ``warnings.filterwarnings("ignore", category=MemoryLimitWarning)``.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +326,9 @@ def resolve_memory_limit(
     """THE memory-limit policy: the bytes a step may use on ``info``'s device, and where that figure came from.
 
     ``memory_limit`` given: it is checked and used as is (on a GPU it must fit in the memory free now, since
-    a trial's process allocates it). With none:
+    a trial's process allocates it), unless it is above the device's memory (the RAM on the CPU, the card's
+    memory on a GPU): then a `MemoryLimitWarning` says so and the smaller figure is used (the RAM; on a GPU
+    what is free on the card now, less `GPU_CONTEXT_BYTES` for the trial's CUDA context). With none:
 
     * CPU: `CPU_MEMORY_FRACTION` of the RAM available now (never more, so a probe never drives the machine
       into swap or the OOM killer);
@@ -329,8 +339,11 @@ def resolve_memory_limit(
     * GPU or TPU, ``isolate=False``: this process's own allocator limit (``bytes_limit``).
 
     Raises:
-      ValueError, TypeError: the limit does not parse, exceeds the card or its free memory, needs isolation,
-        or cannot be determined (the message says what to pass).
+      ValueError, TypeError: the limit does not parse, exceeds the memory free on the card (but not the card's
+        memory), needs isolation, or cannot be determined (the message says what to pass).
+
+    Warns:
+      MemoryLimitWarning: ``memory_limit`` is above the device's memory (the smaller is used).
 
     Example:
       >>> info = DeviceInfo("cpu", "cpu", 8 * 2**30, 6 * 2**30, None)
@@ -339,6 +352,9 @@ def resolve_memory_limit(
     """
     limit = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
     if info.platform == "cpu":
+        if limit is not None and info.total_bytes is not None and limit > info.total_bytes:
+            where = info.sources.get("total_bytes", "?")
+            return _above_device(limit, info.total_bytes, f"this machine's RAM ({where})")
         if limit is not None:
             return limit, "memory_limit"
         if info.free_bytes is None:
@@ -364,10 +380,17 @@ def resolve_memory_limit(
         raise ValueError(f"`memory_limit` cannot be resolved: {info.name}'s total memory is unknown (no NVML).")
     if limit is not None:
         if limit > info.total_bytes:
-            raise ValueError(
-                f"`memory_limit`={format_bytes(limit)} is above the card's {format_bytes(info.total_bytes)}; "
-                "give a smaller limit."
-            )
+            if info.free_bytes is None:
+                return _above_device(limit, info.total_bytes, f"{info.name}'s memory")
+            usable = info.free_bytes - GPU_CONTEXT_BYTES
+            if usable > 0:
+                return _above_device(
+                    limit,
+                    usable,
+                    f"the {format_bytes(info.free_bytes)} free on {info.name} (of its "
+                    f"{format_bytes(info.total_bytes)}) less {format_bytes(GPU_CONTEXT_BYTES)} for a trial's CUDA "
+                    "context",
+                )
         if info.free_bytes is not None and limit > info.free_bytes - GPU_CONTEXT_BYTES:
             raise ValueError(
                 f"`memory_limit`={format_bytes(limit)} is above the {format_bytes(info.free_bytes)} free on "
@@ -396,3 +419,14 @@ def resolve_memory_limit(
         "holds the rest (JAX preallocates 75% of the card: set XLA_PYTHON_CLIENT_PREALLOCATE=false before JAX "
         "starts to probe up to the full share)"
     )
+
+
+def _above_device(limit: int, device_bytes: int, what: str) -> tuple[int, str]:
+    """``(device_bytes, source)`` for a ``memory_limit`` above the device's memory, after a `MemoryLimitWarning`."""
+    warnings.warn(
+        f"`memory_limit`={format_bytes(limit)} is above {what}, {format_bytes(device_bytes)}: using "
+        f"{format_bytes(device_bytes)} (pass a smaller memory_limit to silence this warning).",
+        MemoryLimitWarning,
+        stacklevel=3,
+    )
+    return device_bytes, f"{what}: memory_limit={format_bytes(limit)} is above it"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,44 @@ def test_workload_from_a_file(tmp_path: Path) -> None:
     result = invoke("probe", f"{path}:make", "--memory-limit", "64MiB", "--max-microbatch", "16", "--json")
     assert result.exit_code == 0  # the child unpickles `loss` by value: its module is not importable there
     assert json.loads(result.output)["max_microbatch"] == 16
+
+
+def test_a_limit_above_the_ram_is_one_warning_line_and_the_ram_is_used() -> None:
+    result = invoke("probe", WORKLOAD, "--memory-limit", "10TiB", "--max-microbatch", "8", "--no-isolate")
+    assert result.exit_code == 0
+    (line,) = [line for line in result.output.splitlines() if "warning" in line.lower()]
+    assert line.startswith("warning: `memory_limit`=10.00 TiB is above this machine's RAM"), line
+    assert "fits under 10.00 TiB" not in result.output and "fits under" in result.output
+
+
+HANGING = """\
+import time
+import jax, jax.numpy as jnp, optax, autoaccum
+
+
+def make():
+    def hang(x):
+        time.sleep(3600)
+        return x
+
+    def loss(w, b):  # the step waits on the host forever
+        stuck = jax.pure_callback(hang, jax.ShapeDtypeStruct((), jnp.float32), jax.lax.stop_gradient(w.sum()))
+        return jnp.mean((b["x"] @ w) ** 2) + 0.0 * stuck
+
+    return autoaccum.Workload(loss, jnp.ones(4), {"x": jnp.ones((2, 4))}, optax.sgd(0.1), name="hanging")
+"""
+
+
+def test_trial_timeout_ends_a_hanging_trial_and_the_running_trial_shows_its_time(tmp_path: Path) -> None:
+    path = tmp_path / "hanging.py"
+    path.write_text(HANGING)
+    start = time.monotonic()
+    result = CliRunner(env={"TTY_COMPATIBLE": "1", "COLUMNS": "100"}).invoke(
+        main, ["probe", f"{path}:make", "--memory-limit", "256MiB", "--max-microbatch", "4", "--trial-timeout", "4"]
+    )
+    print(result.output)
+    assert result.exit_code == 1
+    assert time.monotonic() - start < 120  # not the 600 s default
+    assert "ran over 4 s" in result.output  # the time-out is named
+    assert "running" in result.output and "0:00:0" in result.output  # the live line: the trial's elapsed time
+    assert "--trial-timeout" in invoke("probe", "--help").output

@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 import autoaccum
-from autoaccum._device import GPU_CONTEXT_BYTES, detect_device, nvml_memory, resolve_memory_limit, visible_entry
+from autoaccum._device import (
+    GPU_CONTEXT_BYTES,
+    MemoryLimitWarning,
+    detect_device,
+    nvml_memory,
+    resolve_memory_limit,
+    visible_entry,
+)
 from autoaccum._isolation import child_env
 
 GiB = 2**30
@@ -174,3 +181,34 @@ def test_every_cli_command_starts_jax_without_preallocation(monkeypatch: pytest.
 def test_cpu_child_gets_predictable_malloc() -> None:
     env: dict[str, Any] = child_env(autoaccum.detect_device(), GiB, {"PATH": "/bin"})
     assert env["JAX_PLATFORMS"] == "cpu" and env["MALLOC_ARENA_MAX"] == "1" and env["PATH"] == "/bin"
+
+
+def test_a_cpu_limit_above_the_ram_warns_and_uses_the_ram() -> None:
+    info = autoaccum.DeviceInfo("cpu", "cpu", 8 * GiB, 6 * GiB, None, sources={"total_bytes": "/proc/meminfo"})
+    with pytest.warns(MemoryLimitWarning, match=r"`memory_limit`=10\.00 TiB is above this machine's RAM .*8\.00 GiB"):
+        limit, source = resolve_memory_limit(info, "10TiB")
+    assert limit == 8 * GiB and "RAM" in source and "10.00 TiB" in source
+    assert resolve_memory_limit(info, 7 * GiB) == (7 * GiB, "memory_limit")  # below the RAM: taken as given
+
+
+def test_a_gpu_limit_above_the_card_warns_and_uses_what_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml())
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    info = detect_device(FakeGpu(1))  # 80 GiB, 1 GiB in use
+    with pytest.warns(MemoryLimitWarning, match=r"is above the 79\.00 GiB free on NVIDIA H100 80GB HBM3"):
+        limit, _ = resolve_memory_limit(info, "1TiB")
+    assert limit == 79 * GiB - GPU_CONTEXT_BYTES
+
+
+def test_the_library_probe_gets_the_policy_too() -> None:
+    import jax.numpy as jnp
+    import optax
+
+    batch = {"x": jnp.ones((4, 8)), "y": jnp.zeros(4)}
+    with pytest.warns(MemoryLimitWarning, match="above this machine's RAM"):
+        result = autoaccum.probe(
+            lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2), jnp.zeros(8), batch, optimizer=optax.sgd(0.1),
+            memory_limit="10TiB", max_microbatch=8, isolate=False,
+        )  # fmt: skip
+    assert result.memory_limit_bytes == autoaccum.detect_device().total_bytes
+    assert "10.00 TiB" not in result.message

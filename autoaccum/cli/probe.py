@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import click
+from rich.text import Text
 
 from autoaccum import strategies as strategies_lib
+from autoaccum._probe import DEFAULT_TRIAL_TIMEOUT
+from autoaccum._units import format_bytes
 from autoaccum.cli._common import resolve_workload, workload_arguments
+from autoaccum.cli._console import make_console, warnings_as_lines
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from autoaccum._probe import Trial
 
 
 @click.command()
@@ -25,8 +35,15 @@ from autoaccum.cli._common import resolve_workload, workload_arguments
 @click.option("--max-microbatch", type=int, default=16384, show_default=True, help="Largest microbatch to try.")
 @click.option("--granularity", type=int, default=1, show_default=True, help="Try only multiples of this (e.g. 8).")
 @click.option(
+    "--trial-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_TRIAL_TIMEOUT,
+    show_default=True,
+    help="Seconds a trial (compiling and running its step in a child process), or the compile-only estimate, "
+    "may take before it is killed and reported as hung (exit 1).",
+)  # fmt: skip
+@click.option(
     "--no-isolate", is_flag=True,
-    help="Run trials in this process (faster; a crashing trial kills it, and memory can carry over).",
+    help="Run trials in this process (faster; a crashing trial kills it, and memory can carry over; no "
+    "--trial-timeout).",
 )  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON (the ProbeResult).")
 def probe(
@@ -36,6 +53,7 @@ def probe(
     memory_limit: str | None,
     max_microbatch: int,
     granularity: int,
+    trial_timeout: float,
     no_isolate: bool,
     as_json: bool,
 ) -> None:
@@ -52,11 +70,9 @@ def probe(
     """
     # The children need the GPU memory: keep this process from preallocating 75% of it when JAX starts.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from rich.console import Console
-
-    from autoaccum._probe import ProbeError, Trial, prepare
+    from autoaccum._probe import ProbeError, prepare
     from autoaccum._probe import probe as run_probe
-    from autoaccum._units import format_bytes, parse_bytes
+    from autoaccum._units import parse_bytes
 
     if max_microbatch < 1:
         raise click.BadParameter(f"must be >= 1, got {max_microbatch}.", param_hint="--max-microbatch")
@@ -68,45 +84,73 @@ def probe(
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--memory-limit") from e
     w = resolve_workload(workload, demo)
-    console = Console(stderr=as_json, quiet=as_json)
+    console = make_console(stderr=as_json, quiet=as_json)
     if memory_limit is None and w.memory_limit is not None:
         memory_limit = str(w.memory_limit)
         console.print(f"memory limit {memory_limit}: the workload's own (--memory-limit overrides it)")
-
-    def show(t: Trial) -> None:
-        if t.fits:
-            used = "" if t.peak_bytes is None else f", peak {format_bytes(t.peak_bytes)}"
-            console.print(f"  microbatch {t.microbatch_size:>7}: [green]fits[/] (step {t.seconds:.4f} s{used})")
-        elif t.error is None:
-            console.print(f"  microbatch {t.microbatch_size:>7}: [red]out of memory[/]")
-        else:
-            console.print(f"  microbatch {t.microbatch_size:>7}: [bold red]error[/]")
 
     console.print(f"probing [bold]{w.name}[/] ({strategy}) ...")
     kwargs = dict(
         optimizer=w.optimizer, strategy=strategy, memory_limit=memory_limit, max_microbatch=max_microbatch,
         granularity=granularity, has_aux=w.has_aux, state=w.state, loss_reduction=w.loss_reduction,
-        isolate=not no_isolate,
+        isolate=not no_isolate, trial_timeout=None if no_isolate else trial_timeout,
     )  # fmt: skip
-    try:
-        prepare(w.loss_fn, w.params, w.batch, **kwargs)  # bad input is exit 2; errors in trials are exit 1
-    except (ValueError, TypeError) as e:
-        raise click.UsageError(str(e)) from e
-    try:
-        result = run_probe(w.loss_fn, w.params, w.batch, progress=show, **kwargs)
-    except ProbeError as e:
-        if as_json:
-            trials = [t.to_dict() for t in e.trials]
-            click.echo(json.dumps({"error": str(e), "trials": trials}, indent=2))
-        else:
-            console.print(f"[bold red]error:[/] {e}")
-        raise SystemExit(1) from e
+    with warnings_as_lines(make_console(stderr=True) if as_json else console):
+        try:
+            prepare(w.loss_fn, w.params, w.batch, **kwargs)  # bad input is exit 2; errors in trials are exit 1
+        except (ValueError, TypeError) as e:
+            raise click.UsageError(str(e)) from e
+        try:
+            with _LiveTrials(console, None if no_isolate else trial_timeout) as live:
+                result = run_probe(w.loss_fn, w.params, w.batch, progress=live.finished, **kwargs)
+        except ProbeError as e:
+            if as_json:
+                trials = [t.to_dict() for t in e.trials]
+                click.echo(json.dumps({"error": str(e), "trials": trials}, indent=2))
+            else:
+                console.print(Text.assemble(("error: ", "bold red"), str(e)))
+            raise SystemExit(1) from e
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
         _report(console, result)
     if result.max_microbatch == 0:
         raise SystemExit(1)
+
+
+class _LiveTrials:
+    """The probe's progress: a line per finished trial, and on a terminal a live line with the running trial's
+    elapsed time (and when it will be killed), so that a slow or hanging step shows itself."""
+
+    def __init__(self, console: Console, timeout: float | None) -> None:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.console, self.timeout, self.done = console, timeout, 0
+        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+        self.progress = Progress(*columns, console=console, transient=True)
+        self.task = self.progress.add_task(self._running("the compile-only estimate"), total=None)
+
+    def __enter__(self) -> _LiveTrials:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(None, None, None)
+
+    def _running(self, what: str) -> str:
+        killed = "" if self.timeout is None else f" (killed after {self.timeout:g} s: --trial-timeout)"
+        return f"{what} running{killed}"
+
+    def finished(self, t: Trial) -> None:
+        """Prints trial ``t``'s line; the live line moves on to the next trial."""
+        self.done += 1
+        details = [] if t.seconds is None else [f"step {t.seconds:.4f} s"]
+        details += [] if t.peak_bytes is None or not t.fits else [f"peak {format_bytes(t.peak_bytes)}"]
+        details += [] if t.wall_seconds is None else [f"trial {t.wall_seconds:.1f} s"]
+        outcome = "[green]fits[/]" if t.fits else "[red]out of memory[/]" if t.error is None else "[bold red]error[/]"
+        more = f" ({', '.join(details)})" if details else ""
+        self.console.print(f"  microbatch {t.microbatch_size:>7}: {outcome}{more}")
+        self.progress.reset(self.task, description=self._running(f"trial {self.done + 1}"))
 
 
 def _report(console: object, result: object) -> None:
