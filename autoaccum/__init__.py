@@ -16,7 +16,7 @@ from autoaccum import (
     strategies,
 )
 from autoaccum._capacity import Capacity, Target
-from autoaccum._device import DeviceInfo, detect_device
+from autoaccum._device import DeviceInfo, MemoryLimitWarning, detect_device
 from autoaccum._estimate import Estimate, estimate
 from autoaccum._gpu_compile import quiet_plugin_start
 from autoaccum._knobs import Knobs
@@ -36,6 +36,7 @@ __all__ = [
     "DeviceInfo",
     "Estimate",
     "Knobs",
+    "MemoryLimitWarning",
     "Plan",
     "ProbeError",
     "ProbeResult",

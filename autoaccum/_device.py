@@ -47,7 +47,7 @@ _GPU_PLATFORMS = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "cpu": "cpu", "tpu
 class MemoryLimitWarning(UserWarning):
     """A ``memory_limit`` given above what the device has (`resolve_memory_limit` uses the smaller figure).
 
-    Filter it like any warning: ``warnings.filterwarnings("ignore", category=MemoryLimitWarning)``.
+    Filter it like any warning: ``warnings.filterwarnings("ignore", category=autoaccum.MemoryLimitWarning)``.
     """
 
 
