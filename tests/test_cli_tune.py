@@ -89,3 +89,12 @@ def test_workload_returning_the_wrong_thing(tmp_path: Path) -> None:
     script.write_text("def workload():\n    return 42\n")
     result = run("tune", f"{script}:workload", "--max-microbatch", "4")
     assert result.exit_code == 2 and "returned int, not an autoaccum.Workload" in result.stderr, explain(result)
+
+
+def test_an_unusable_cache_folder_is_bad_input_naming_the_variable(tmp_path: Path) -> None:
+    result = CliRunner(env={"AUTOACCUM_CACHE": "/proc/nope"}).invoke(
+        main, ["tune", LINEAR, "--max-microbatch", "4", "--n-trials", "1"], catch_exceptions=False
+    )
+    assert result.exit_code == 2, explain(result)
+    assert "`AUTOACCUM_CACHE`='/proc/nope' cannot hold the study database" in result.stderr, explain(result)
+    assert "--storage :memory:" in result.stderr and "Traceback" not in result.output, explain(result)

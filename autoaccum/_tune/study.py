@@ -22,23 +22,51 @@ GRACE_PERIOD = 90
 """Seconds without a heartbeat after which a running trial's worker is taken for dead and the trial re-queued."""
 
 
+CACHE_FIX = (
+    "set AUTOACCUM_CACHE to a folder you can write to, or pass storage=':memory:' (on the command line "
+    "--storage :memory:) to keep no study"
+)
+
+
+def cache_folder() -> tuple[Path, str]:
+    """The default storage's folder and what chose it: ``$AUTOACCUM_CACHE``, else ``$XDG_CACHE_HOME/autoaccum``,
+    else ``~/.cache/autoaccum``."""
+    if os.environ.get("AUTOACCUM_CACHE"):
+        return Path(os.environ["AUTOACCUM_CACHE"]), "`AUTOACCUM_CACHE`"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "autoaccum", "the default cache ($XDG_CACHE_HOME/autoaccum)"
+    return Path.home() / ".cache" / "autoaccum", "the default cache (~/.cache/autoaccum)"
+
+
 def default_storage() -> str:
-    """The default Optuna storage: a SQLite file, ``$AUTOACCUM_CACHE`` or ``~/.cache/autoaccum``, ``studies.db``."""
-    root = (
-        os.environ.get("AUTOACCUM_CACHE")
-        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "autoaccum"
-    )
-    Path(root).mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{Path(root) / 'studies.db'}"
+    """The default Optuna storage: a SQLite file ``studies.db`` in `cache_folder` (made if missing).
+
+    Raises:
+      ValueError: the folder cannot be made (e.g. ``AUTOACCUM_CACHE=/proc/nope``); the message names the variable
+        and the fix. No silent fallback: a study kept nowhere could not be resumed.
+    """
+    root, what = cache_folder()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"{what}={str(root)!r} cannot hold the study database ({type(e).__name__}: {e.strerror or e}); {CACHE_FIX}."
+        ) from e
+    return f"sqlite:///{root / 'studies.db'}"
 
 
-def raise_unopenable(url: str) -> NoReturn:
-    """Re-raises the error being handled as a ``ValueError`` that names ``storage`` and the fix."""
+def raise_unopenable(url: str, *, default: bool = False) -> NoReturn:
+    """Re-raises the error being handled as a ``ValueError`` that names ``storage`` (or, for the ``default``
+    storage, the cache folder) and the fix."""
     e = sys.exc_info()[1]
+    reason = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    if default:
+        root, what = cache_folder()
+        raise ValueError(f"{what}={str(root)!r} cannot hold the study database ({reason}); {CACHE_FIX}.") from e
     missing = isinstance(e, ImportError)  # the database's driver: name the extra that installs PostgreSQL's
     driver = ' (no driver for it; PostgreSQL: pip install "autoaccum[postgres]")' if missing else ""
     raise ValueError(
-        f"`storage`={url!r} cannot be opened ({type(e).__name__}: {str(e).splitlines()[0]}){driver}; pass an RDB "
+        f"`storage`={url!r} cannot be opened ({reason}){driver}; pass an RDB "
         "URL such as 'sqlite:///studies.db' or 'postgresql+psycopg://user@host/db', or ':memory:'."
     ) from e
 
@@ -80,11 +108,21 @@ def open_storage(
             break
         except races:
             if attempt + 1 == STORAGE_ATTEMPTS:
-                raise_unopenable(url)
+                raise_unopenable(url, default=storage is None)
             time.sleep(0.2 * (attempt + 1))
         except (sqlalchemy.exc.SQLAlchemyError, ValueError, ImportError, OSError):
-            raise_unopenable(url)
+            raise_unopenable(url, default=storage is None)
     return opened, url
+
+
+def fail_stale_trials(study: optuna.Study) -> None:
+    """Optuna's ``fail_stale_trials``: the running trials whose worker's heartbeat stopped are failed (and queued
+    again by the storage's ``RetryHeartbeatStaleTrialCallback``). Without Optuna's ``ExperimentalWarning``: the
+    tuner relies on the feature knowingly, and the warning, meant for developers, would reach the user's terminal
+    with a line of source each time a resumed study waits on a dead worker's trial."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
 
 
 def fingerprint(program_text: str, context: dict[str, Any]) -> str:

@@ -35,7 +35,8 @@ params, opt_state, loss = update(params, opt_state, batch)   # batch: {batch} ex
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Stop starting trials after SECONDS.")
 @click.option(
     "--storage",
-    help="Optuna storage: an RDB URL, or :memory: [default: sqlite file in ~/.cache/autoaccum/studies.db].",
+    help="Optuna storage: an RDB URL, or :memory: [default: the SQLite file studies.db in $AUTOACCUM_CACHE, else "
+    "in ~/.cache/autoaccum; a folder that cannot be made or written is an error, exit 2].",
 )
 @click.option(
     "--study-name", help="Optuna study name [default: a fingerprint of the update program, so re-runs resume]."
