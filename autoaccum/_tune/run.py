@@ -35,7 +35,7 @@ from autoaccum._tune.space import (
     program_key,
     variants,
 )
-from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
+from autoaccum._tune.study import fail_stale_trials, fingerprint, open_storage, quiet_optuna
 from autoaccum._tune.timing import Timing, TrialFailed, time_update
 from autoaccum._tune.worker import Request, TimingWorker
 from autoaccum._units import format_bytes, parse_bytes
@@ -692,7 +692,7 @@ def tune(
                 holders = {number for _, number in claims.rows().values()}
                 if _heartbeats(opened) and any(t.state == _RUNNING and t.number in holders for t in trials):
                     time.sleep(POLL_SECONDS if left is None else min(POLL_SECONDS, left))
-                    optuna.storages.fail_stale_trials(study)
+                    fail_stale_trials(study)
                     continue
                 if count == after_round:  # the sampler has nothing new to offer, and no other worker is running
                     break
