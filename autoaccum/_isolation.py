@@ -19,6 +19,7 @@ a time-out) is an error, reported with its message.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib.machinery
 import json
@@ -29,6 +30,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -236,6 +239,72 @@ def _by_value(modules: list[ModuleType]) -> Iterator[None]:
             cloudpickle.unregister_pickle_by_value(m)
 
 
+_BOOT = """\
+import importlib.util, os, sys
+if sys.path and sys.path[0] == "":
+    del sys.path[0]
+origin, folders = sys.argv.pop(1), sys.argv.pop(1).split(os.pathsep)
+spec = importlib.util.spec_from_file_location("autoaccum", origin, submodule_search_locations=folders)
+sys.modules["autoaccum"] = package = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(package)
+from autoaccum._child import main
+main()
+"""
+"""A child's first lines (``python -c``): the parent's own `autoaccum` package, from where the parent has it
+(``python -m`` would put the working folder first on ``sys.path``, and a checkout of the repository there would
+shadow an installed autoaccum), and not the working folder on ``sys.path`` (``-c`` puts it first)."""
+
+
+def child_command(kind: str, payload_path: Path, args: Sequence[str], result: Path) -> list[str]:
+    """The command that starts a child of ``kind`` (`autoaccum._child.main`): this interpreter, running the
+    `autoaccum` package this process runs, from any working folder (`_BOOT`), told this process's id (it ends when
+    this process does, `die_with_parent`).
+
+    Example:
+      >>> command = child_command("trial", Path("job.pkl"), ["8", "1024"], Path("out.json"))
+      >>> command[1], command[-5:]
+      ('-c', ['trial', 'job.pkl', '8', '1024', 'out.json'])
+    """
+    import autoaccum
+
+    spec = autoaccum.__spec__
+    assert spec is not None and spec.origin is not None, "autoaccum is a package loaded from its files"
+    folders = os.pathsep.join(spec.submodule_search_locations or ())
+    thread = "main" if threading.current_thread() is threading.main_thread() else "other"
+    return [
+        sys.executable, "-c", _BOOT, spec.origin, folders, str(os.getpid()), thread, kind, str(payload_path), *args,
+        str(result),
+    ]  # fmt: skip
+
+
+def die_with_parent(parent: int, *, at_once: bool) -> None:
+    """Ends this process (a child) when its ``parent`` ends, so that no child outlives the run that started it (a
+    parent killed by SIGKILL cannot end them itself): at once on Linux when the parent started it from its main
+    thread (``PR_SET_PDEATHSIG``; the kernel sends it when the starting *thread* ends), else within a quarter of a
+    second (a thread that watches the parent's process id, which changes when the child is re-parented).
+    """
+    if at_once and sys.platform.startswith("linux"):
+        _parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:  # the parent ended before the line above
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent,), name="autoaccum-parent", daemon=True).start()
+
+
+def _parent_death_signal(signum: int) -> None:
+    """Asks Linux to send ``signum`` to this process when its parent ends (``prctl(PR_SET_PDEATHSIG)``)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # no C library to ask, or one without prctl
+        return
+    prctl(1, signum, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+
+
+def _watch_parent(parent: int, every: float = 0.25) -> None:
+    while os.getppid() == parent:
+        time.sleep(every)
+    os._exit(1)
+
+
 class ChildRunner:
     """Runs children of one job: ``runner.run(kind, args, timeout) -> (data or None, output, Outcome or None)``.
 
@@ -276,7 +345,7 @@ class ChildRunner:
         assert self._dir is not None, "use ChildRunner as a context manager"
         self._count += 1
         result, log = self._dir / f"{kind}-{self._count}.json", self._dir / f"{kind}-{self._count}.log"
-        command = [sys.executable, "-m", "autoaccum._child", kind, str(self._dir / "job.pkl"), *args, str(result)]
+        command = child_command(kind, self._dir / "job.pkl", args, result)
         kills = oom_kills()
         with open(log, "wb") as out:
             proc = subprocess.Popen(

@@ -1,19 +1,21 @@
 """Timing trials in an isolated worker process, under the probe's memory limit, reused from trial to trial.
 
-A `TimingWorker` starts ``python -m autoaccum._child worker PAYLOAD FD ...`` under the probe's `child_env` (on
-the CPU the address-space cap, on a GPU the allocator fraction; one device, or the caller's mesh) and sends it
-one configuration at a time on its stdin. The worker (`serve`) builds the update for the configuration, compiles
-it from shapes, makes the parameters and the effective batch on the device, and times real steps under the cap
-(`autoaccum._trial.measured`); it answers on a pipe of its own, in two messages, so that compiling and stepping
-have separate time limits: ``{"event": "compiled"}`` once the programs are compiled, ``{"event": "done",
-"outcome": ...}`` once the steps are timed. Its compiled programs stay cached (the finalists' re-timing
-compiles nothing again).
+A `TimingWorker` starts a child (`autoaccum._isolation.child_command`, kind ``worker``) under the probe's
+`child_env` (on the CPU the address-space cap, on a GPU the allocator fraction; one device, or the caller's mesh)
+and sends it one configuration at a time on its stdin. The worker (`serve`) builds the update for the
+configuration, compiles it from shapes, makes the parameters and the effective batch on the device, and times real
+steps under the cap (`autoaccum._trial.measured`); it answers on a pipe of its own, in two messages, so that
+compiling and stepping have separate time limits: ``{"event": "compiled"}`` once the programs are compiled,
+``{"event": "done", "outcome": ...}`` once the steps are timed. Its compiled programs stay cached (the finalists'
+re-timing compiles nothing again).
 
 The parent restarts the worker after anything but a clean fit or a step that ran over the limit to its end
 (`keeps_worker`): an allocation failure (the allocator's state is not trusted after one), an error, a crash
 (classified from the exit status and output as the probe's children are: `autoaccum._isolation.classify_exit`)
-or a hang (killed with its process group when a limit passes). None of
-these reaches the caller: each is an `Outcome` with its reason, and the study goes on.
+or a hang (killed with its process group when a limit passes). A worker killed from outside (a signal the kernel's
+OOM killer did not send) times the same configuration once more, in a fresh worker. None of these reaches the
+caller: each is an `Outcome` with its reason, and the study goes on. The worker ends with the parent
+(`autoaccum._isolation.die_with_parent`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from autoaccum._isolation import ChildRunner, Outcome, child_env, classify_exit
+from autoaccum._isolation import ChildRunner, Outcome, child_command, child_env, classify_exit
 from autoaccum._trial import Job
 
 _TIMEOUT: dict[str, Any] = {"event": "timeout"}
@@ -153,8 +155,8 @@ class TimingWorker:
         read_end, write_end = os.pipe()
         self._log_path = directory / f"worker-{self.restarts}.log"
         self._log = open(self._log_path, "wb")  # noqa: SIM115 (closed in _stop)
-        command = [sys.executable, "-m", "autoaccum._child", "worker", str(directory / "job.pkl"), str(write_end)]
-        command += [str(self.limit), str(directory / "unused.json")]
+        args = [str(write_end), str(self.limit)]
+        command = child_command("worker", directory / "job.pkl", args, directory / "unused.json")
         self._proc = subprocess.Popen(
             command, env=child_env(self.device, self.limit, devices=self.job.devices), stdin=subprocess.PIPE,
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(write_end,),
