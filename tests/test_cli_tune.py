@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner, Result
 
 from autoaccum import Plan
@@ -98,3 +99,83 @@ def test_an_unusable_cache_folder_is_bad_input_naming_the_variable(tmp_path: Pat
     assert result.exit_code == 2, explain(result)
     assert "`AUTOACCUM_CACHE`='/proc/nope' cannot hold the study database" in result.stderr, explain(result)
     assert "--storage :memory:" in result.stderr and "Traceback" not in result.output, explain(result)
+
+
+STATEFUL = """\
+import jax.numpy as jnp, optax, autoaccum
+
+
+def loss_fn(w, batch, state):  # the model state counts the examples it has seen
+    return jnp.mean((batch["x"] @ w - batch["y"]) ** 2), state + batch["x"].shape[0]
+
+
+def workload():
+    batch = {"x": jnp.ones((8, 4)), "y": jnp.zeros(8)}
+    return autoaccum.Workload(loss_fn, jnp.ones(4), batch, optax.sgd(0.1), state=jnp.zeros((), jnp.int32))
+"""
+
+
+def test_the_printed_snippet_runs_on_a_workload_with_model_state(tmp_path: Path) -> None:
+    from autoaccum import load_workload
+
+    path, out = tmp_path / "stateful.py", tmp_path / "plan.json"
+    path.write_text(STATEFUL)
+    result = run(
+        "tune", f"{path}:workload", "--max-microbatch", "4", "--n-trials", "1", "--race-rounds", "0", "--storage",
+        ":memory:", "--no-isolate", "--out", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, explain(result)
+    code = result.stdout[result.stdout.index("import autoaccum") :]
+    w = load_workload(f"{path}:workload")
+    scope = dict(loss_fn=w.loss_fn, optimizer=w.optimizer, params=w.params, batch=w.batch, state=w.state)
+    exec(code, scope)  # the snippet as printed
+    assert int(scope["state"]) == 8, code  # one update: the state saw the batch's 8 examples
+
+
+def test_off_a_terminal_nothing_is_cut_or_wrapped(tmp_path: Path) -> None:
+    result = CliRunner(env={"COLUMNS": None}).invoke(
+        main, ["tune", LINEAR, "--max-microbatch", "16", "--n-trials", "3", "--storage", ":memory:",
+               "--race-rounds", "2", "--no-isolate"], catch_exceptions=False,
+    )  # fmt: skip
+    assert result.exit_code == 0, explain(result)
+    lines = result.stdout.splitlines()
+    headers = ("microbatch", "steps", "strategy", "examples/s", "step time", "peak", "compile s", "state")
+    assert any(all(h in line for h in headers) for line in lines), explain(result)  # the trials' header, whole
+    assert any("relative step time" in line and "examples/s (median)" in line for line in lines), explain(result)
+    assert "…" not in result.stdout, explain(result)
+    (best,) = [line for line in lines if line.startswith("best plan")]
+    assert best.endswith("examples/s on cpu"), explain(result)  # one line, not wrapped at 80 columns
+
+
+def test_on_a_narrow_terminal_lines_fit_and_words_are_whole() -> None:
+    result = CliRunner(env={"COLUMNS": "60"}).invoke(
+        main, ["tune", LINEAR, "--max-microbatch", "16", "--n-trials", "3", "--storage", ":memory:",
+               "--race-rounds", "2", "--no-isolate"], catch_exceptions=False,
+    )  # fmt: skip
+    assert result.exit_code == 0, explain(result)
+    too_long = [line for line in result.stdout.splitlines() if len(line) > 60]
+    assert not too_long, explain(result)
+    words = " ".join(result.stdout.split())  # lines wrapped at spaces join back into their sentences
+    assert "examples, strategy " in words and "examples/s on cpu" in words, explain(result)
+    assert "#0: microbatch " in words or "│ microbatch" in result.stdout, explain(result)
+
+
+def test_the_race_table_shows_the_figure_the_race_ranks_by(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's race once named a winner at 1,294.8 examples/s over a finisher at 1,306.4: by raw medians, over
+    rounds run at different speeds of the machine. The table shows the relative step time it ranks by."""
+    from autoaccum import TrialRecord, TuneResult
+    from autoaccum._tune.race import Runner
+
+    plan = Plan(effective_batch=64, microbatch_size=8, accumulation_steps=8, strategy="scan", throughput=1294.8)
+    trials = tuple(
+        TrialRecord(n, m, 64 // m, s, {}, 1300.0, 0.1, "COMPLETE") for n, m, s in ((0, 8, "scan"), (1, 16, "loop"))
+    )
+    race = (Runner(0, (64 / 1294.8,), 4, None, 0.971), Runner(1, (64 / 1306.4,), 4, None, 1.013))
+    fake = TuneResult(plan, trials, race, None, None, None, "s", ":memory:", "f", 0, 2, "new study s: 2 trials")
+    monkeypatch.setattr("autoaccum._tune.run.tune", lambda *args, **kwargs: fake)
+    result = run("tune", LINEAR, "--storage", ":memory:")
+    assert result.exit_code == 0, explain(result)
+    (winner,) = [line for line in result.stdout.splitlines() if "winner: the plan" in line]
+    (finisher,) = [line for line in result.stdout.splitlines() if "finished" in line]
+    assert "0.971" in winner and "1,294.8" in winner and "1.013" in finisher and "1,306.4" in finisher
+    assert "relative step time" in result.stdout and "The race ranks by it" in " ".join(result.stdout.split())

@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    from rich.console import Console, RenderableType
 
 UNBOUNDED = 10_000
 """The width off a terminal with no ``COLUMNS``: wide enough that no line or table is ever cut or folded."""
@@ -53,3 +53,68 @@ def warnings_as_lines(console: Console) -> Iterator[None]:
         warnings.filterwarnings("always", category=UserWarning, module=r"autoaccum(\.|$)")
         warnings.showwarning = show
         yield
+
+
+def fit_table(
+    console: Console, title: str | None, columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]]
+) -> RenderableType:
+    """A table of plain-text cells (``columns``: ``(header, justify)``) sized for ``console``: at its natural
+    width where that fits, else each column at least as wide as its longest word (cells wrap at spaces, never
+    inside a word) and the room left shared out by `column_widths`. Where even that is too wide (a narrow
+    terminal), one line per row instead, ``header value`` pairs wrapped at spaces. Nothing is cut."""
+    from rich.cells import cell_len
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    cells = [[header for header, _ in columns], *rows]
+    natural = [max(cell_len(row[i]) for row in cells) for i in range(len(columns))]
+    longest = [max(cell_len(word) for row in cells for word in row[i].split() or [""]) for i in range(len(columns))]
+    room = console.width - 3 * len(columns) - 1  # a box's lines and one space of padding either side of a cell
+    if sum(longest) > room:
+        lines = [_row_line([header for header, _ in columns], row) for row in rows]
+        return Group(*(Text(line) for line in ([] if title is None else [title]) + lines))
+    table = Table(title=None if title is None else Text(title))
+    for (header, justify), width in zip(columns, column_widths(natural, longest, room), strict=True):
+        table.add_column(Text(header), justify=justify, width=width)  # type: ignore[arg-type]
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row))
+    return table
+
+
+def _row_line(headers: Sequence[str], row: Sequence[str]) -> str:
+    """``"#3: microbatch 16, steps 4, ..."``: a table's row as one line (its empty cells left out).
+
+    Example:
+      >>> _row_line(["#", "size", "peak"], ["3", "16", ""])
+      '#3: size 16'
+    """
+    pairs = [f"{header} {value}" for header, value in zip(headers[1:], row[1:], strict=True) if value]
+    return f"{headers[0]}{row[0]}: " + ", ".join(pairs)
+
+
+def column_widths(natural: Sequence[int], longest: Sequence[int], room: int) -> list[int | None]:
+    """Widths of columns whose cells are at most ``natural`` wide, with words at most ``longest`` wide, in
+    ``room`` character cells: None each (their natural widths) where they fit; else each its longest word, plus
+    the room left shared in proportion to what each still lacks of its natural width; each its longest word
+    where even that does not fit.
+
+    Example:
+      >>> column_widths([10, 30], [4, 8], 40)
+      [None, None]
+      >>> column_widths([10, 30], [4, 8], 22)
+      [6, 16]
+      >>> column_widths([10, 30], [4, 8], 5)
+      [4, 8]
+    """
+    if sum(natural) <= room:
+        return [None] * len(natural)
+    widths = list(longest)
+    spare = room - sum(longest)
+    lacking = [n - w for n, w in zip(natural, longest, strict=True)]
+    if spare <= 0:
+        return list(widths)
+    shares = [spare * lack // sum(lacking) for lack in lacking]
+    for i in sorted(range(len(widths)), key=lambda i: lacking[i] - shares[i], reverse=True)[: spare - sum(shares)]:
+        shares[i] += 1
+    return [w + s for w, s in zip(widths, shares, strict=True)]

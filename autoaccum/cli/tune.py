@@ -4,20 +4,30 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+from rich.text import Text
 
 from autoaccum import strategies as strategies_lib
 from autoaccum._units import format_bytes
 from autoaccum.cli._common import resolve_workload, workload_arguments
+from autoaccum.cli._console import fit_table, make_console, warnings_as_lines
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from autoaccum import Plan
 
 SNIPPET = """\
 import autoaccum
+
 plan = autoaccum.Plan.load({path!r})
-update = plan.build({loss}, optimizer, params=params)   # checks params match the plan
+# checks that params are the ones the plan was tuned for
+update = plan.build({loss}, optimizer, params=params)
 opt_state = update.init(params)
-params, opt_state, loss = update(params, opt_state, batch)   # batch: {batch} examples"""
+# one update on a batch of {batch} examples{state_note}
+params, opt_state, loss{state} = update(params, opt_state, batch{state})"""
 
 
 @click.command()
@@ -108,7 +118,6 @@ def tune(
     \b
     Exit codes: 0 a plan was found; 1 nothing fits or every trial failed; 2 bad usage or bad input.
     """
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from autoaccum._tune.result import TrialRecord
@@ -118,7 +127,7 @@ def tune(
     if plot is not None:
         _require_matplotlib()
     w = resolve_workload(workload, demo)
-    console = Console(stderr=as_json, quiet=as_json)
+    console = make_console(stderr=as_json, quiet=as_json)
     console.print(f"[bold]workload[/] {w.name}: effective batch {effective_batch or w.batch_size}")
     if memory_limit is None and w.memory_limit is not None:
         memory_limit = str(w.memory_limit)
@@ -130,39 +139,40 @@ def tune(
 
         def on_trial(record: TrialRecord, done: int, total: int) -> None:
             progress.update(task, completed=done, total=total, description=f"trial {record.number}")
-            progress.console.print(f"  {_describe(record)}")
+            progress.console.print(f"  {_describe(record)}", markup=False, highlight=False)
 
         try:
-            result = run_tune(
-                w.loss_fn if w.knobs is None else w.knobs,
-                w.params,
-                w.batch,
-                optimizer=w.optimizer,
-                effective_batch=effective_batch,
-                strategies=list(strategy_names) or None,
-                memory_limit=memory_limit,
-                n_trials=n_trials,
-                timeout=timeout,
-                storage=storage,
-                study_name=study_name,
-                fresh=fresh,
-                seed=seed,
-                has_aux=w.has_aux,
-                state=w.state,
-                loss_reduction=w.loss_reduction,
-                max_microbatch=max_microbatch,
-                trial_timeout=trial_timeout,
-                compile_timeout=compile_timeout,
-                race_rounds=race_rounds,
-                isolate=not no_isolate,
-                remat=(None, *remat_policies) if remat_policies else BUILTIN_REMAT,
-                accumulator_dtype=accumulator_dtypes or "float32",
-                callbacks=[on_trial],
-            )
+            with warnings_as_lines(make_console(stderr=True) if as_json else console):
+                result = run_tune(
+                    w.loss_fn if w.knobs is None else w.knobs,
+                    w.params,
+                    w.batch,
+                    optimizer=w.optimizer,
+                    effective_batch=effective_batch,
+                    strategies=list(strategy_names) or None,
+                    memory_limit=memory_limit,
+                    n_trials=n_trials,
+                    timeout=timeout,
+                    storage=storage,
+                    study_name=study_name,
+                    fresh=fresh,
+                    seed=seed,
+                    has_aux=w.has_aux,
+                    state=w.state,
+                    loss_reduction=w.loss_reduction,
+                    max_microbatch=max_microbatch,
+                    trial_timeout=trial_timeout,
+                    compile_timeout=compile_timeout,
+                    race_rounds=race_rounds,
+                    isolate=not no_isolate,
+                    remat=(None, *remat_policies) if remat_policies else BUILTIN_REMAT,
+                    accumulator_dtype=accumulator_dtypes or "float32",
+                    callbacks=[on_trial],
+                )
         except (ValueError, TypeError) as e:
             raise click.UsageError(str(e)) from e
         except RuntimeError as e:
-            console.print(f"[red]error:[/] {e}")
+            console.print(Text.assemble(("error: ", "red"), str(e)))
             if as_json:
                 click.echo(json.dumps({"error": str(e)}))
             raise SystemExit(1) from e
@@ -174,6 +184,11 @@ def tune(
     if as_json:
         click.echo(result.to_json())
         return
+    _report(console, result, out, isolated=not no_isolate)
+
+
+def _report(console: Console, result: Any, out: Path | None, *, isolated: bool) -> None:
+    """The human report of ``result``: the trials' and the race's tables, the probe, the plan, the snippet."""
     _print_table(console, result)
     plan = result.plan
     if result.probe is not None:
@@ -191,30 +206,45 @@ def tune(
             f"not timed: microbatch {', '.join(map(str, sizes))} at {setting}, whose accumulating step (the whole "
             "batch and the accumulator too) is predicted over the limit",
             highlight=False,
+            markup=False,
         )
+    options = "".join(f" {k}={v}" for k, v in plan.options.items())
     console.print(
-        f"\n[bold green]best plan[/]: microbatch {plan.microbatch_size} x {plan.accumulation_steps} steps "
-        f"= {plan.effective_batch} examples, strategy {plan.strategy} {plan.options or ''}"
-        f"{_knobs_text(plan)}, "
-        f"{plan.throughput:,.1f} examples/s on {plan.device}",
-        soft_wrap=True,
+        Text.assemble(
+            "\n",
+            ("best plan", "bold green"),
+            f": microbatch {plan.microbatch_size} x {plan.accumulation_steps} steps = {plan.effective_batch} "
+            f"examples, strategy {plan.strategy}{options}{_knobs_text(plan)}, {plan.throughput:,.1f} examples/s "
+            f"on {plan.device}",
+        )
     )
-    if result.memory_limit_bytes is not None and not no_isolate:
+    if result.memory_limit_bytes is not None and isolated:
         peak = "not measured" if result.peak_bytes is None else format_bytes(result.peak_bytes)
         limit = format_bytes(result.memory_limit_bytes)
         console.print(
             f"the plan's step: measured peak {peak}, limit {limit} (every trial ran in an isolated worker under it)",
             highlight=False,
         )
-    console.print(f"{result.message}; stored in {result.storage}", highlight=False)
+    console.print(f"{result.message}; stored in {result.storage}", highlight=False, markup=False)
     if out is not None:
-        console.print(f"plan saved to {out}\n")
-        console.print(
-            SNIPPET.format(path=str(out), batch=plan.effective_batch, loss="knobs" if plan.knobs else "loss_fn"),
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
-        )
+        console.print(f"plan saved to {out}\n", highlight=False, markup=False)
+        console.print(snippet(plan, out), highlight=False, markup=False, soft_wrap=True)  # code: never re-wrapped
+
+
+def snippet(plan: Plan, path: Path) -> str:
+    """The code that rebuilds ``plan`` saved at ``path`` and runs one update (with the model state, if it has one).
+
+    Example:
+      >>> from autoaccum import Plan
+      >>> plan = Plan(effective_batch=8, microbatch_size=4, accumulation_steps=2, strategy="scan", has_state=True)
+      >>> print(snippet(plan, Path("plan.json")).splitlines()[-1])
+      params, opt_state, loss, state = update(params, opt_state, batch, state)
+    """
+    state_note = "; state: the model state (the Workload's), updated" if plan.has_state else ""
+    return SNIPPET.format(
+        path=str(path), batch=plan.effective_batch, loss="knobs" if plan.knobs else "loss_fn",
+        state=", state" if plan.has_state else "", state_note=state_note,
+    )  # fmt: skip
 
 
 def _describe(record: Any) -> str:
@@ -240,16 +270,22 @@ def _ms_spread(seconds: tuple[float, float, float]) -> str:
     return f"{median:.3g} ms [{q1:.3g}-{q3:.3g}]"
 
 
-def _print_table(console: Any, result: Any) -> None:
-    from rich.table import Table
+RACE_NOTE = (
+    "relative step time: the median of a finalist's step times in the race, each over its round's median (the "
+    "machine's speed then). The race ranks by it, lower is faster; raw examples/s mix rounds run at different "
+    "speeds, so they can rank otherwise."
+)
 
-    table = Table(title="trials (best first; step time: median [quartiles] of its timed steps)")
-    columns = ("#", "microbatch", "steps", "strategy", "examples/s", "step time", "peak", "compile s", "state")
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("strategy", "state", "step time") else "right")
+
+def _print_table(console: Console, result: Any) -> None:
+    """The trials' table, and the race's (the figure it ranks by, relative step time, beside the raw ones)."""
+    columns = [("#", "right"), ("microbatch", "right"), ("steps", "right"), ("strategy", "left"),
+               ("examples/s", "right"), ("step time", "left"), ("peak", "right"), ("compile s", "right"),
+               ("state", "left")]  # fmt: skip
+    rows = []
     for r in result.trials:
         options = "".join(f" {k}={v}" for k, v in r.options.items()) + _knobs_text(r)
-        table.add_row(
+        rows.append([
             str(r.number),
             str(r.microbatch_size),
             str(r.accumulation_steps),
@@ -260,22 +296,28 @@ def _print_table(console: Any, result: Any) -> None:
             "" if r.compile_seconds is None else f"{r.compile_seconds:.2f}",
             (r.state if r.reason is None else f"{r.state}: {r.reason[:60]}")
             + ("" if r.same_program_as is None else f" (same program as #{r.same_program_as}, timed once)"),
-        )
-    console.print(table)
-    if result.race:
-        race = Table(title="race: the finalists re-timed side by side, interleaved (winner first)")
-        for column in ("#", "rounds", "steps timed", "examples/s (median)", "step time", "result"):
-            race.add_column(column, justify="left" if column in ("step time", "result") else "right")
-        batch = result.plan.effective_batch
-        for i, runner in enumerate(result.race):
-            outcome = "winner: the plan" if i == 0 else "finished" if runner.out_after is None else ""
-            if runner.out_after is not None:
-                outcome = f"out after round {runner.out_after}"
-            race.add_row(
-                str(runner.trial), str(runner.rounds), str(len(runner.times)),
-                f"{batch / runner.quartiles[1]:,.1f}", _ms_spread(runner.quartiles), outcome,
-            )  # fmt: skip
-        console.print(race)
+        ])  # fmt: skip
+    console.print(fit_table(console, "trials (best first; step time: median [quartiles] of its timed steps)",
+                            columns, rows))  # fmt: skip
+    if not result.race:
+        return
+    columns = [("#", "right"), ("rounds", "right"), ("steps timed", "right"),
+               ("relative step time", "right"), ("examples/s (median)", "right"),
+               ("step time", "left"), ("result", "left")]  # fmt: skip
+    rows = []
+    batch = result.plan.effective_batch
+    for i, runner in enumerate(result.race):
+        outcome = "winner: the plan" if i == 0 else "finished" if runner.out_after is None else ""
+        if runner.out_after is not None:
+            outcome = f"out after round {runner.out_after}"
+        rows.append([
+            str(runner.trial), str(runner.rounds), str(len(runner.times)),
+            "" if runner.relative is None else f"{runner.relative:.3f}",
+            f"{batch / runner.quartiles[1]:,.1f}", _ms_spread(runner.quartiles), outcome,
+        ])  # fmt: skip
+    title = "race: the finalists re-timed side by side, interleaved (winner first: lowest relative step time)"
+    console.print(fit_table(console, title, columns, rows))
+    console.print(RACE_NOTE, highlight=False, markup=False)
 
 
 def _require_matplotlib() -> None:
