@@ -32,10 +32,8 @@ from typing import TypeVar
 from autoaccum._json import JsonMixin
 
 FINALISTS = 5
-"""Configurations the race re-times (the study's best by throughput). Five, not three: on the example transformer
-the ladder's last step (scan unroll=2 at the runner-up size, the grid's best) read 0.86 of the best trial in its
-one timing and ranked fourth, so a race of three never saw it (and picked 0.85 to 0.92 of it in three tunes of
-five); a finalist clearly slower costs two timings."""
+"""Configurations the race re-times: the study's fastest by their trials (distinct programs). A finalist clearly
+slower than the leader costs two timings."""
 
 ROUNDS = 4
 """Rounds the race runs while every finalist stays in (its budget: this many timings per finalist)."""

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -22,8 +22,11 @@ from autoaccum._knobs import Knobs
 from autoaccum._plan import Plan, params_signature
 from autoaccum._probe import prepare, probe
 from autoaccum._tune.claims import config_key, open_claims, settled
-from autoaccum._tune.race import FINALISTS, MIN_ROUNDS, ROUNDS, Runner, race
+from autoaccum._tune.race import FINALISTS, ROUNDS, Runner, race
 from autoaccum._tune.result import TrialRecord, TuneResult, record
+from autoaccum._tune.search import Config as SearchConfig
+from autoaccum._tune.search import Search
+from autoaccum._tune.search import Trial as SearchTrial
 from autoaccum._tune.space import (
     BUILTIN_REMAT,
     KnobSpace,
@@ -49,9 +52,8 @@ STEPS, WARMUP = 5, 1
 """Timed steps and warm-up steps of one trial in the worker (after the compiling call)."""
 
 RETIME_WARMUP = 0
-"""Warm-up steps of a re-timing (the ladder's, the race's) in the worker: none, its program ran before, so the
-worker times its first call too (`autoaccum._tune.worker.serve`): five calls, not six (a race of five finalists
-spends twenty timings, and each call is a step of the effective batch: on the example transformer 70 to 90 ms)."""
+"""Warm-up steps of the race's re-timings in the worker: none, its program ran before, so the worker times its first
+call too (`autoaccum._tune.worker.serve`)."""
 
 EXHAUSTIVE_UP_TO = 8
 """Without ``n_trials``, a space of at most this many configurations is searched whole (``GridSampler``)."""
@@ -59,13 +61,8 @@ EXHAUSTIVE_UP_TO = 8
 
 def default_budget(grid_points: int, strategies: int) -> int:
     """The trials a tune runs without ``n_trials``: the whole space when it is small (`EXHAUSTIVE_UP_TO`), else a
-    fifth of it, at least as many as the strategies (variants) and three more.
-
-    ``benchmarks/tune.py`` measures the pick against the whole grid's best (the goal: >= 0.97 of it, in <= 1/3
-    of the grid's time); the warm start's ladder spends this budget: the largest size, halving while faster
-    (three or four trials), the other strategies at the best size, the best of them at the runner-up size. A
-    quarter of the example transformer's 35 configurations left one trial to the sampler's random start, which
-    drew 4 x multisteps, 8 x loop, 1 x scan unroll=8: 6 to 9 s of a 55 to 70 s tune, never a finalist.
+    fifth of it, at least as many as the strategies (variants) and three more: the search's breadth (every
+    strategy at the largest size) and a descent of a few sizes (`autoaccum._tune.search`).
 
     Example:
       >>> default_budget(6, 4), default_budget(28, 4), default_budget(35, 5), default_budget(100, 4)
@@ -100,6 +97,26 @@ def _entrants(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     done = study.get_trials(deepcopy=False, states=(_COMPLETE,))
     distinct = [t for t in done if not ({"duplicate_of", "same_program_as"} & t.user_attrs.keys())]
     return sorted(distinct, key=lambda t: (-float(t.value), t.number))  # type: ignore[arg-type]
+
+
+def _searched(study: optuna.Study, knob_space: KnobSpace, index: Mapping[Setting, int]) -> list[SearchTrial]:
+    """The study's settled configurations as the search sees them: each completed one's throughput and step times
+    (a trial that reused another's timing, that one's), each failed one (out of memory, timed out; above a bound
+    lowered by such a failure) as failed. Pending and interrupted trials are not settled."""
+    trials = study.get_trials(deepcopy=False)
+    times = {t.number: tuple(t.user_attrs.get("times") or ()) for t in trials}
+    out = []
+    for t in trials:
+        if t.state == _COMPLETE:
+            source = t.user_attrs.get("same_program_as", t.user_attrs.get("duplicate_of", t.number))
+            value: float | None = float(t.value)  # type: ignore[arg-type]
+        elif settled(t) or (t.state == _PRUNED and "above_bound" in t.user_attrs):
+            source, value = t.number, None
+        else:
+            continue
+        m, setting = int(t.params["microbatch_size"]), index[knob_space.setting_of(t.params)]
+        out.append(SearchTrial(SearchConfig(m, t.params["strategy"], setting), value, times.get(source, ())))
+    return out
 
 
 def _retime(
@@ -144,6 +161,7 @@ def tune(
     loss_reduction: str = "mean",
     accumulator_dtype: Any | Sequence[Any] = jnp.float32,
     max_microbatch: int | None = None,
+    min_microbatch: int = 1,
     remat: Sequence[str | None] = BUILTIN_REMAT,
     trial_timeout: float | None = 120.0,
     compile_timeout: float | None = 600.0,
@@ -165,9 +183,10 @@ def tune(
     First the probe bounds the microbatch (`autoaccum.probe`, trying only the sizes the tuner can time,
     `autoaccum._tune.space.probe_sizes`; no size above a setting's bound is ever timed); then an Optuna study times
     real update steps at the effective batch: every configuration when the space is small (``GridSampler``), else a
-    seeded ``TPESampler`` warm-started by a ladder (the first strategy from the largest fitting microbatch down
-    while it gets faster, re-timing the two sizes side by side where its one trial reads slower, then every other
-    strategy at the best size, then the best of those at the second-best size). Trials that run out of memory or
+    seeded ``TPESampler`` after what the search proposes (`autoaccum._tune.search`: every strategy at the largest
+    size, every other knob setting, then halving the fastest while each half is clearly faster, then the other
+    strategies at the size it stopped at); the finalists are then re-timed side by side (the race, which picks).
+    Trials that run out of memory or
     over ``trial_timeout`` are recorded as failed and the study goes on. The study lives in ``storage``, so an
     interrupted tune resumes where it stopped (finished trials are not re-run) and several processes (one per host)
     can tune one study together: each configuration is measured once, by the worker that claims it first
@@ -191,7 +210,7 @@ def tune(
       n_trials: the study's budget: the configurations it settles (measured, or failed for a reason such as
         out of memory), earlier runs' and other workers' included, so a resumed study runs only the trials
         still missing and two workers asked for 6 settle 6 together, not 12. Default `default_budget`: the whole
-        space if it has at most `EXHAUSTIVE_UP_TO` points, else a quarter of it (at least the warm start and two).
+        space if it has at most `EXHAUSTIVE_UP_TO` points, else a fifth of it (at least the strategies and three).
       timeout: stop starting new trials (and waiting for other workers' trials) after this many seconds.
       storage: an RDB URL (default: SQLite at `autoaccum._tune.study.default_storage`; several hosts:
         ``"postgresql+psycopg://user@host/db"``), ``":memory:"`` or an optuna storage (e.g. an
@@ -209,6 +228,9 @@ def tune(
         accumulator halves its memory and rounds each microbatch's sum to 8 bits of mantissa). The plan records
         the one picked.
       max_microbatch: skip the probe and use this bound instead (for every setting of the knobs).
+      min_microbatch: a floor: no trial (and no probe trial) runs a smaller microbatch. Set it where a smaller
+        microbatch changes the model, not just the speed (BatchNorm in training mode normalises each microbatch by
+        its own statistics).
       remat: the remat policies to search (`autoaccum.build_update`'s ``remat``, None: off), the first one
         probed; default `autoaccum._tune.space.BUILTIN_REMAT`, off and the policies measured to lower an
         example model's peak. ``(None,)`` searches none.
@@ -221,8 +243,7 @@ def tune(
         cap (faster to start; a trial that does not fit fails here).
       race_rounds: rounds of re-timing the study's best configurations side by side before the pick, while
         all stay in (a budget of this many timings per finalist: those one that is out leaves go to more rounds
-        of the others; `autoaccum._tune.race`; 0: pick the study's best as measured, and let the ladder decide
-        on single trials; otherwise the ladder's re-timing of two sizes is a race of two with this budget).
+        of the others; `autoaccum._tune.race`; 0: pick the study's best as measured).
       measure: how a configuration is timed in this process, ``measure(update, params, batch) -> Timing``
         (with ``state`` given: ``measure(update, params, batch, state=state)``), instead of the worker (tests
         inject a deterministic one); with ``isolate=False`` the default is `autoaccum._tune.timing.time_update`.
@@ -263,6 +284,13 @@ def tune(
         check_positive_int(n_trials, "n_trials")
     if max_microbatch is not None:
         check_positive_int(max_microbatch, "max_microbatch")
+    check_positive_int(min_microbatch, "min_microbatch")
+    if min_microbatch > min(effective_batch, max_microbatch or effective_batch):
+        raise ValueError(
+            f"`min_microbatch`={min_microbatch} is above the largest microbatch that may be timed "
+            f"({min(effective_batch, max_microbatch or effective_batch)}: `effective_batch`={effective_batch}, "
+            f"`max_microbatch`={max_microbatch}); lower it."
+        )
     names = list(available_strategies() if strategies is None else strategies)
     if not names:
         raise ValueError(f"`strategies` is empty; choose from {', '.join(available_strategies())}.")
@@ -315,7 +343,7 @@ def tune(
             state=state,
             loss_reduction=loss_reduction,
             options=None if default.remat is None else {"remat": default.remat},
-            sizes=probe_sizes(effective_batch),
+            sizes=[m for m in probe_sizes(effective_batch) if m >= min_microbatch],
         )
         max_microbatch = probed.max_microbatch
     bounds = {setting: max_microbatch for setting in knob_settings}
@@ -339,11 +367,11 @@ def tune(
                 bounds[setting] = probed.bound_for(predicted)
             if accumulates:
                 accumulating[setting] = predicted
-        if max(bounds.values()) < 1:
+        if max(bounds.values()) < min_microbatch:
             raise RuntimeError(
-                "nothing fits: even a microbatch of 1 ran out of memory under the probe's limit "
-                f"({probed.memory_limit_bytes} bytes) with every setting of the knobs; reduce the model or raise "
-                "`memory_limit`."
+                f"nothing fits: no microbatch of at least `min_microbatch`={min_microbatch} fits under the probe's "
+                f"limit ({format_bytes(probed.memory_limit_bytes)}) with any setting of the knobs; reduce the model, "
+                "raise `memory_limit`" + (" or lower `min_microbatch`." if min_microbatch > 1 else ".")
             )
 
     ceilings: dict[tuple[Setting, str], int] = {}  # (setting, strategy label): below a size that ran out of memory
@@ -357,12 +385,19 @@ def tune(
     fitting: dict[Setting, list[int]] = {}
     predicted_over: dict[str, list[int]] = {}
     for s, b in bounds.items():
-        candidates = [m for m in microbatch_candidates(effective_batch, b) if m % shards == 0] if b >= 1 else []
+        candidates = [m for m in microbatch_candidates(effective_batch, max(b, 1)) if m % shards == 0 and b >= m]
+        candidates = [m for m in candidates if m >= min_microbatch]
         # (every size predicted over: the smallest is still timed, and a real trial decides)
         fitting[s] = [m for m in candidates if predicted_to_fit(s, m)] or candidates[:1]
         if len(fitting[s]) < len(candidates):
             predicted_over[str(s)] = [m for m in candidates if m not in fitting[s]]
     sizes = list(dict.fromkeys(m for s in knob_settings for m in fitting[s]))
+    if not sizes:
+        raise RuntimeError(
+            f"no microbatch size to time between `min_microbatch`={min_microbatch} and the bounds "
+            f"{sorted(set(bounds.values()))} (sizes that split {effective_batch} examples evenly or are powers of "
+            "two); lower `min_microbatch`."
+        )
     knob_params = knob_space.params()
     space: dict[str, list[Any]] = {"microbatch_size": sizes, "strategy": list(labels), **knob_params}
     grid_points = sum(len(fitting[s]) for s in knob_settings) * len(labels)  # the configurations within bounds
@@ -423,129 +458,25 @@ def tune(
             study.enqueue_trial(t.params)
             queued.add(config_key(t.params))
     budget = min(wanted, grid_points)  # the study's, shared by every worker on it
-    warm: set[tuple[int, str, Setting]] = set()  # the warm-start configurations this worker queued
-    failed_at: dict[Setting, int] = {}  # per setting, the smallest size whose accumulating step ran out of memory
+    setting_index = {s: i for i, s in enumerate(knob_settings)}
 
-    def start(m: int, label: str, setting: Setting) -> None:
-        """Queues ``m`` x ``label`` at ``setting`` as a warm start."""
-        warm.add((m, label, setting))
-        study.enqueue_trial({"microbatch_size": m, "strategy": label, **knob_space.params_of(setting)})
+    def program_of(config: SearchConfig) -> tuple[Any, ...]:
+        variant = labels[config.strategy]
+        return (config.setting, program_key(config.microbatch_size, variant, effective_batch))
 
-    def next_down(m: int, label: str, setting: Setting) -> None:
-        """Queues ``label`` at the largest candidate size of ``setting`` below ``m`` (a warm start again)."""
-        below = [c for c in fitting[setting] if c < m]
-        if below and not exhaustive:
-            start(max(below), label, setting)
-            if ladder and ladder["size"] == m and label == ladder["label"] and setting == default:
-                ladder["size"] = max(below)  # the ladder goes on from the size below
+    # The search proposes the configurations to time next from the study's settled trials (`Search`); the
+    # sampler spends the rest of the budget. A small space is the grid's alone.
+    sized = [fitting[s] for s in knob_settings]
+    search = None if exhaustive else Search(sized, list(labels), effective_batch, program_of)
 
-    # Warm start, a ladder: the first strategy at the default setting's largest microbatch, then at half the size
-    # of its best so far while that keeps getting faster (on a GPU the largest is usually fastest; on a CPU a
-    # smaller microbatch that stays in cache often is: 16 x 4 beat 64 x 1 by 1.38x on the demo transformer);
-    # then every other strategy at the ladder's best size, and each other setting of the knobs at its largest;
-    # then the best of the other strategies there (`best_other`: re-timed side by side) at the ladder's runner-up
-    # size (a step of coordinate search: on the example transformer scan unroll=2 at 16 beat scan at 32 by 2% to
-    # 14% side by side where scan alone measured 16 and 32 alike; it was never tried while it had to beat scan at
-    # 32 in one trial, or come within 5% of it: one trial of a few steps read it 0.79 of scan there). The sampler
-    # (TPE) spends the rest of the budget (with the default budget, one trial or none, which its random start
-    # spends).
-    ladder: dict[str, Any] = {}
-    if not exhaustive and not trials:
-        first = next(iter(labels))
-        if fitting[default]:
-            ladder.update(label=first, size=max(fitting[default]), best=None, sizes={}, others={}, programs={})
-            start(max(fitting[default]), first, default)
-        for setting in knob_settings[1:]:
-            if fitting[setting]:
-                start(max(fitting[setting]), first, setting)
-
-    def beats(challenger: int, incumbent: int) -> bool:
-        """Whether trial ``challenger``'s configuration is faster than ``incumbent``'s, re-timed side by side
-        (a `race` of the two, with the race's budget: a clear difference is settled after two rounds, a close
-        one gets them all; their programs are still compiled in the worker): where the ladder's next size down
-        reads slower in its one trial. Two trials seconds apart differ by the machine's drift as much as by their
-        speed: on the example transformer 16 x scan read 4% and 12% slower than 32 in two tunes, and 5% faster
-        side by side, so the ladder stopped at 32 and never tried scan unroll=2 at 16, the grid's best; with two
-        rounds of re-timing the ladder still stopped at 32 in two tunes of five where the finalists' race (five
-        rounds) then put 16 ahead. False without re-timing (``race_rounds=0``)."""
-        if race_rounds == 0:
-            return False
-        runners = race_trials((incumbent, challenger))
-        return runners[0].trial == challenger and runners[0].rounds > 0
-
-    def best_other(values: dict[str, float], programs: dict[str, int]) -> str:
-        """Of the other strategies timed at the ladder's best size (``values``: their trials' throughputs, 0 for
-        one that failed; ``programs``: the trial that timed each one's program), the one the ladder tries next at
-        its runner-up size: the fastest re-timed side by side (a `race` of `MIN_ROUNDS` rounds; their programs are
-        still compiled in the worker), not by one trial each. On the example transformer scan unroll=2 at 32
-        read 740 and 678 ex/s in its one trial in two tunes of five (925 to 964 in the others), below multisteps
-        (867, 836): multisteps went on to 16, and unroll=2 at 16, the grid's best, was never tried (the picks:
-        0.956 and 0.928 of it). Without re-timing (``race_rounds=0``), or with no trial left in the study's budget
-        to take that step, the fastest by its trial."""
-        by_program: dict[int, str] = {}  # (scan unroll=2 and 8 over two steps: one program, the first label)
-        for label, value in values.items():
-            if value > 0:
-                by_program.setdefault(programs[label], label)
-        winner = max(values, key=values.__getitem__)
-        if race_rounds == 0 or len(by_program) < 2 or len(_settled_configs(study)) >= budget:
-            return winner
-        runners = race_trials(list(by_program), rounds=min(race_rounds, MIN_ROUNDS))
-        return by_program[runners[0].trial] if runners[0].rounds > 0 else winner
-
-    def finalists(entrants: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
-        """The race's entrants: the `FINALISTS` fastest by their trials, with the ladder's last step (the best
-        other strategy at its runner-up size) among them whatever its one trial read, in place of the fifth. On
-        the example transformer that step was the grid's best (16 x scan unroll=2) in every tune measured, and in
-        one tune of five it was no finalist (its pick: 0.943 of it)."""
-        top = entrants[:FINALISTS]
-        number = _settled_configs(study).get(ladder.get("final", ""))
-        if number is not None:  # its program's trial (a trial reusing another's timing names it)
-            number = by_number()[number].user_attrs.get("same_program_as", number)
-        step = next((t for t in entrants if t.number == number), None)
-        if step is None or any(t.number == step.number for t in top):
-            return top
-        return [*top[: FINALISTS - 1], step]
-
-    def climb(trial: optuna.trial.FrozenTrial) -> None:
-        """The ladder's next step, after a trial of it (see the warm start above). A trial of it that ran out of
-        memory has moved it already (`next_down` queued the size below)."""
-        m, label = trial.params.get("microbatch_size"), trial.params.get("strategy")
-        if not ladder or ladder.get("finished") or knob_space.setting_of(trial.params) != default:
+    def steer() -> None:
+        """Queues what the search proposes next (a configuration queued or settled already is not queued again)."""
+        if search is None:
             return
-        value = float(trial.value) if trial.state == _COMPLETE else None  # type: ignore[arg-type]
-        if ladder.get("done"):  # the other strategies at the best size
-            if m == ladder["best"][0] and label in ladder["others"]:
-                ladder["others"][label] = value if value is not None else 0.0
-                ladder["programs"][label] = trial.user_attrs.get("same_program_as", trial.number)
-            if all(v is not None for v in ladder["others"].values()):
-                ladder["finished"] = True
-                sizes = {c: v for c, v in ladder["sizes"].items() if c != ladder["best"][0] and c < effective_batch}
-                if sizes:
-                    winner = best_other(ladder["others"], ladder["programs"])
-                    size = max(sizes, key=sizes.__getitem__)
-                    ladder["final"] = config_key(
-                        {"microbatch_size": size, "strategy": winner, **knob_space.params_of(default)}
-                    )
-                    start(size, winner, default)
-            return
-        if label != ladder["label"] or m != ladder["size"] or value is None:
-            return
-        ladder["sizes"][m] = value
-        if ladder["best"] is None or value > ladder["best"][1] or beats(trial.number, ladder["best"][2]):
-            ladder["best"] = (m, value if ladder["best"] is None else max(value, ladder["best"][1]), trial.number)
-            smaller = [c for c in fitting[default] if c <= m // 2]
-            if smaller:
-                ladder["size"] = max(smaller)
-                start(ladder["size"], label, default)
-                return
-        ladder["done"] = True
-        best = ladder["best"][0]
-        if best < effective_batch:  # (at one step every strategy runs the same program: nothing to compare)
-            for other in labels:
-                if other != label:
-                    ladder["others"][other] = None
-                    start(best, other, default)
-        ladder["finished"] = not ladder["others"]
+        for config in search.propose(_searched(study, knob_space, setting_index)):
+            setting = knob_settings[config.setting]
+            params = {"microbatch_size": config.microbatch_size, "strategy": config.strategy}
+            study.enqueue_trial({**params, **knob_space.params_of(setting)}, skip_if_exists=True)
 
     full_batch = batch
     if effective_batch != batch_size and layout is None:
@@ -592,14 +523,8 @@ def tune(
         return Timing(outcome.seconds or 0.0, outcome.compile_seconds or 0.0, len(times), times, outcome.peak_bytes)
 
     def retime(number: int) -> tuple[float, ...] | None:
-        """Trial ``number``'s configuration timed again, for a race (the ladder's or the finalists')."""
+        """Trial ``number``'s configuration timed again, for the finalists' race."""
         return _retime(by_number()[number], functools.partial(time_config, warmup=RETIME_WARMUP))
-
-    def race_trials(numbers: Sequence[int], rounds: int = race_rounds) -> list[Runner]:
-        """The study's trials ``numbers`` re-timed side by side (`race`: the ladder's, its other strategies', the
-        finalists')."""
-        trials = by_number()
-        return race([(n, n, trials[n].user_attrs.get("times") or ()) for n in numbers], retime, rounds=rounds)
 
     def objective(trial: optuna.Trial) -> float:
         m = trial.suggest_categorical("microbatch_size", sizes)
@@ -613,13 +538,6 @@ def tune(
         if m > bound:  # never timed: not a configuration of the study's (it claims nothing)
             trial.set_user_attr("above_bound", bound)
             raise optuna.TrialPruned(f"microbatch {m} is above the bound of {label}, {setting} ({bound})")
-        if (m, label, setting) in warm and m >= failed_at.get(setting, m + 1):
-            # A warm start at a size where another strategy's accumulating step ran out of memory: most likely
-            # this one's too (they hold the same batch and accumulator); start it at the next size down instead.
-            warm.discard((m, label, setting))
-            trial.set_user_attr("above_bound", failed_at[setting] - 1)
-            next_down(failed_at[setting], label, setting)
-            raise optuna.TrialPruned(f"warm start {m} x {label}: {failed_at[setting]} ran out of memory")
         holder = claims.claim(config_key(trial.params), trial.number, budget, by_number)
         if holder is None:  # the study's budget is claimed, by this worker or others
             trial.set_user_attr("over_budget", True)
@@ -651,10 +569,8 @@ def tune(
                 # The probe bounds one microbatch's step; the accumulating step also holds the whole effective
                 # batch and the accumulator, in buffers of its strategy's own. A size that ran out of memory
                 # there lowers the bound of this strategy (and setting): larger sizes are not timed again, only
-                # to run out of memory too; and its largest size below is queued, the warm start again.
+                # to run out of memory too.
                 ceilings[(setting, label)] = m - 1
-                failed_at[setting] = min(m, failed_at.get(setting, m))
-                next_down(m, label, setting)
             raise
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
@@ -666,7 +582,7 @@ def tune(
         return effective_batch / timing.seconds_per_step
 
     def report(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        climb(trial)
+        steer()
         count = len(_settled_configs(study))
         if trial.state != _PRUNED and "duplicate_of" not in trial.user_attrs:
             for callback in callbacks:
@@ -678,6 +594,7 @@ def tune(
     # trials, wait for them: a trial whose worker died goes stale and is queued again, for this worker to run.
     deadline = None if timeout is None else time.monotonic() + timeout
     after_round = -1
+    steer()
     above = len(sizes) * len(labels) * len(knob_settings) - grid_points  # proposals above a bound: pruned
     with contextlib.ExitStack() as stack:
         if worker is not None:
@@ -710,7 +627,10 @@ def tune(
         settled_key = [t.number for t in entrants]
         race_record = study.user_attrs.get("race")
         if (race_record is None or race_record["entrants"] != settled_key) and race_rounds > 0 and len(entrants) > 1:
-            runners = race_trials([t.number for t in finalists(entrants)])
+            runners = race(
+                [(t.number, t.number, t.user_attrs.get("times") or ()) for t in entrants[:FINALISTS]], retime,
+                rounds=race_rounds,
+            )  # fmt: skip
             race_record = study.user_attrs.get("race")
             if race_record is None or race_record["entrants"] != settled_key:
                 race_record = {"entrants": settled_key, "runners": [r.to_dict() for r in runners]}

@@ -54,6 +54,10 @@ params, opt_state, loss{state} = update(params, opt_state, batch{state})"""
 @click.option("--fresh", is_flag=True, help="Start the study anew, deleting its earlier trials.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed.")
 @click.option("--max-microbatch", type=click.IntRange(min=1), help="Skip the probe; use this bound instead.")
+@click.option(
+    "--min-microbatch", type=click.IntRange(min=1), default=1, show_default=True,
+    help="No trial runs a smaller microbatch (e.g. where BatchNorm's statistics need enough examples).",
+)  # fmt: skip
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Save the best plan as JSON here.")
 @click.option(
     "--trial-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
@@ -100,6 +104,7 @@ def tune(
     fresh: bool,
     seed: int,
     max_microbatch: int | None,
+    min_microbatch: int,
     trial_timeout: float,
     compile_timeout: float,
     race_rounds: int,
@@ -161,6 +166,7 @@ def tune(
                     state=w.state,
                     loss_reduction=w.loss_reduction,
                     max_microbatch=max_microbatch,
+                    min_microbatch=min_microbatch,
                     trial_timeout=trial_timeout,
                     compile_timeout=compile_timeout,
                     race_rounds=race_rounds,

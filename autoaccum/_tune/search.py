@@ -1,0 +1,185 @@
+"""The tuner's search: a pure function of the trials so far that proposes the configurations to time next.
+
+The algorithm (`Search.propose`), in the order its steps come:
+
+1. **Breadth.** Every strategy variant at the largest accumulating microbatch of the default knob setting (a
+   variant that runs out of memory there goes on at the next size down), so no strategy is judged at a size
+   another never reached; the whole batch in one step too, where it fits (every strategy runs that same program).
+2. **Knobs.** Every other setting of the knobs at its own largest size, with the fastest variant so far.
+3. **Descent.** From the fastest configuration of those, halve the microbatch while each half is *clearly*
+   faster than the size above it (`clearly_faster`: by more than the trials' own spread and `MIN_GAIN`): a
+   halving that "improves" by noise stops instead of running down to 1.
+4. **Coordinates.** Where the descent went down, the other variants at the size it stopped at.
+
+Then it proposes nothing more: the sampler spends what is left of the budget, and the race settles the
+finalists side by side. No JAX and no Optuna in here: `Trial` records are built from a study by the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Hashable, Mapping, Sequence
+
+MIN_GAIN = 0.03
+"""The least gain in throughput that one trial's reading can show against another's: two trials seconds apart
+differ by the machine's drift, whatever their step times' spread."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One point of the space: a microbatch size, a strategy variant (its label) and a knob setting (its index in
+    the tune's settings, 0 the default)."""
+
+    microbatch_size: int
+    strategy: str
+    setting: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """A configuration's settled trial: its throughput (None: it failed: out of memory, timed out) and the step
+    times it was measured with (seconds)."""
+
+    config: Config
+    throughput: float | None
+    times: tuple[float, ...] = ()
+
+
+def _spread(times: Sequence[float]) -> tuple[float, float] | None:
+    """The lower and upper quartile of ``times`` (None for fewer than three)."""
+    if len(times) < 3:
+        return None
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return q1, q3
+
+
+def clearly_faster(a: Trial, b: Trial) -> bool:
+    """Whether ``a`` is faster than ``b`` beyond what one trial of each can tell: by at least `MIN_GAIN` in
+    throughput, and (where both have three step times or more) with ``a``'s slower quartile step faster than
+    ``b``'s faster quartile step.
+
+    Example:
+      >>> c = Config(8, "scan")
+      >>> clearly_faster(Trial(c, 110.0, (1.0, 1.0, 1.01)), Trial(c, 100.0, (1.1, 1.1, 1.12)))
+      True
+      >>> clearly_faster(Trial(c, 102.0), Trial(c, 100.0))
+      False
+    """
+    if a.throughput is None or b.throughput is None or a.throughput < b.throughput * (1 + MIN_GAIN):
+        return False
+    spread_a, spread_b = _spread(a.times), _spread(b.times)
+    return spread_a is None or spread_b is None or spread_a[1] < spread_b[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Search:
+    """The search over one tune's space (see the module docstring).
+
+    Attributes:
+      sizes: per knob setting (by index, the default first), the microbatch sizes that may be timed, each within
+        that setting's bound.
+      strategies: the strategy variants' labels, the default strategy first.
+      effective_batch: examples per update (a size that large runs one step: the same program for every strategy).
+      program: what a configuration compiles to; configurations with equal keys are timed once (e.g. the variants
+        of a strategy whose options make no difference at that many steps).
+    """
+
+    sizes: Sequence[Sequence[int]]
+    strategies: Sequence[str]
+    effective_batch: int
+    program: Callable[[Config], Hashable] = lambda config: config
+
+    def propose(self, trials: Sequence[Trial]) -> list[Config]:
+        """The configurations to time next, given the settled ``trials`` (in any order, any worker's); empty when the
+        search has nothing more to propose. Pure: the same trials give the same answer.
+
+        Example:
+          >>> search = Search(sizes=[[1, 2, 4, 8]], strategies=["scan", "loop"], effective_batch=8)
+          >>> [(c.microbatch_size, c.strategy) for c in search.propose([])]
+          [(4, 'scan'), (4, 'loop'), (8, 'scan')]
+        """
+        seen = {t.config: t for t in trials}
+        for step in (self._breadth, self._knobs, self._descent, self._coordinates):
+            wanted = step(seen)
+            if wanted:
+                return wanted
+        return []
+
+    def _top(self, setting: int) -> int | None:
+        """The largest accumulating size of ``setting`` (the largest there is, if only the whole batch fits)."""
+        below = [m for m in self.sizes[setting] if m < self.effective_batch]
+        return max(below) if below else max(self.sizes[setting], default=None)
+
+    def _start(self, strategy: str, setting: int, seen: Mapping[Config, Trial]) -> Config | Trial | None:
+        """``strategy``'s first trial at ``setting``: its settled trial at the largest accumulating size where it
+        did not fail, or the configuration to time there next (None: it failed at every size)."""
+        top = self._top(setting)
+        for m in sorted((m for m in self.sizes[setting] if top is not None and m <= top), reverse=True):
+            config = Config(m, strategy, setting)
+            trial = seen.get(config) or self._same_program(config, seen)
+            if trial is None:
+                return config
+            if trial.throughput is not None:
+                return trial
+        return None
+
+    def _same_program(self, config: Config, seen: Mapping[Config, Trial]) -> Trial | None:
+        key = self.program(config)
+        return next((t for c, t in seen.items() if self.program(c) == key), None)
+
+    def _wanted(self, configs: Sequence[Config], seen: Mapping[Config, Trial]) -> list[Config]:
+        """``configs`` not timed yet, one per program."""
+        out: list[Config] = []
+        for config in configs:
+            if self._same_program(config, seen) is None and all(self.program(c) != self.program(config) for c in out):
+                out.append(config)
+        return out
+
+    def _breadth(self, seen: Mapping[Config, Trial]) -> list[Config]:
+        starts = [self._start(s, 0, seen) for s in self.strategies]
+        whole = [Config(self.effective_batch, self.strategies[0])] if self.effective_batch in self.sizes[0] else []
+        return self._wanted([c for c in starts if isinstance(c, Config)] + whole, seen)
+
+    def _best(self, seen: Mapping[Config, Trial], settings: Sequence[int]) -> Trial | None:
+        """The fastest settled trial of ``settings`` at an accumulating size (the whole batch if none)."""
+        done = [t for t in seen.values() if t.throughput is not None and t.config.setting in settings]
+        accumulating = [t for t in done if t.config.microbatch_size < self.effective_batch] or done
+        return max(accumulating, key=lambda t: (t.throughput, -t.config.microbatch_size), default=None)
+
+    def _knobs(self, seen: Mapping[Config, Trial]) -> list[Config]:
+        best = self._best(seen, [0])
+        strategy = self.strategies[0] if best is None else best.config.strategy
+        starts = [self._start(strategy, s, seen) for s in range(1, len(self.sizes))]
+        return self._wanted([c for c in starts if isinstance(c, Config)], seen)
+
+    def _walk(self, seen: Mapping[Config, Trial]) -> tuple[Trial | None, Config | None]:
+        """The descent from the fastest first trial: the trial it stopped at, and the next size to time (None: it
+        has stopped)."""
+        tops = {s: self._top(s) for s in range(len(self.sizes))}
+        firsts = [t for t in seen.values() if t.config.microbatch_size == tops[t.config.setting]]
+        here = max((t for t in firsts if t.throughput is not None), key=lambda t: t.throughput or 0.0, default=None)
+        while here is not None:
+            m, strategy, setting = dataclasses.astuple(here.config)
+            half = [c for c in self.sizes[setting] if c <= m // 2]
+            if not half:
+                return here, None
+            below = Config(max(half), strategy, setting)
+            trial = seen.get(below) or self._same_program(below, seen)
+            if trial is None:
+                return here, below
+            if not clearly_faster(trial, here):
+                return here, None
+            here = trial
+        return None, None
+
+    def _descent(self, seen: Mapping[Config, Trial]) -> list[Config]:
+        _, below = self._walk(seen)
+        return [] if below is None else self._wanted([below], seen)
+
+    def _coordinates(self, seen: Mapping[Config, Trial]) -> list[Config]:
+        here, _ = self._walk(seen)
+        if here is None or here.config.microbatch_size == self._top(here.config.setting):
+            return []
+        m, _, setting = dataclasses.astuple(here.config)
+        return self._wanted([Config(m, s, setting) for s in self.strategies], seen)
