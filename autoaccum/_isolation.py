@@ -19,9 +19,14 @@ a time-out) is an error, reported with its message.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
+import functools
+import importlib.abc
 import importlib.machinery
+import importlib.util
+import io
 import json
 import math
 import os
@@ -32,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -181,26 +187,102 @@ def child_env(
 
 
 def payload(job: Any, platform: str, functions: Sequence[Any] = ()) -> bytes:
-    """``job`` pickled for a child: ``(sys.path, platform, cloudpickle bytes)``.
+    """``job`` pickled for a child: ``(sys.path, platform, cloudpickle bytes, file modules)``.
 
-    ``functions`` (the user's loss) defined in modules a fresh interpreter could not import (``__main__``,
-    files loaded by path, as `autoaccum.load_workload` does) are pickled by value.
+    A module loaded from a file under a name a fresh interpreter cannot import (a workload file, which
+    `autoaccum.load_workload` loads as ``python file.py`` would run it) travels as its file's path: the child loads
+    the same file under the same name when the job refers to it (`load_payload`), so that every function, class and
+    schedule of the file reaches the child, each with its file and line in tracebacks. ``functions`` (the user's
+    loss) defined in other modules a fresh interpreter cannot import, with no file, are pickled by value, as
+    ``__main__``'s are; code pickled by value keeps its file's name too (`_dumps`).
     """
-    import cloudpickle
-
-    with _by_value([m for fn in functions for m in _unimportable_modules(fn)]):
-        body = cloudpickle.dumps(job)
-    return pickle.dumps(([p for p in sys.path if p], platform, body))
+    files = _file_modules()
+    with _by_value([m for fn in functions for m in _unimportable_modules(fn) if m.__name__ not in files]):
+        body = _dumps(job)
+    return pickle.dumps(([p for p in sys.path if p], platform, body, files))
 
 
 def load_payload(payload_path: str) -> tuple[Any, str]:
-    """The job and platform a parent pickled (`payload`), its ``sys.path`` restored."""
+    """The job and platform a parent pickled (`payload`), its ``sys.path`` restored and its file modules found."""
     with open(payload_path, "rb") as f:
-        sys_path, platform, body = pickle.load(f)
+        sys_path, platform, body, files = pickle.load(f)
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    sys.meta_path.append(_FileModules(files))
     import cloudpickle
 
     return cloudpickle.loads(body), platform
+
+
+class _FileModules(importlib.abc.MetaPathFinder):
+    """Finds the parent's modules that it loaded from files under names of their own (`payload`), from their
+    files; asked after every other finder."""
+
+    def __init__(self, files: Mapping[str, tuple[str, list[str] | None]]) -> None:
+        self.files = dict(files)
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.files:
+            return None
+        origin, folders = self.files[fullname]
+        return importlib.util.spec_from_file_location(fullname, origin, submodule_search_locations=folders)
+
+
+def _findable(top: str) -> bool:
+    """Whether a fresh interpreter finds the top-level module ``top`` (on ``sys.path``, or built in)."""
+    return top in sys.builtin_module_names or (
+        importlib.machinery.PathFinder.find_spec(top, [p for p in sys.path if p]) is not None
+    )
+
+
+def _file_modules() -> dict[str, tuple[str, list[str] | None]]:
+    """``{name: (file, package folders or None)}`` of the modules loaded from a file under a top-level name a
+    fresh interpreter cannot find (autoaccum's own aside: a child has it)."""
+    findable: dict[str, bool] = {__name__.partition(".")[0]: True}
+    files = {}
+    for name, module in list(sys.modules.items()):
+        spec = getattr(module, "__spec__", None)
+        if name == "__main__" or spec is None or spec.name != name or not spec.has_location:
+            continue
+        top = name.partition(".")[0]
+        if top not in findable:
+            findable[top] = _findable(top)
+        if not findable[top] and spec.origin is not None and os.path.isfile(spec.origin):
+            folders = spec.submodule_search_locations
+            files[name] = (spec.origin, None if folders is None else list(folders))
+    return files
+
+
+def _dumps(obj: Any) -> bytes:
+    """``cloudpickle.dumps(obj)``, with the code of functions pickled by value keeping its file's name (cloudpickle
+    3 names it ``<dynamic-code>``, and a child's traceback would not say where the user's line is)."""
+    with io.BytesIO() as file:
+        _pickler()(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        return file.getvalue()
+
+
+@functools.cache
+def _pickler() -> type[pickle.Pickler]:
+    import cloudpickle
+
+    reduce_code = cloudpickle.Pickler.dispatch_table.get(types.CodeType)
+    if reduce_code is None:  # (an older cloudpickle, which keeps the name)
+        return cloudpickle.Pickler
+
+    def reduce(code: types.CodeType) -> tuple[Any, ...]:
+        rebuild, args = reduce_code(code)
+        return _code_in_file, (rebuild, args, code.co_filename)
+
+    class Pickler(cloudpickle.Pickler):
+        dispatch_table = collections.ChainMap({types.CodeType: reduce}, cloudpickle.Pickler.dispatch_table)  # noqa: RUF012
+
+    return Pickler
+
+
+def _code_in_file(rebuild: Any, args: tuple[Any, ...], filename: str) -> types.CodeType:
+    code: types.CodeType = rebuild(*args)
+    return code.replace(co_filename=filename)
 
 
 def write_result(result_path: str, data: dict[str, Any]) -> None:
@@ -217,12 +299,8 @@ def _unimportable_modules(fn: Any) -> list[ModuleType]:
     if not isinstance(name, str):
         return modules
     module = sys.modules.get(name)
-    if module is not None and name != "__main__":
-        top = name.split(".")[0]
-        if importlib.machinery.PathFinder.find_spec(top, [p for p in sys.path if p]) is None and (
-            top not in sys.builtin_module_names
-        ):
-            modules.append(module)
+    if module is not None and name != "__main__" and not _findable(name.partition(".")[0]):
+        modules.append(module)
     return modules
 
 

@@ -24,8 +24,10 @@ import dataclasses
 import errno
 import functools
 import math
+import os
 import resource
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -560,4 +562,48 @@ def guarded(run: Callable[[], Outcome]) -> Outcome:
                 raise
             return oom_outcome(e)
     except Exception as e:
-        return Outcome("error", message="".join(traceback.format_exception(type(e), e, e.__traceback__))[-3000:])
+        return Outcome("error", message=error_report(e))
+
+
+def error_report(e: BaseException, limit: int = 3000) -> str:
+    """How a child reports an exception it does not survive, the user's code first: the exception and the frames of
+    its traceback outside autoaccum and the installed libraries (the loss's file and line), then the end of the
+    whole traceback, in at most about ``limit`` characters.
+
+    Example:
+      >>> try:
+      ...     {}["nope"]
+      ... except KeyError as e:
+      ...     print(error_report(e).splitlines()[0])
+      KeyError: 'nope'
+    """
+    users = [f for f in traceback.extract_tb(e.__traceback__) if _users_file(f.filename)]
+    only = traceback.TracebackException(type(e), e, None)
+    if sys.version_info >= (3, 11):
+        only.__notes__ = None  # (JAX's note on the frames it removed: in the whole traceback below)
+    head = "".join(only.format_exception_only()).strip()
+    if users:
+        head += "\n" + "".join(traceback.format_list(users[-8:])).rstrip()
+    whole = "".join(traceback.format_exception(type(e), e, e.__traceback__)).strip()
+    room = max(limit - len(head), 500)
+    tail = whole if len(whole) <= room else "..." + whole[-room:]
+    return f"{head}\nThe whole traceback (autoaccum's and the libraries' frames too):\n{tail}"
+
+
+@functools.cache
+def _library_folders() -> tuple[str, ...]:
+    """The folders whose code is not the user's: autoaccum's (its strategies too) and the Python installation's
+    (the standard library, the installed packages)."""
+    import sysconfig
+
+    import autoaccum
+    from autoaccum import strategies
+
+    paths = sysconfig.get_paths()
+    folders = [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths]
+    folders += [str(Path(m.__file__).parent) for m in (autoaccum, strategies) if m.__file__ is not None]
+    return tuple(os.path.join(os.path.realpath(f), "") for f in folders)
+
+
+def _users_file(filename: str) -> bool:
+    return not filename.startswith("<") and not os.path.realpath(filename).startswith(_library_folders())
