@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
+    from rich.text import Text
 
 UNBOUNDED = 10_000
 """The width off a terminal with no ``COLUMNS``: wide enough that no line or table is ever cut or folded."""
@@ -56,41 +57,47 @@ def warnings_as_lines(console: Console) -> Iterator[None]:
 
 
 def fit_table(
-    console: Console, title: str | None, columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]]
+    console: Console, title: str | None, columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[str | Text]]
 ) -> RenderableType:
-    """A table of plain-text cells (``columns``: ``(header, justify)``) sized for ``console``: at its natural
-    width where that fits, else each column at least as wide as its longest word (cells wrap at spaces, never
-    inside a word) and the room left shared out by `column_widths`. Where even that is too wide (a narrow
-    terminal), one line per row instead, ``header value`` pairs wrapped at spaces. Nothing is cut."""
+    """A table of ``columns`` (``(header, justify)``) and ``rows`` of text (strings are never markup; a
+    ``rich.text.Text`` keeps its style) sized for ``console``: at its natural width where that fits, else each
+    column at least as wide as its longest word (cells wrap at spaces, never inside a word) and the room left
+    shared out by `column_widths`. Where even that is too wide (a narrow terminal), one line per row instead,
+    ``header value`` pairs wrapped at spaces. Nothing is cut."""
     from rich.cells import cell_len
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    cells = [[header for header, _ in columns], *rows]
+    plain = [[cell if isinstance(cell, str) else cell.plain for cell in row] for row in rows]
+    cells = [[header for header, _ in columns], *plain]
     natural = [max(cell_len(row[i]) for row in cells) for i in range(len(columns))]
     longest = [max(cell_len(word) for row in cells for word in row[i].split() or [""]) for i in range(len(columns))]
     room = console.width - 3 * len(columns) - 1  # a box's lines and one space of padding either side of a cell
     if sum(longest) > room:
-        lines = [_row_line([header for header, _ in columns], row) for row in rows]
+        lines = [_row_line([header for header, _ in columns], row) for row in plain]
         return Group(*(Text(line) for line in ([] if title is None else [title]) + lines))
     table = Table(title=None if title is None else Text(title))
     for (header, justify), width in zip(columns, column_widths(natural, longest, room), strict=True):
         table.add_column(Text(header), justify=justify, width=width)  # type: ignore[arg-type]
     for row in rows:
-        table.add_row(*(Text(cell) for cell in row))
+        table.add_row(*(Text(cell) if isinstance(cell, str) else cell for cell in row))
     return table
 
 
 def _row_line(headers: Sequence[str], row: Sequence[str]) -> str:
-    """``"#3: microbatch 16, steps 4, ..."``: a table's row as one line (its empty cells left out).
+    """``"#3: microbatch 16, steps 4, ..."``: a table's row as one line (its empty cells left out), named by its
+    first cell (a number with its header).
 
     Example:
       >>> _row_line(["#", "size", "peak"], ["3", "16", ""])
       '#3: size 16'
+      >>> _row_line(["name", "memory"], ["T4", "16 GiB"])
+      'T4: memory 16 GiB'
     """
+    name = row[0] if not row[0].isdigit() else f"#{row[0]}" if headers[0] == "#" else f"{headers[0]} {row[0]}"
     pairs = [f"{header} {value}" for header, value in zip(headers[1:], row[1:], strict=True) if value]
-    return f"{headers[0]}{row[0]}: " + ", ".join(pairs)
+    return f"{name}: " + ", ".join(pairs)
 
 
 def column_widths(natural: Sequence[int], longest: Sequence[int], room: int) -> list[int | None]:

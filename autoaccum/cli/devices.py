@@ -25,11 +25,9 @@ def devices(as_json: bool, target_config: bool) -> None:
     \b
     Exit codes: 0 success; 1 --target-config on a machine without an NVIDIA GPU; 2 bad usage.
     """
-    from rich.console import Console
-    from rich.table import Table
-
     from autoaccum._device import all_devices, resolve_memory_limit
     from autoaccum._units import format_bytes
+    from autoaccum.cli._console import fit_table, make_console
 
     if target_config:
         _print_target_config()
@@ -49,16 +47,14 @@ def devices(as_json: bool, target_config: bool) -> None:
     def size(n: int | None) -> str:
         return "?" if n is None else format_bytes(n)
 
-    table = Table()
-    for column in ("id", "platform", "name", "total", "free", "memory limit", "sources"):
-        table.add_column(column)
-    for i in infos:
-        sources = ", ".join(f"{k}: {v}" for k, v in sorted(i.sources.items()))
-        table.add_row(
-            str(i.id), i.platform, i.name, size(i.total_bytes), size(i.free_bytes), size(limit(i)),
-            sources,
-        )  # fmt: skip
-    Console().print(table)
+    columns = [(header, "left") for header in ("id", "platform", "name", "total", "free", "memory limit", "sources")]
+    rows = [
+        (str(i.id), i.platform, i.name, size(i.total_bytes), size(i.free_bytes), size(limit(i)),
+         ", ".join(f"{k}: {v}" for k, v in sorted(i.sources.items())))
+        for i in infos
+    ]  # fmt: skip
+    console = make_console()
+    console.print(fit_table(console, None, columns, rows))
 
 
 def _print_target_config() -> None:

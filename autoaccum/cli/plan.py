@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import click
 
 from autoaccum import strategies as strategies_lib
 from autoaccum.cli._common import resolve_workload, workload_arguments
+from autoaccum.cli._console import fit_table, make_console
 
 NOTE = (
     "Predicted from XLA's compile-only analysis ({compilers}; nothing was run). Usable memory = the card's "
@@ -112,11 +112,9 @@ def plan(
     \b
     Exit codes: 0 a capacity for every target; 1 nothing fits on some target; 2 bad usage or bad input.
     """
-    from rich.console import Console
-
     from autoaccum._capacity import Target
 
-    console = Console(stderr=as_json, quiet=as_json, width=None if sys.stdout.isatty() else 130)
+    console = make_console(stderr=as_json, quiet=as_json)
     if list_gpus or any(g.strip().lower() == "list" for g in gpus):
         _print_catalog(as_json)
         return
@@ -308,9 +306,6 @@ def _predicted_plan(w: Any, est: Any, capacity: Any) -> Any:
 
 
 def _print_catalog(as_json: bool) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     from autoaccum._catalog import ACCELERATORS
     from autoaccum._units import format_bytes
 
@@ -331,11 +326,10 @@ def _print_catalog(as_json: bool) -> None:
         ]
         click.echo(json.dumps(rows, indent=2))
         return
-    table = Table(title="catalogued accelerators (datasheet figures)")
-    for column in ("name", "memory", "memory limit (default)", "bf16 TFLOP/s", "fp32 TFLOP/s", "bandwidth", "aliases"):
-        table.add_column(column, justify="left" if column in ("name", "aliases") else "right")
-    for a in ACCELERATORS:
-        table.add_row(
+    headers = ("name", "memory", "memory limit (default)", "bf16 TFLOP/s", "fp32 TFLOP/s", "bandwidth", "aliases")
+    columns = [(header, "left" if header in ("name", "aliases") else "right") for header in headers]
+    cells = [
+        (
             a.name,
             format_bytes(a.memory_bytes),
             format_bytes(a.memory_limit_bytes()),
@@ -344,18 +338,21 @@ def _print_catalog(as_json: bool) -> None:
             f"{a.bandwidth / 1e9:,.0f} GB/s",
             ", ".join(a.aliases),
         )
-    Console(width=None if sys.stdout.isatty() else 130).print(table)
+        for a in ACCELERATORS
+    ]
+    console = make_console()
+    console.print(fit_table(console, "catalogued accelerators (datasheet figures)", columns, cells))
 
 
 def _print_table(console: Any, plans: list[Any], total: int) -> None:
-    from rich.table import Table
+    from rich.text import Text
 
     from autoaccum._units import format_bytes
 
     devices = plans[0].devices if plans else 1
     per = f" on {devices} devices each (microbatch global, memory per device)" if devices > 1 else ""
-    table = Table(title=f"predicted capacity for an effective batch of {total}{per} (estimates, nothing was run)")
-    columns = (
+    title = f"predicted capacity for an effective batch of {total}{per} (estimates, nothing was run)"
+    headers = (
         "target",
         "memory limit",
         "one step?",
@@ -364,12 +361,14 @@ def _print_table(console: Any, plans: list[Any], total: int) -> None:
         "peak",
         "step time (est.)",
     )
-    for column in columns:
-        table.add_column(column, justify="left" if column == "target" else "right")
+    columns = [(header, "left" if header == "target" else "right") for header in headers]
+    rows: list[tuple[str | Text, ...]] = []
     for p in plans:
-        split = f"{p.microbatch_size} x {p.accumulation_steps}" if p.fits else "[red]nothing fits[/]"
+        split: str | Text = Text("nothing fits", style="red")
+        if p.fits:
+            split = f"{p.microbatch_size} x {p.accumulation_steps}"
         seconds = "-" if p.step_seconds is None else f"{_seconds(p.step_seconds)} ({p.bound.value}-bound)"
-        table.add_row(
+        rows.append((
             p.target,
             format_bytes(p.memory_limit_bytes),
             "yes" if p.fits_in_one_step else "no",
@@ -377,8 +376,8 @@ def _print_table(console: Any, plans: list[Any], total: int) -> None:
             split,
             format_bytes(p.peak_bytes),
             seconds,
-        )
-    console.print(table)
+        ))  # fmt: skip
+    console.print(fit_table(console, title, columns, rows))
 
 
 def _seconds(s: float) -> str:

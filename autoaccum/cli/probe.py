@@ -13,12 +13,12 @@ from autoaccum import strategies as strategies_lib
 from autoaccum._probe import DEFAULT_TRIAL_TIMEOUT
 from autoaccum._units import format_bytes
 from autoaccum.cli._common import resolve_workload, workload_arguments
-from autoaccum.cli._console import make_console, warnings_as_lines
+from autoaccum.cli._console import fit_table, make_console, warnings_as_lines
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from autoaccum._probe import Trial
+    from autoaccum._probe import ProbeResult, Trial
 
 
 @click.command()
@@ -126,19 +126,22 @@ class _LiveTrials:
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         self.console, self.timeout, self.done = console, timeout, 0
-        columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-        self.progress = Progress(*columns, console=console, transient=True)
-        self.task = self.progress.add_task(self._running("the compile-only estimate"), total=None)
+        columns = (SpinnerColumn(), TimeElapsedColumn(), TextColumn("{task.description}"))  # the time first
+        self.progress = Progress(*columns, console=console, transient=True) if console.is_terminal else None
+        if self.progress is not None:
+            self.task = self.progress.add_task(self._running("estimate + trial 1"), total=None)
 
     def __enter__(self) -> _LiveTrials:
-        self.progress.__enter__()
+        if self.progress is not None:
+            self.progress.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.progress.__exit__(None, None, None)
+        if self.progress is not None:
+            self.progress.__exit__(None, None, None)
 
     def _running(self, what: str) -> str:
-        killed = "" if self.timeout is None else f" (killed after {self.timeout:g} s: --trial-timeout)"
+        killed = "" if self.timeout is None else f"; a child is killed after {self.timeout:g} s (--trial-timeout)"
         return f"{what} running{killed}"
 
     def finished(self, t: Trial) -> None:
@@ -150,32 +153,26 @@ class _LiveTrials:
         outcome = "[green]fits[/]" if t.fits else "[red]out of memory[/]" if t.error is None else "[bold red]error[/]"
         more = f" ({', '.join(details)})" if details else ""
         self.console.print(f"  microbatch {t.microbatch_size:>7}: {outcome}{more}")
-        self.progress.reset(self.task, description=self._running(f"trial {self.done + 1}"))
+        if self.progress is not None and t.error is None:  # (an error ends the probe)
+            self.progress.reset(self.task, description=self._running(f"trial {self.done + 1}"))
 
 
-def _report(console: object, result: object) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from autoaccum._probe import ProbeResult
-    from autoaccum._units import format_bytes
-
-    assert isinstance(console, Console) and isinstance(result, ProbeResult)
+def _report(console: Console, result: ProbeResult) -> None:
     d = result.device
     console.print(
-        f"device: {d.name} ({d.platform}); limit {format_bytes(result.memory_limit_bytes)} ({result.limit_source})"
+        f"device: {d.name} ({d.platform}); limit {format_bytes(result.memory_limit_bytes)} ({result.limit_source})",
+        markup=False,
     )
-    table = Table(title=f"{result.runs} trials in {result.seconds:.1f} s")
-    for column in ("#", "microbatch", "result", "step s", "peak", "trial s"):
-        table.add_column(column, justify="right" if column != "result" else "left")
-    for i, t in enumerate(result.trials, 1):
-        outcome = "fits" if t.fits else ("out of memory" if t.error is None else "error")
-        table.add_row(
-            str(i), str(t.microbatch_size), outcome,
+    columns = [("#", "right"), ("microbatch", "right"), ("result", "left"), ("step s", "right"), ("peak", "right"),
+               ("trial s", "right")]  # fmt: skip
+    rows = [
+        (
+            str(i), str(t.microbatch_size), "fits" if t.fits else ("out of memory" if t.error is None else "error"),
             "" if t.seconds is None else f"{t.seconds:.4f}",
             "" if t.peak_bytes is None else format_bytes(t.peak_bytes),
             "" if t.wall_seconds is None else f"{t.wall_seconds:.1f}",
-        )  # fmt: skip
-    console.print(table)
-    style = "bold green" if result.max_microbatch else "bold red"
-    console.print(f"[{style}]{result.message}[/]")
+        )
+        for i, t in enumerate(result.trials, 1)
+    ]  # fmt: skip
+    console.print(fit_table(console, f"{result.runs} trials in {result.seconds:.1f} s", columns, rows))
+    console.print(Text(result.message, style="bold green" if result.max_microbatch else "bold red"))
