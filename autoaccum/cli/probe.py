@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 )  # fmt: skip
 @click.option(
     "--memory-limit",
-    help="Memory a trial may use, e.g. 1.5GiB or 800MB [default: XLA's allocator limit on a GPU, "
-    "50% of available RAM on the CPU].",
+    help="Memory a trial may use, e.g. 1.5GiB or 800MB; one above the device's memory is lowered to it, with a "
+    "warning [default: XLA's allocator limit on a GPU, 50% of available RAM on the CPU].",
 )
 @click.option("--max-microbatch", type=int, default=16384, show_default=True, help="Largest microbatch to try.")
 @click.option("--granularity", type=int, default=1, show_default=True, help="Try only multiples of this (e.g. 8).")

@@ -40,7 +40,11 @@ params, opt_state, loss{state} = update(params, opt_state, batch{state})"""
     type=click.Choice(strategies_lib.available()),
     help="Strategies to consider (repeat the option) [default: all].",
 )
-@click.option("--memory-limit", help="Memory a step may use, e.g. 1.5GiB or 800MB [default: the device's].")
+@click.option(
+    "--memory-limit",
+    help="Memory a step may use, e.g. 1.5GiB or 800MB; one above the device's memory is lowered to it, with a "
+    "warning [default: the device's].",
+)
 @click.option("--n-trials", type=click.IntRange(min=1), help="Trials to run [default: all if at most 12, else 12].")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Stop starting trials after SECONDS.")
 @click.option(
