@@ -21,6 +21,7 @@ from autoaccum._estimate import Estimate, estimate
 from autoaccum._gpu_compile import quiet_plugin_start
 from autoaccum._knobs import Knobs
 from autoaccum._plan import Plan
+from autoaccum._preflight import NonFiniteLossWarning
 from autoaccum._probe import ProbeError, ProbeResult, Trial, probe
 from autoaccum._tune.result import TrialRecord, TuneResult
 from autoaccum._tune.run import tune
@@ -37,6 +38,7 @@ __all__ = [
     "Estimate",
     "Knobs",
     "MemoryLimitWarning",
+    "NonFiniteLossWarning",
     "Plan",
     "ProbeError",
     "ProbeResult",

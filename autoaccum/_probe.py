@@ -52,6 +52,7 @@ from autoaccum._estimate import DEFAULT_MAX_MICROBATCH, Estimate
 from autoaccum._isolation import ChildRunner, Outcome
 from autoaccum._json import JsonMixin
 from autoaccum._memory import state_bytes
+from autoaccum._preflight import trace_loss
 from autoaccum._trial import Job, MeshSpec, compile_trial, estimate_for_search, is_oom, measured, oom_outcome
 from autoaccum._units import format_bytes
 from autoaccum.strategies import PyTree, check_params, leading_size, tree_bytes
@@ -567,6 +568,7 @@ def probe(
     )  # fmt: skip
     if sizes is not None:
         sizes = _check_sizes(sizes, setup)
+    trace_loss(loss_fn, params, batch, state)  # the loss's own error, here, before any child starts
     with TrialRunner(setup, progress) as runner:
         model, why = runner.estimate()
         best = search(

@@ -14,10 +14,10 @@ PUBLIC_MODULES = {"autoaccum.cli", "autoaccum.linen", "autoaccum.nnx", "autoaccu
 
 def test_autoaccum_exports() -> None:
     assert set(autoaccum.__all__) == {
-        "Capacity", "DeviceInfo", "Estimate", "Knobs", "MemoryLimitWarning", "Plan", "ProbeError", "ProbeResult",
-        "Target", "Trial", "TrialRecord", "TuneResult", "Update", "Workload", "WorkloadError", "__version__",
-        "build_update", "detect_device", "estimate", "format_bytes", "linen", "load_workload", "nnx", "parse_bytes",
-        "probe", "strategies", "tune",
+        "Capacity", "DeviceInfo", "Estimate", "Knobs", "MemoryLimitWarning", "NonFiniteLossWarning", "Plan",
+        "ProbeError", "ProbeResult", "Target", "Trial", "TrialRecord", "TuneResult", "Update", "Workload",
+        "WorkloadError", "__version__", "build_update", "detect_device", "estimate", "format_bytes", "linen",
+        "load_workload", "nnx", "parse_bytes", "probe", "strategies", "tune",
     }  # fmt: skip
     for name in autoaccum.__all__:
         assert hasattr(autoaccum, name), name

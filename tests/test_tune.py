@@ -552,3 +552,29 @@ def test_no_trial_runs_a_microbatch_below_the_floor(linear: autoaccum.Workload) 
             w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=31, min_microbatch=23,
             storage=":memory:", measure=measure,
         )  # fmt: skip
+
+
+def test_a_loss_that_raises_raises_its_own_error_before_any_trial(linear: autoaccum.Workload) -> None:
+    """The loss is traced once in the caller, abstractly, before anything is timed: its own exception comes out."""
+    calls: list[Any] = []
+
+    def broken(params: Any, batch: Any) -> Any:
+        return linear.loss_fn(params, batch) + batch["nope"].sum()
+
+    with pytest.raises(KeyError, match="nope"):
+        tune(
+            broken, linear.params, linear.batch, optimizer=linear.optimizer, max_microbatch=4, storage=":memory:",
+            measure=fake_measure(calls),
+        )  # fmt: skip
+    assert calls == []
+
+
+def test_a_loss_not_finite_at_the_initial_parameters_is_warned_of(linear: autoaccum.Workload) -> None:
+    def nan_loss(params: Any, batch: Any) -> Any:
+        return linear.loss_fn(params, batch) * jnp.nan
+
+    with pytest.warns(autoaccum.NonFiniteLossWarning, match="the loss is nan at the initial parameters"):
+        tune(
+            nan_loss, linear.params, linear.batch, optimizer=linear.optimizer, max_microbatch=4, n_trials=2,
+            storage=":memory:", measure=fake_measure(),
+        )  # fmt: skip

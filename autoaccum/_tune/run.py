@@ -20,6 +20,7 @@ from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_
 from autoaccum._estimate import Estimate, estimate
 from autoaccum._knobs import Knobs
 from autoaccum._plan import Plan, params_signature
+from autoaccum._preflight import trace_loss, warn_if_not_finite
 from autoaccum._probe import prepare, probe
 from autoaccum._tune.claims import config_key, open_claims, settled
 from autoaccum._tune.race import FINALISTS, ROUNDS, Runner, race
@@ -318,6 +319,8 @@ def tune(
     # Build one update per strategy so bad input (optimizer, loss, options) fails here, not in trial 0.
     for name in names:
         build_update(loss_for(default), optimizer, microbatch_size=1, strategy=name, **default.build, **loss_kw)
+    trace_loss(loss_for(default), params, batch, state)  # the loss's own error, here, before any child starts
+    warn_if_not_finite(loss_for(default), params, batch, state=state, has_aux=has_aux, loss_reduction=loss_reduction)
     setup = None
     # The worker's job and limit: the probe's (checked here, before anything runs). On a mesh, trials are timed
     # in this process for now: the worker's accumulating programs on a mesh are not built from shapes yet.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -30,6 +31,28 @@ def resolve_workload(workload: str | None, demo: bool) -> Workload:
     if not workload:
         raise click.UsageError("give a WORKLOAD (path/to/file.py:function or package.module:function) or --demo.")
     try:
-        return load_workload(workload)
+        loaded = load_workload(workload)
     except WorkloadError as e:
         raise click.BadParameter(str(e), param_hint="WORKLOAD") from e
+    check_loss_traces(loaded, workload)
+    return loaded
+
+
+def check_loss_traces(w: Workload, target: str) -> None:
+    """Traces the workload's loss on one example, abstractly (`autoaccum._preflight.trace_loss`), before any child
+    starts; an error of the loss's own is bad input (exit 2) shown with the user's frames: file, line, code."""
+    import traceback
+
+    from autoaccum._preflight import trace_loss
+
+    try:
+        trace_loss(w.loss_fn, w.params, w.batch, w.state)
+    except Exception as e:  # the user's loss raised: shown with their own frames, whatever it was
+        package = str(Path(__file__).resolve().parents[1])
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(package)]
+        where = "".join(traceback.format_list(frames)).rstrip()
+        raise click.BadParameter(
+            f"`loss_fn` of {target!r} raised {type(e).__name__}: {e}, traced on the batch's first example before any "
+            f"trial:\n{where}",
+            param_hint="WORKLOAD",
+        ) from e

@@ -1,0 +1,95 @@
+"""What the caller checks of the user's loss before any child process starts: that it traces, and that it is finite
+at the initial parameters."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from autoaccum.strategies import PyTree
+
+
+class NonFiniteLossWarning(UserWarning):
+    """The loss is NaN or infinite at the initial parameters: the tuned plan would train on it."""
+
+
+def _rows(batch: PyTree, n: int) -> PyTree:
+    return jax.tree.map(lambda x: x[:n], batch)
+
+
+def _call(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state: PyTree | None) -> Any:
+    return loss_fn(params, batch) if state is None else loss_fn(params, batch, state)
+
+
+def trace_loss(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state: PyTree | None = None) -> None:
+    """Traces ``loss_fn`` once on the batch's first example, abstractly (``jax.eval_shape``: nothing is allocated,
+    nothing runs). An exception the loss raises is the caller's own, raised here with its file and line, before
+    any trial; a note says so.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> trace_loss(lambda p, b: (p * b["x"]).mean(), jnp.ones(3), {"x": jnp.ones((4, 3))})
+      >>> try:
+      ...     trace_loss(lambda p, b: b["nope"].mean(), jnp.ones(3), {"x": jnp.ones((4, 3))})
+      ... except KeyError as e:
+      ...     print(repr(e))
+      KeyError('nope')
+    """
+    try:
+        jax.eval_shape(lambda p, b, s: _call(loss_fn, p, b, s), params, _rows(batch, 1), state)
+    except Exception as e:  # the user's loss raised: re-raised unchanged, with a note of where autoaccum called it
+        if hasattr(e, "add_note"):
+            e.add_note(
+                "autoaccum traced `loss_fn` on the batch's first example (jax.eval_shape) before starting any trial; "
+                "the error above is the loss's own."
+            )
+        raise
+
+
+def initial_loss(
+    loss_fn: Callable[..., Any],
+    params: PyTree,
+    batch: PyTree,
+    *,
+    state: PyTree | None = None,
+    has_aux: bool = False,
+    loss_reduction: str = "mean",
+    rows: int = 8,
+) -> float | None:
+    """The loss at ``params`` on the batch's first ``rows`` examples (``loss_sum`` for ``loss_reduction="sum"``),
+    run once in this process; None where its output is not the shape autoaccum expects (reported elsewhere)."""
+    out = jax.jit(lambda p, b, s: _call(loss_fn, p, b, s))(params, _rows(batch, rows), state)
+    for unpack in (state is not None, has_aux, loss_reduction == "sum"):
+        if unpack:
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                return None
+            out = out[0]
+    try:
+        return float(out)
+    except (TypeError, ValueError):
+        return None
+
+
+def warn_if_not_finite(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, **kwargs: Any) -> None:
+    """A `NonFiniteLossWarning` where `initial_loss` is NaN or infinite.
+
+    Example:
+      >>> import warnings, jax.numpy as jnp
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     warn_if_not_finite(lambda p, b: jnp.log(p - 2).mean() * b.mean(), jnp.ones(3), jnp.ones((4, 3)))
+      >>> str(caught[0].message).split(":")[0]
+      "the loss is nan at the initial parameters (on the batch's first 8 examples)"
+    """
+    value = initial_loss(loss_fn, params, batch, **kwargs)
+    if value is not None and not math.isfinite(value):
+        warnings.warn(
+            f"the loss is {value} at the initial parameters (on the batch's first {kwargs.get('rows', 8)} examples): "
+            "the tuned plan would train on it; check the loss, the parameters' initialisation and the batch.",
+            NonFiniteLossWarning,
+            stacklevel=3,
+        )
