@@ -59,7 +59,7 @@ from autoaccum.strategies import PyTree, check_params, leading_size, tree_bytes
 
 FIRST_MARGIN = 0.9
 """The first real trial runs at this fraction of the compile-only prediction (XLA's estimate omits the
-runtime's own overheads)."""
+runtime's own overheads); `ProbeResult.bound_for` takes its predictions at it too."""
 
 DEFAULT_TRIAL_TIMEOUT = 600.0
 """Seconds a probe's child (one trial, or the estimate) may run before it is killed as hung."""
@@ -149,18 +149,13 @@ class ProbeResult(JsonMixin):
 
     def bound_for(self, other: Estimate) -> int:
         """The largest microbatch predicted to fit for another setting of the probed step (another remat policy,
-        another value of the loss's own knobs), without probing it again: ``other``, its compile-only estimate
-        (made with this probe's ``microbatch_cap``), calibrated by what this probe measured.
+        another value of the loss's own knobs), without probing it again: the largest size whose `predicted_peak`
+        (``other``'s compile-only estimate, made with this probe's ``microbatch_cap``, calibrated by what this
+        probe measured: `missed_bytes`; uncalibrated where that is None) is within the limit.
 
-        The probe's largest fitting trial used ``peak_bytes`` where this probe's own estimate predicted
-        ``bytes_at(size)``: the ratio of the two is what the estimate misses on this device (the runtime's own
-        needs, the allocator's rounding). ``other`` answers for the limit divided by that ratio. Without a
-        measured peak, ``other``'s boundary is scaled by the probed over the estimated boundary; without an
-        estimate of the probed step, ``other``'s own answer stands. What the estimate misses differs a little
-        from setting to setting (measured: the probed boundary was 1.245x the estimate's without per-block
-        remat, 1.193x with it, so the calibrated bound overshot by 11%), so the answer, a prediction no trial
-        has run, is taken at `FIRST_MARGIN` of itself, as the probe's first trial is. The result is a multiple
-        of ``granularity``, at most ``microbatch_cap``.
+        Where that is ``microbatch_cap`` (every size is predicted to fit) the answer is the cap; below it, the
+        answer, a prediction no trial has run, is taken at `FIRST_MARGIN` of itself, as the probe's first trial is;
+        0 where no size is predicted to fit. The result is a multiple of ``granularity``.
 
         Example:
           >>> from autoaccum import workloads
@@ -172,31 +167,32 @@ class ProbeResult(JsonMixin):
           True
         """
         g = self.granularity
-        own = self.estimate
-        missed = self.missed
-        if missed is not None:
-            answer = other.largest_microbatch(max(1, int(self.memory_limit_bytes / missed)))
-        elif own is not None and own.max_microbatch > 0:
-            answer = other.max_microbatch * self.max_microbatch // own.max_microbatch
-        else:
-            answer = other.max_microbatch
-        answer = math.floor(answer * FIRST_MARGIN)
-        return min(answer // g * g, self.microbatch_cap // g * g)
+        top = min(self.microbatch_cap, other.microbatch_cap)
+        answer = min(other.largest_microbatch(max(1, self.memory_limit_bytes - (self.missed_bytes or 0))), top)
+        if answer < top:
+            answer = math.floor(answer * FIRST_MARGIN)
+        return answer // g * g
 
     @property
-    def missed(self) -> float | None:
-        """The measured peak of the largest fitting trial over this probe's estimate of it: what the compile-only
-        estimate misses on this device (None without a measured peak or an estimate)."""
-        fits = [t for t in self.trials if t.fits and t.peak_bytes]
+    def missed_bytes(self) -> int | None:
+        """What this probe's compile-only estimate misses on this device, in bytes (negative where it counts too
+        much): the peak of the largest fitting trial, as measured (where it was not: the limit, the most it can have
+        used), less the estimate's `Estimate.bytes_at` its size. None without a fitting trial or an estimate.
+
+        A difference, not a ratio: what the estimate misses is taken not to grow with the step (the runtime's own
+        needs; on the CPU, memory mapped before the cap, which a step reuses and the cap does not count).
+        """
+        fits = [t for t in self.trials if t.fits]
         if self.estimate is None or not fits:
             return None
         largest = max(fits, key=lambda t: t.microbatch_size)
-        return largest.peak_bytes / self.estimate.bytes_at(largest.microbatch_size)  # type: ignore[operator]
+        peak = largest.peak_bytes or self.memory_limit_bytes
+        return peak - self.estimate.bytes_at(largest.microbatch_size)
 
     def predicted_peak(self, other: Estimate, microbatch_size: int, batch_size: int | None = None) -> int:
         """The peak bytes ``other`` (an estimate of another setting, or of this one with ``accumulation=True``)
         predicts for ``microbatch_size`` examples per microbatch over ``batch_size`` per update (`Estimate.bytes_at`),
-        calibrated by what this probe measured (`missed`).
+        calibrated by what this probe measured: plus `missed_bytes`.
 
         The probe runs one microbatch's step; an accumulating step also holds the accumulator and the whole
         batch, and an uneven split a second program for its last microbatch (on the demo transformer the estimate
@@ -214,7 +210,7 @@ class ProbeResult(JsonMixin):
           >>> found.predicted_peak(acc, 16, 64) > found.predicted_peak(acc, 16)
           True
         """
-        return math.ceil(other.bytes_at(microbatch_size, batch_size) * (self.missed or 1.0))
+        return other.bytes_at(microbatch_size, batch_size) + (self.missed_bytes or 0)
 
     @property
     def step_seconds(self) -> float | None:
