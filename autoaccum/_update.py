@@ -70,6 +70,11 @@ class Update:
         return self.accumulation.spec.remat
 
     @property
+    def state_update(self) -> str:
+        """``"per_microbatch"`` (the state is threaded) or ``"once"`` (its floating leaves move once per update)."""
+        return self.accumulation.spec.state_update
+
+    @property
     def loss_reduction(self) -> str:
         """``"mean"`` (``loss_fn`` returns the mean loss) or ``"sum"`` (it returns ``(loss_sum, weight)``)."""
         return self.accumulation.spec.loss_reduction
@@ -78,8 +83,9 @@ class Update:
         """The optimizer state for ``params``: ``optimizer.init(params)``, the same for every strategy."""
         return self.accumulation.init(params)
 
-    def _state(self, state: PyTree, call: str) -> PyTree:
+    def _state(self, state: PyTree, call: str, params: PyTree) -> PyTree:
         if self.has_state and state is _MISSING:
+            check_params(params)  # an nnx model passed here is pointed at autoaccum.nnx, not at `state`
             raise TypeError(
                 f"the update was built with has_state=True, so pass the model state: `{call}(params, opt_state, "
                 f"{'microbatches' if call == 'update.stream' else 'batch'}, state)`."
@@ -93,7 +99,7 @@ class Update:
 
     def __call__(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = _MISSING) -> tuple[Any, ...]:
         """``(params, opt_state, loss)``, or ``(params, opt_state, loss, state)`` with ``has_state``."""
-        state = self._state(state, "update")
+        state = self._state(state, "update", params)
         # The strategy checks the batch and params (clear errors before anything is traced) once per signature.
         params, opt_state, loss, state = self.accumulation(params, opt_state, batch, state)
         return (params, opt_state, loss, state) if self.has_state else (params, opt_state, loss)
@@ -130,7 +136,7 @@ class Update:
           >>> float(loss)
           9.0
         """
-        state = self._state(state, "update.stream")
+        state = self._state(state, "update.stream", params)
         check_params(params)
         params, opt_state, loss, state = self.accumulation.stream(params, opt_state, microbatches, state)
         return (params, opt_state, loss, state) if self.has_state else (params, opt_state, loss)
@@ -144,10 +150,10 @@ class Update:
 
         ``state`` (shapes suffice) is passed only and always with ``has_state``.
         """
-        state = self._state(state, "update.programs")
+        state = self._state(state, "update.programs", params)
         leading_size(batch)
         check_params(params)
-        return self.accumulation.programs(params, opt_state, batch, state)
+        return self.accumulation.programs(params, opt_state, batch, self.accumulation.carried(state))
 
 
 def build_update(
@@ -164,6 +170,7 @@ def build_update(
     gather_params: Schedule = "once",
     reduce_grads: Schedule = "once",
     remat: str | None = None,
+    state_update: Schedule = "per_microbatch",
     **options: Any,
 ) -> Update:
     """Builds a jitted update that accumulates gradients over microbatches of ``microbatch_size``.
@@ -172,6 +179,14 @@ def build_update(
     every example weighs ``1 / B`` even when ``microbatch_size`` does not divide ``B`` (the last microbatch is
     then smaller), the returned loss equals ``loss_fn(params, batch)`` and aux is the example-weighted mean.
     The optimizer, schedules included, advances once per call.
+
+    This holds for a loss that is a mean (or a sum) of per-example terms, and a state that does not depend on the
+    batch's statistics (a PRNG key, a step counter). It does not hold where examples are coupled: each microbatch
+    is a batch of its own to ``loss_fn``, so BatchNorm in training mode normalises each microbatch by its own
+    statistics (the gradient changes, more as the microbatch shrinks), and a loss that couples examples (a ratio
+    of batch means, a Dice or Jaccard term over the batch, a contrastive loss over in-batch negatives) is computed
+    per microbatch and averaged. Keep such microbatches large (``tune``'s ``min_microbatch``). The running
+    statistics take one step per microbatch by default; ``state_update="once"`` moves them once per update.
 
     The three ways of calling ``loss_fn`` compose: wherever ``loss`` stands below, ``has_aux`` puts
     ``(loss, aux)``, and ``loss_reduction="sum"`` makes ``loss`` the pair ``(loss_sum, weight)``.
@@ -212,6 +227,13 @@ def build_update(
         ``"dots_saveable"``, ``"dots_with_no_batch_dims_saveable"``, and where the device has pinned host memory
         ``"offload_dot_with_no_batch_dims"``), or None (off, the default). The result is the same; the memory
         and the time of a step change. Per-layer policies need the model's cooperation: see `autoaccum.Knobs`.
+      state_update: how the model state moves (``has_state``): ``"per_microbatch"`` (the default) threads it,
+        microbatch ``i`` seeing what ``i - 1`` returned, so an EMA of batch statistics (BatchNorm's running mean
+        and variance) takes one step per microbatch, ``k`` per update; ``"once"`` gives every microbatch the
+        floating leaves as the update received them and returns their example-weighted mean over the
+        microbatches: the EMA then moves once per update, towards the mean of the microbatches' statistics (for
+        the running mean, the full batch's mean). Keys, counters and other non-floating leaves are threaded
+        either way.
       **options: the strategy's options (``autoaccum.strategies.get(strategy).options``), e.g. ``unroll=2`` for scan.
 
     Returns:
@@ -268,6 +290,7 @@ def build_update(
         gather_params=gather_params,
         reduce_grads=reduce_grads,
         remat=remat,
+        state_update=state_update,
     )
     accumulation = cls(spec, **options)
     return Update(microbatch_size, strategy, dict(accumulation.config), accumulation)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from autoaccum.strategies import _state
 from autoaccum.strategies._remat import check_remat, rematerialised
 
 PyTree = Any
@@ -58,6 +59,10 @@ class Spec:
         gradient sum on each device) or ``"per_microbatch"`` (sharded sums with FSDP, more communication).
       remat: the ``jax.checkpoint`` policy applied to each microbatch's loss, by name (`REMAT_POLICIES`), or
         None (off).
+      state_update: ``"per_microbatch"``: microbatch ``i`` sees the state microbatch ``i - 1`` returned; or
+        ``"once"``: the state's floating leaves (BatchNorm's running statistics) move once per update, by the
+        example-weighted mean of what the microbatches return from the update's incoming state, and the loss
+        is then called with the strategies' state as a `MeanState` (see `autoaccum.strategies._state`).
     """
 
     loss_fn: LossFn
@@ -71,6 +76,7 @@ class Spec:
     gather_params: Schedule = "once"
     reduce_grads: Schedule = "once"
     remat: str | None = None
+    state_update: Schedule = "per_microbatch"
 
     def __post_init__(self) -> None:
         check_remat(self.remat)
@@ -80,6 +86,16 @@ class Spec:
                     f"`{name}` must be 'once' or 'per_microbatch', got {name}={getattr(self, name)!r}; 'once' per "
                     "update uses more memory and less communication."
                 )
+        if self.state_update not in SCHEDULES:
+            raise ValueError(
+                f"`state_update` must be 'per_microbatch' or 'once', got state_update={self.state_update!r}; 'once' "
+                "moves the state's floating leaves (BatchNorm's running statistics) once per update."
+            )
+        if self.state_update == "once" and not self.has_state:
+            raise ValueError(
+                "`state_update`='once' moves the model state once per update, but has_state=False; pass "
+                "has_state=True with loss_fn(params, batch, state) -> (loss, state), or leave state_update out."
+            )
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(
                 f"`loss_reduction` must be 'mean' or 'sum', got loss_reduction={self.loss_reduction!r}; use 'sum' "
@@ -143,9 +159,10 @@ def check_params(params: PyTree) -> None:
     """
     if _is_nnx_object(params):
         raise TypeError(
-            f"`params` is a {type(params).__name__} from flax.nnx; this function takes a pytree of arrays. For nnx "
-            "models use autoaccum.nnx (build_update, probe, estimate, tune), which differentiate what "
-            "nnx.Optimizer's `wrt` selects and thread the rest (RNG streams, BatchStat) as model state."
+            f"`params` is an nnx.{type(params).__name__}; this function takes a pytree of arrays. For nnx models "
+            "use autoaccum.nnx (build_update, probe, estimate, tune), which differentiate what nnx.Optimizer's "
+            "`wrt` selects and thread the rest (RNG streams, BatchStat) as model state; for a saved plan, "
+            "autoaccum.nnx.build_update(loss_fn, plan=autoaccum.Plan.load(path)), then step(model, optimizer, batch)."
         )
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         dtype = dtype_of(leaf)
@@ -249,66 +266,145 @@ def checked_loss(spec: Spec) -> Callable[[PyTree, PyTree, PyTree], tuple[jax.Arr
 
     ``loss`` is the scalar to differentiate: the mean loss (``loss_reduction="mean"``, and ``weight`` is the
     number of examples ``n``) or ``loss_sum`` (``"sum"``, and ``weight`` is the one ``loss_fn`` returned).
-    Without ``has_aux`` aux is ``()``; without ``has_state`` the state passes through unchanged. The output is
-    checked while it is traced, so mistakes are reported before anything compiles.
+    Without ``has_aux`` aux is ``()``; without ``has_state`` the state passes through unchanged; with
+    ``state_update="once"`` the state is a `MeanState` (the loss sees `given` of it, and its result is folded in).
+    The output is checked while it is traced, so mistakes are reported before anything compiles.
     """
-    is_sum = spec.loss_reduction == "sum"
-    value_name = "(loss_sum, weight)" if is_sum else "loss"
 
     def wrapped(params: PyTree, batch: PyTree, state: PyTree) -> tuple[jax.Array, LossOutputs]:
-        out = spec.loss_fn(params, batch, state) if spec.has_state else spec.loss_fn(params, batch)
-        if spec.has_state:
-            if not _is_pair(out):
-                raise TypeError(
-                    f"has_state=True but `loss_fn` returned {type(out).__name__}, not a ({value_name}, state) pair; "
-                    f"return the new state after the {'(loss, aux)' if spec.has_aux else value_name}, or pass "
-                    "has_state=False."
-                )
-            out, new_state = out
-            _check_same_state(state, new_state)
-        else:
-            new_state = state
-        if spec.has_aux and not _is_pair(out):
-            raise TypeError(
-                f"has_aux=True but `loss_fn` returned {type(out).__name__}, not a ({value_name}, aux) pair; "
-                "return (loss, aux) or pass has_aux=False."
-            )
-        if not spec.has_aux and not is_sum and isinstance(out, tuple):
-            raise TypeError(
-                f"`loss_fn` returned a tuple of {len(out)} but has_aux=False; pass has_aux=True if it "
-                "returns (loss, aux), or return only the scalar loss."
-            )
-        value, aux = out if spec.has_aux else (out, ())
-        if is_sum:
-            if not _is_pair(value):
-                raise TypeError(
-                    f"loss_reduction='sum' but `loss_fn` returned {type(value).__name__} where the pair "
-                    "(loss_sum, weight) belongs; return e.g. (jnp.sum(token_losses * mask), jnp.sum(mask)), or "
-                    "pass loss_reduction='mean' for a mean loss."
-                )
-            loss, weight = value
-            weight = jnp.asarray(weight)
-            if weight.shape != () or not (
-                jnp.issubdtype(weight.dtype, jnp.floating) or jnp.issubdtype(weight.dtype, jnp.integer)
-            ):
-                raise TypeError(
-                    f"loss_reduction='sum': the weight `loss_fn` returns must be a real scalar (e.g. the number of "
-                    f"real tokens, jnp.sum(mask)), got shape {weight.shape} and dtype {weight.dtype}."
-                )
-        else:
-            loss, weight = value, jnp.asarray(leading_size(batch), spec.accumulator_dtype)
-        loss = jnp.asarray(loss)
-        what = "the summed loss over the batch's examples" if is_sum else "the mean loss over the batch's examples"
-        if loss.shape != ():
-            raise ValueError(
-                f"`loss_fn` must return a scalar ({what}) but returned shape {loss.shape}; reduce it, e.g. with "
-                f"`{'.sum()' if is_sum else '.mean()'}`."
-            )
-        if not jnp.issubdtype(loss.dtype, jnp.floating):
-            raise TypeError(f"`loss_fn` must return a floating-point loss but returned dtype {loss.dtype}.")
+        once = spec.has_state and spec.state_update == "once"
+        state_in = _state.given(state) if once else state
+        out, new_state = _call_loss(spec, params, batch, state_in)
+        value, aux = _split_aux(spec, out)
+        loss, weight = _loss_and_weight(spec, value, batch)
+        if spec.has_aux:
+            _check_aux(spec, aux, params, batch, state_in)
+        if once:
+            new_state = _state.fold(state, new_state, leading_size(batch))
         return loss, LossOutputs(aux, weight, new_state)
 
     return wrapped
+
+
+def _call_loss(spec: Spec, params: PyTree, batch: PyTree, state: PyTree) -> tuple[Any, PyTree]:
+    """``loss_fn``'s output (without the state) and the state it returned (``state`` without ``has_state``)."""
+    if not spec.has_state:
+        return spec.loss_fn(params, batch), state
+    out = spec.loss_fn(params, batch, state)
+    if not _is_pair(out):
+        value_name = "(loss_sum, weight)" if spec.loss_reduction == "sum" else "loss"
+        raise TypeError(
+            f"has_state=True but `loss_fn` returned {type(out).__name__}, not a ({value_name}, state) pair; "
+            f"return the new state after the {'(loss, aux)' if spec.has_aux else value_name}, or pass "
+            "has_state=False."
+        )
+    out, new_state = out
+    _check_same_state(state, new_state)
+    return out, new_state
+
+
+_SUM_FIX = (
+    "if it returns (loss_sum, weight), e.g. the summed token losses and the number of real tokens, pass "
+    'loss_reduction="sum" (has_aux=True would train on the sum and report the weight as aux)'
+)
+
+
+def _split_aux(spec: Spec, out: Any) -> tuple[Any, PyTree]:
+    """``(value, aux)`` of ``loss_fn``'s output (aux ``()`` without ``has_aux``), its shape checked."""
+    is_sum = spec.loss_reduction == "sum"
+    value_name = "(loss_sum, weight)" if is_sum else "loss"
+    if spec.has_aux and not _is_pair(out):
+        raise TypeError(
+            f"has_aux=True but `loss_fn` returned {type(out).__name__}, not a ({value_name}, aux) pair; "
+            "return (loss, aux) or pass has_aux=False."
+        )
+    if not spec.has_aux and not is_sum and isinstance(out, tuple):
+        raise TypeError(
+            f"`loss_fn` returned a tuple of {len(out)} but has_aux=False and loss_reduction='mean'; {_SUM_FIX}; "
+            "if it returns (loss, aux), pass has_aux=True; otherwise return only the scalar mean loss."
+        )
+    value, aux = out if spec.has_aux else (out, ())
+    if not is_sum and isinstance(value, tuple):
+        raise TypeError(
+            f"`loss_fn` returned a tuple of {len(value)} where the scalar mean loss belongs "
+            f"(loss_reduction='mean'); {_SUM_FIX}."
+        )
+    return value, aux
+
+
+def _loss_and_weight(spec: Spec, value: Any, batch: PyTree) -> tuple[jax.Array, jax.Array]:
+    """The scalar to differentiate and its weight (``(loss_sum, weight)``, or the mean and the examples)."""
+    is_sum = spec.loss_reduction == "sum"
+    if is_sum:
+        if not _is_pair(value):
+            raise TypeError(
+                f"loss_reduction='sum' but `loss_fn` returned {type(value).__name__} where the pair "
+                "(loss_sum, weight) belongs; return e.g. (jnp.sum(token_losses * mask), jnp.sum(mask)), or "
+                "pass loss_reduction='mean' for a mean loss."
+            )
+        loss, weight = value
+        weight = jnp.asarray(weight)
+        if weight.shape != () or not (
+            jnp.issubdtype(weight.dtype, jnp.floating) or jnp.issubdtype(weight.dtype, jnp.integer)
+        ):
+            raise TypeError(
+                f"loss_reduction='sum': the weight `loss_fn` returns must be a real scalar (e.g. the number of "
+                f"real tokens, jnp.sum(mask)), got shape {weight.shape} and dtype {weight.dtype}."
+            )
+    else:
+        loss, weight = value, jnp.asarray(leading_size(batch), spec.accumulator_dtype)
+    loss = jnp.asarray(loss)
+    what = "the summed loss over the batch's examples" if is_sum else "the mean loss over the batch's examples"
+    if loss.shape != ():
+        raise ValueError(
+            f"`loss_fn` must return a scalar ({what}) but returned shape {loss.shape}; reduce it, e.g. with "
+            f"`{'.sum()' if is_sum else '.mean()'}`."
+        )
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(f"`loss_fn` must return a floating-point loss but returned dtype {loss.dtype}.")
+    return loss, weight
+
+
+def _check_aux(spec: Spec, aux: PyTree, params: PyTree, batch: PyTree, state: PyTree) -> None:
+    """Refuses an aux leaf with the microbatch's example axis (per-example logits, say).
+
+    Aux is averaged over the microbatches, weighted like the loss, so every microbatch's aux must have the same
+    shapes. A leaf whose leading size equals the microbatch's examples is traced again (abstractly) at twice as
+    many examples: if its leading size follows, it is per-example and refused; if not (a per-class vector that
+    happens to be as long), it is kept.
+    """
+    n = leading_size(batch)
+    suspects = [
+        (path, leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(aux)
+        if np.ndim(leaf) >= 1 and np.shape(leaf)[0] == n
+    ]
+    if not suspects:
+        return
+
+    def aux_only(params: PyTree, batch: PyTree, state: PyTree) -> PyTree:
+        out = spec.loss_fn(params, batch, state)[0] if spec.has_state else spec.loss_fn(params, batch)
+        return out[1]
+
+    def abstract(x: Any, size: int | None = None) -> jax.ShapeDtypeStruct:
+        shape = np.shape(x) if size is None else (size, *np.shape(x)[1:])
+        return jax.ShapeDtypeStruct(shape, dtype_of(x))
+
+    doubled = jax.eval_shape(
+        aux_only, jax.tree.map(abstract, params), jax.tree.map(lambda x: abstract(x, 2 * n), batch),
+        jax.tree.map(abstract, state),
+    )  # fmt: skip
+    sizes = {path: np.shape(leaf)[:1] for path, leaf in jax.tree_util.tree_leaves_with_path(doubled)}
+    for path, leaf in suspects:
+        if sizes.get(path) == (2 * n,):
+            name = jax.tree_util.keystr(path) or "<root>"
+            raise ValueError(
+                f"`loss_fn`'s aux leaf {name} has the microbatch's example axis (shape {np.shape(leaf)} for {n} "
+                "examples): aux is averaged over the microbatches, weighted like the loss, so each leaf must keep "
+                "its shape whatever the number of examples (a scalar metric, a per-class count). Reduce it over "
+                "the examples in loss_fn (e.g. jnp.mean(correct)), or compute per-example outputs such as logits "
+                "in a forward pass of their own."
+            )
 
 
 def weighted_grad(spec: Spec, *, scale_grads: bool = True) -> Callable[[PyTree, PyTree, PyTree], tuple[Accum, PyTree]]:

@@ -8,6 +8,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import numpy as np
+from autoaccum.strategies import _state
 from autoaccum.strategies._base import (
     Accum,
     OutDtypes,
@@ -78,6 +79,8 @@ class Strategy(abc.ABC):
         self._add = jax.jit(
             self._add_fn, donate_argnums=(0, *self.donate_argnums(3)), static_argnames=("dtypes", "layout")
         )
+        # With state_update="once": the state carried through the microbatches (one small program per update).
+        self._carry = jax.jit(_state.begin, donate_argnums=self.donate_argnums(0))
 
     @classmethod
     def program_options(cls, options: Mapping[str, Any], steps: int) -> dict[str, Any]:
@@ -96,10 +99,23 @@ class Strategy(abc.ABC):
         """One full-batch-equivalent update: ``(params, opt_state, loss, state)`` (loss is ``(loss, aux)`` with
         aux; state is the one the last microbatch returned).
 
+        With ``spec.state_update="once"`` the state is carried through the microbatches as a `MeanState`
+        (`carried`), and its mean returned.
+
         Raises:
           ValueError, TypeError: the batch or parameters are malformed (checked before anything is traced).
         """
-        return self.run(self.checked(params, batch, state), params, opt_state, batch, state)
+        if self.spec.state_update != "once":
+            return self.run(self.checked(params, batch, state), params, opt_state, batch, state)
+        carried = self._carry(state)
+        call = self.checked(params, batch, carried)
+        params, opt_state, loss, carried = self.run(call, params, opt_state, batch, carried)
+        return params, opt_state, loss, _state.end(carried)
+
+    def carried(self, state: PyTree) -> PyTree:
+        """What the strategy carries through the microbatches for the model ``state``, as shapes: the state
+        itself, or with ``spec.state_update="once"`` a `MeanState` (what `run` and `programs` take)."""
+        return jax.eval_shape(_state.begin, state) if self.spec.state_update == "once" else state
 
     @abc.abstractmethod
     def run(
@@ -142,6 +158,8 @@ class Strategy(abc.ABC):
         Raises:
           ValueError: ``microbatches`` is empty, or one of them is malformed.
         """
+        once = self.spec.state_update == "once"
+        state = self._carry(state) if once else state
         acc: Accum | None = None
         dtypes: OutDtypes | None = None
         layout: Layout | None = None
@@ -162,7 +180,8 @@ class Strategy(abc.ABC):
                 "iterable of at least one batch pytree."
             )
         params, opt_state, loss = self._apply(params, opt_state, acc, dtypes=dtypes, layout=layout)
-        return params, opt_state, loss, (state if layout is None else self._combine(state))
+        state = state if layout is None else self._combine(state)
+        return params, opt_state, loss, (_state.end(state) if once else state)
 
     def on_mesh(self, layout: Layout, *, host_loop: bool = False) -> OnMesh:
         """The per-device pieces for this strategy's spec on ``layout`` (`OnMesh`). A ``host_loop`` passes the

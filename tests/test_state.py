@@ -109,6 +109,98 @@ def test_state_threads_running_mean_and_dropout_key(strategy: str) -> None:
     np.testing.assert_array_equal(jax.random.key_data(state["key"]), jax.random.key_data(expected_state["key"]))
 
 
+# ---- state_update="once": floating state moves once per update, keys and counters still thread ----
+
+
+def reference_once(
+    optimizer: optax.GradientTransformation, params: Any, opt_state: Any, batch: Any, state: Any, m: int
+) -> tuple[Any, Any, Any]:
+    """Without the library: every microbatch sees the update's incoming running mean (its key and counter
+    threaded); the gradients summed with weights ``n_i / B``; one optimizer step; the running mean moves once, to
+    the example-weighted mean of the microbatches' results."""
+    total = batch["x"].shape[0]
+    grads = jax.tree.map(jnp.zeros_like, params)
+    threaded, means = state, []
+    for start in range(0, total, m):
+        microbatch = rows(batch, start, start + m)
+        n = microbatch["x"].shape[0]
+        given = {**threaded, "mean": state["mean"]}
+        (_, threaded), grads_i = jax.value_and_grad(bn_dropout_loss, has_aux=True)(params, microbatch, given)
+        grads = jax.tree.map(lambda g, gi: g + (n / total) * gi, grads, grads_i)  # noqa: B023
+        means.append((n / total) * np.asarray(threaded["mean"], np.float64))
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {**threaded, "mean": sum(means)}
+
+
+def test_state_update_once_moves_the_running_mean_once_per_update(strategy: str) -> None:
+    # atol 1e-6 (float32): two updates of microbatches 3, 3, 2; by hand, the running mean takes one EMA step per
+    # update towards the full batch's mean: 0.9 * mean + 0.1 * mean(x), as one full-batch step would.
+    optimizer = optax.sgd(0.1, momentum=0.9)
+    params, batch = regression(batch_size=8)
+    update = autoaccum.build_update(
+        bn_dropout_loss, optimizer, microbatch_size=3, strategy=strategy, has_state=True, state_update="once"
+    )
+    assert update.state_update == "once"
+    p, opt_state, state = copy(params), update.init(params), bn_state()
+    expected, expected_opt, expected_state = params, optimizer.init(params), bn_state()
+    by_hand = np.zeros(FEATURES)
+    for _ in range(2):
+        p, opt_state, _, state = update(p, opt_state, batch, state)
+        expected, expected_opt, expected_state = reference_once(
+            optimizer, expected, expected_opt, batch, expected_state, 3
+        )
+        by_hand = 0.9 * by_hand + 0.1 * np.asarray(batch["x"], np.float64).mean(axis=0)
+    np.testing.assert_allclose(state["mean"], by_hand, atol=1e-6)
+    np.testing.assert_allclose(state["mean"], expected_state["mean"], atol=1e-6)
+    assert_trees_close(p, expected, atol=1e-6)
+    assert_trees_close(opt_state, expected_opt, atol=1e-6)
+    assert int(state["count"]) == 6  # an int32 counter still threads: three microbatches per update
+    np.testing.assert_array_equal(jax.random.key_data(state["key"]), jax.random.key_data(expected_state["key"]))
+
+
+def test_state_update_once_streams_as_it_steps(strategy: str) -> None:
+    # atol 1e-6 (float32): the same microbatches, from one batch or one at a time, give the same update.
+    optimizer = optax.sgd(0.1)
+    params, batch = regression(batch_size=8)
+    update = autoaccum.build_update(
+        bn_dropout_loss, optimizer, microbatch_size=3, strategy=strategy, has_state=True, state_update="once"
+    )
+    want = update(copy(params), update.init(params), batch, bn_state())
+    pieces = [rows(batch, 0, 3), rows(batch, 3, 6), rows(batch, 6, 8)]
+    got = update.stream(copy(params), update.init(params), pieces, bn_state())
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy_name", ["scan", "loop", "multisteps"])
+def test_state_update_once_on_a_mesh(strategy_name: str) -> None:
+    # 8 CPU devices, batch 32 sharded over them, microbatches of 16: each device folds its own rows, the devices'
+    # means are averaged after the loop; by hand, one EMA step towards the full batch's mean (atol 1e-6).
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    params, batch = regression(batch_size=32)
+    place = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))  # noqa: E731
+    update = autoaccum.build_update(
+        bn_dropout_loss, optax.adam(1e-2), microbatch_size=16, strategy=strategy_name, has_state=True,
+        state_update="once",
+    )  # fmt: skip
+    p = place(params, PartitionSpec())
+    _, _, _, state = update(p, update.init(p), place(batch, PartitionSpec("data")), place(bn_state(), PartitionSpec()))
+    by_hand = 0.1 * np.asarray(batch["x"], np.float64).mean(axis=0)
+    np.testing.assert_allclose(state["mean"], by_hand, atol=1e-6)
+    assert int(state["count"]) == 2
+
+
+def test_state_update_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"`state_update` must be 'per_microbatch' or 'once', got state_update='x'"):
+        autoaccum.build_update(bn_dropout_loss, optax.sgd(0.1), microbatch_size=2, has_state=True, state_update="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"`state_update`='once' .* has_state=False; pass has_state=True"):
+        autoaccum.build_update(lambda p, b: jnp.mean(b), optax.sgd(0.1), microbatch_size=2, state_update="once")
+
+
 # ---- PRNG keys, typed and raw, in the state and in the batch ----
 
 

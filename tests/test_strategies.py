@@ -314,6 +314,52 @@ def test_has_aux_mismatch(strategy: str) -> None:
         update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
 
 
+def test_a_loss_sum_and_weight_pair_is_pointed_at_loss_reduction_sum(strategy: str) -> None:
+    # The pair (loss_sum, weight) without loss_reduction="sum": has_aux=True alone would train on the sum.
+    pair = lambda w, b: (jnp.sum(b @ w), jnp.asarray(b.shape[0], jnp.float32))  # noqa: E731
+    update = autoaccum.build_update(pair, optax.sgd(0.1), microbatch_size=2, strategy=strategy)
+    with pytest.raises(TypeError, match=r'returned a tuple of 2 but has_aux=False.*pass loss_reduction="sum"'):
+        update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
+    with_aux = lambda w, b: (pair(w, b), {"n": 1.0})  # noqa: E731
+    update = autoaccum.build_update(with_aux, optax.sgd(0.1), microbatch_size=2, strategy=strategy, has_aux=True)
+    with pytest.raises(TypeError, match=r'where the scalar mean loss belongs.*pass loss_reduction="sum"'):
+        update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
+
+
+def per_example_aux_loss(w: jax.Array, b: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    pred = b @ w
+    return jnp.mean(pred**2), {"logits": pred, "mean_pred": jnp.mean(pred)}
+
+
+@pytest.mark.parametrize("batch_size", [8, 10], ids=["even", "uneven"])
+def test_a_per_example_aux_leaf_is_refused_before_compiling(strategy: str, batch_size: int) -> None:
+    # Averaged silently on an even split, a broadcasting error on an uneven one: refused, naming the leaf.
+    update = autoaccum.build_update(
+        per_example_aux_loss, optax.sgd(0.1), microbatch_size=4, strategy=strategy, has_aux=True
+    )
+    batch = jnp.ones((batch_size, 3))
+    refused = r"aux leaf \['logits'\] has the microbatch's example axis \(shape \(4,\) for 4 examples\)"
+    with count_backend_compiles() as compiles, pytest.raises(ValueError, match=refused):
+        update(jnp.ones(3), update.init(jnp.ones(3)), batch)
+    assert compiles == []
+    with pytest.raises(ValueError, match=refused):
+        update.stream(jnp.ones(3), update.init(jnp.ones(3)), [batch[:4], batch[4:]])
+
+
+def test_an_aux_leaf_as_long_as_the_microbatch_by_chance_is_averaged(strategy: str) -> None:
+    # A per-class share over 4 classes, at microbatches of 4: its length does not follow the examples, so it is
+    # kept and averaged with example weights (4/10, 4/10, 2/10): the full batch's share (atol 1e-6).
+    labels = jnp.array([0, 1, 1, 2, 3, 3, 3, 0, 2, 1])
+
+    def loss_fn(w: jax.Array, b: Any) -> tuple[jax.Array, jax.Array]:
+        return jnp.mean((b["x"] @ w) ** 2), jnp.mean(jax.nn.one_hot(b["label"], 4), axis=0)
+
+    update = autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=4, strategy=strategy, has_aux=True)
+    batch = {"x": jnp.ones((10, 3)), "label": labels}
+    _, _, (_, share) = update(jnp.ones(3), update.init(jnp.ones(3)), batch)
+    np.testing.assert_allclose(share, np.bincount(np.asarray(labels), minlength=4) / 10, atol=1e-6)
+
+
 @contextlib.contextmanager
 def count_backend_compiles() -> Iterator[list[str]]:
     """Every XLA backend compilation while the block runs (`jax.monitoring`'s compile-time events)."""
