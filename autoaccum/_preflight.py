@@ -21,6 +21,15 @@ def _rows(batch: PyTree, n: int) -> PyTree:
     return jax.tree.map(lambda x: x[:n], batch)
 
 
+def _abstract_rows(batch: PyTree, n: int) -> PyTree:
+    """The shapes of ``batch``'s first ``n`` rows (no sharding: rows of a sharded batch are not laid out alike)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((min(n, x.shape[0]), *x.shape[1:]), x.dtype), batch)
+
+
+def _on_many_devices(tree: PyTree) -> bool:
+    return any(len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in jax.tree.leaves(tree))
+
+
 def _call(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state: PyTree | None) -> Any:
     return loss_fn(params, batch) if state is None else loss_fn(params, batch, state)
 
@@ -40,7 +49,7 @@ def trace_loss(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state
       KeyError('nope')
     """
     try:
-        jax.eval_shape(lambda p, b, s: _call(loss_fn, p, b, s), params, _rows(batch, 1), state)
+        jax.eval_shape(lambda p, b, s: _call(loss_fn, p, b, s), params, _abstract_rows(batch, 1), state)
     except Exception as e:  # the user's loss raised: re-raised unchanged, with a note of where autoaccum called it
         if hasattr(e, "add_note"):
             e.add_note(
@@ -61,7 +70,10 @@ def initial_loss(
     rows: int = 8,
 ) -> float | None:
     """The loss at ``params`` on the batch's first ``rows`` examples (``loss_sum`` for ``loss_reduction="sum"``),
-    run once in this process; None where its output is not the shape autoaccum expects (reported elsewhere)."""
+    run once in this process; None where its output is not the shape autoaccum expects (reported elsewhere), and
+    for a batch laid out over several devices (its rows are not taken apart here)."""
+    if _on_many_devices(batch):
+        return None
     out = jax.jit(lambda p, b, s: _call(loss_fn, p, b, s))(params, _rows(batch, rows), state)
     for unpack in (state is not None, has_aux, loss_reduction == "sum"):
         if unpack:

@@ -360,7 +360,7 @@ def test_each_setting_of_the_knobs_gets_its_own_bound(monkeypatch: pytest.Monkey
     """The probe runs once, for the default setting; the per-block remat setting's bound comes from its compile-only
     estimate, calibrated by the probe, and is far larger (the backward pass keeps a block's input, not its
     activations); no size above a setting's bound is timed."""
-    import autoaccum._tune.run as run
+    import autoaccum._tune.job as run  # where tune probes
 
     # The probe's trials run in this process (isolate=False, under the same limit): as exact, and quicker here.
     monkeypatch.setattr(run, "probe", functools.partial(autoaccum.probe, isolate=False))

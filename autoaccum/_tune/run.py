@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -16,45 +15,23 @@ import optax
 import optuna
 
 from autoaccum._batch import abstract, abstract_batch, resize_batch
-from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
-from autoaccum._estimate import Estimate, estimate
 from autoaccum._knobs import Knobs
 from autoaccum._plan import Plan, params_signature
-from autoaccum._preflight import trace_loss, warn_if_not_finite
-from autoaccum._probe import prepare, probe
-from autoaccum._tune.claims import config_key, open_claims, settled
-from autoaccum._tune.race import FINALISTS, ROUNDS, Runner, race
+from autoaccum._probe import prepare
+from autoaccum._tune.claims import Claims, config_key, open_claims
+from autoaccum._tune.job import Job, Space
+from autoaccum._tune.race import ROUNDS, Runner
 from autoaccum._tune.result import TrialRecord, TuneResult, record
-from autoaccum._tune.search import Config as SearchConfig
-from autoaccum._tune.search import Search
-from autoaccum._tune.search import Trial as SearchTrial
-from autoaccum._tune.space import (
-    BUILTIN_REMAT,
-    KnobSpace,
-    Setting,
-    check_dtype_values,
-    check_remat_values,
-    microbatch_candidates,
-    probe_sizes,
-    program_key,
-    variants,
-)
-from autoaccum._tune.study import fail_stale_trials, fingerprint, open_storage, quiet_optuna
-from autoaccum._tune.timing import Timing, TrialFailed, time_update
-from autoaccum._tune.worker import Request, TimingWorker
-from autoaccum._units import format_bytes, parse_bytes
+from autoaccum._tune.search import Config, Search
+from autoaccum._tune.space import BUILTIN_REMAT, KnobSpace, check_dtype_values, check_remat_values, program_key
+from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
+from autoaccum._tune.timing import Timing, time_update
+from autoaccum._tune.trials import Trials, settled_configs, time_here, time_in_worker
+from autoaccum._tune.worker import TimingWorker
+from autoaccum._units import parse_bytes
 from autoaccum._update import Update, build_update
 from autoaccum._version import __version__
-from autoaccum.strategies import PyTree, check_params, layout_of, leading_size
-from autoaccum.strategies import available as available_strategies
-from autoaccum.strategies import get as get_strategy
-
-STEPS, WARMUP = 5, 1
-"""Timed steps and warm-up steps of one trial in the worker (after the compiling call)."""
-
-RETIME_WARMUP = 0
-"""Warm-up steps of the race's re-timings in the worker: none, its program ran before, so the worker times its first
-call too (`autoaccum._tune.worker.serve`)."""
+from autoaccum.strategies import PyTree
 
 EXHAUSTIVE_UP_TO = 8
 """Without ``n_trials``, a space of at most this many configurations is searched whole (``GridSampler``)."""
@@ -74,61 +51,13 @@ def default_budget(grid_points: int, strategies: int) -> int:
     return min(grid_points, max(strategies + 3, -(-grid_points // 5)))
 
 
-POLL_SECONDS = 0.5
-"""How often a worker with nothing left to run looks at the trials other workers are running."""
-
-_COMPLETE = optuna.trial.TrialState.COMPLETE
-_RUNNING = optuna.trial.TrialState.RUNNING
 _WAITING = optuna.trial.TrialState.WAITING
 _PRUNED = optuna.trial.TrialState.PRUNED
-
-
-def _settled_configs(study: optuna.Study) -> dict[str, int]:
-    """``{configuration: trial number}`` of the configurations the study has settled (by any worker)."""
-    return {config_key(t.params): t.number for t in study.get_trials(deepcopy=False) if settled(t)}
 
 
 def _heartbeats(storage: optuna.storages.BaseStorage) -> bool:
     """Whether a dead worker's running trial is ever noticed (an RDB storage with heartbeats)."""
     return isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval() is not None
-
-
-def _entrants(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """The study's measured configurations (each program once), fastest first: who may enter the race."""
-    done = study.get_trials(deepcopy=False, states=(_COMPLETE,))
-    distinct = [t for t in done if not ({"duplicate_of", "same_program_as"} & t.user_attrs.keys())]
-    return sorted(distinct, key=lambda t: (-float(t.value), t.number))  # type: ignore[arg-type]
-
-
-def _searched(study: optuna.Study, knob_space: KnobSpace, index: Mapping[Setting, int]) -> list[SearchTrial]:
-    """The study's settled configurations as the search sees them: each completed one's throughput and step times
-    (a trial that reused another's timing, that one's), each failed one (out of memory, timed out; above a bound
-    lowered by such a failure) as failed. Pending and interrupted trials are not settled."""
-    trials = study.get_trials(deepcopy=False)
-    times = {t.number: tuple(t.user_attrs.get("times") or ()) for t in trials}
-    out = []
-    for t in trials:
-        if t.state == _COMPLETE:
-            source = t.user_attrs.get("same_program_as", t.user_attrs.get("duplicate_of", t.number))
-            value: float | None = float(t.value)  # type: ignore[arg-type]
-        elif settled(t) or (t.state == _PRUNED and "above_bound" in t.user_attrs):
-            source, value = t.number, None
-        else:
-            continue
-        m, setting = int(t.params["microbatch_size"]), index[knob_space.setting_of(t.params)]
-        out.append(SearchTrial(SearchConfig(m, t.params["strategy"], setting), value, times.get(source, ())))
-    return out
-
-
-def _retime(
-    trial: optuna.trial.FrozenTrial, time_config: Callable[[optuna.trial.FrozenTrial], Timing]
-) -> tuple[float, ...] | None:
-    """A finalist's step times measured again (None if it failed this time)."""
-    try:
-        timing = time_config(trial)
-    except TrialFailed:
-        return None
-    return timing.times or (timing.seconds_per_step,)
 
 
 def _versions() -> dict[str, str]:
@@ -139,6 +68,143 @@ def _versions() -> dict[str, str]:
         "autoaccum": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__,
         "flax": flax.__version__, "optuna": optuna.__version__,
     }  # fmt: skip
+
+
+def _program(job: Job, config: Config) -> tuple[Any, ...]:
+    """What ``config`` compiles to (configurations with equal keys are timed once)."""
+    return (config.setting, program_key(config.microbatch_size, job.labels[config.strategy], job.effective_batch))
+
+
+def _full_batch(job: Job) -> PyTree:
+    """The example batch resized to the effective batch (rows repeated); on a mesh, laid out as given."""
+    batch = job.batch
+    if job.effective_batch == jax.tree.leaves(batch)[0].shape[0]:
+        return batch
+    if job.layout is None:
+        return resize_batch(batch, job.effective_batch)
+    resized = resize_batch(jax.device_get(batch), job.effective_batch)
+    return jax.tree.map(lambda r, x: jax.device_put(r, x.sharding), resized, batch)
+
+
+def _open_study(
+    job: Job,
+    space: Space,
+    storage: optuna.storages.BaseStorage,
+    study_name: str | None,
+    fresh: bool,
+    seed: int,
+    n_trials: int | None,
+) -> tuple[optuna.Study, Claims, int, bool, str]:
+    """The study (created, or resumed: its name is a fingerprint of what determines its timings), its claims, its
+    budget, whether it covers the whole grid, and the fingerprint. A trial interrupted earlier is queued again."""
+    labels, default = job.labels, job.settings[0]
+    space_params: dict[str, list[Any]] = {"microbatch_size": space.sizes, "strategy": list(labels)}
+    space_params.update(job.knob_space.params())
+    grid_points = sum(len(sizes) for sizes in space.fitting.values()) * len(labels)
+    plain = build_update(
+        job.loss_for(default), job.optimizer, microbatch_size=job.effective_batch, strategy=job.names[0],
+        **default.build, **job.loss_kw,
+    )  # fmt: skip
+    params_s = abstract(job.params)
+    state_s = () if job.state is None else (abstract(job.state),)
+    batch_s = abstract_batch(job.batch, job.effective_batch)
+    programs = plain.programs(params_s, jax.eval_shape(plain.init, params_s), batch_s, *state_s)
+    limit = None if job.memory_limit is None else parse_bytes(job.memory_limit, "memory_limit")
+    key = fingerprint(
+        "\n".join(p.lowered.as_text() for p in programs),
+        {
+            "effective_batch": job.effective_batch, "space": space_params, "memory_limit": limit,
+            "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "versions": _versions(),
+        },
+    )  # fmt: skip
+    name = study_name or f"autoaccum-{key}"
+    if fresh:
+        with contextlib.suppress(KeyError):  # no such study yet: nothing to delete
+            open_claims(storage, storage.get_study_id_from_name(name)).clear()
+            optuna.delete_study(study_name=name, storage=storage)
+    wanted = default_budget(grid_points, len(labels)) if n_trials is None else n_trials
+    exhaustive = wanted >= grid_points
+    sampler: optuna.samplers.BaseSampler
+    if exhaustive:
+        sampler = optuna.samplers.GridSampler(space_params, seed=seed)
+    else:  # constant_liar: other workers' running trials count as bad ones, so TPE proposes something else
+        with warnings.catch_warnings():  # "experimental" in some Optuna releases
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.TPESampler(
+                seed=seed, n_startup_trials=min(len(labels) + 2, 8), constant_liar=True
+            )
+    study = optuna.create_study(
+        storage=storage, sampler=sampler, study_name=name, direction="maximize", load_if_exists=True
+    )
+    claims = open_claims(storage, storage.get_study_id_from_name(name))
+    _resume(study, claims)
+    return study, claims, min(wanted, grid_points), exhaustive, key
+
+
+def _resume(study: optuna.Study, claims: Claims) -> None:
+    """Records the claims of trials settled before they were claimed, and queues again the trials interrupted by
+    Ctrl-C (one killed outright stays RUNNING until its heartbeat goes stale; then it is queued again)."""
+    trials = study.get_trials(deepcopy=False)
+    by_number = {t.number: t for t in trials}
+    earlier = settled_configs(study)
+    claimed = {row[0] for row in claims.rows().values()}
+    for config, number in earlier.items():
+        if config not in claimed:
+            claims.claim(config, number, None, lambda: by_number)
+    queued = {config_key(t.params) for t in trials if t.state == _WAITING}
+    for t in trials:
+        if t.user_attrs.get("interrupted") and config_key(t.params) not in earlier.keys() | queued:
+            study.enqueue_trial(t.params)
+            queued.add(config_key(t.params))
+
+
+def _result(
+    job: Job, space: Space, study: optuna.Study, runners: list[Runner], full_batch: PyTree, limit: int | None
+) -> TuneResult:
+    """The plan (the race's winner, else the fastest trial), compiled here from shapes (nothing runs: its step ran
+    in the worker), and every settled trial, fastest first."""
+    eb, labels = job.effective_batch, job.labels
+    records = sorted(
+        (
+            record(t, eb, labels)
+            for t in study.get_trials(deepcopy=False)
+            if "duplicate_of" not in t.user_attrs and t.state not in (_WAITING, _PRUNED)
+        ),
+        key=lambda r: (r.throughput is None, -(r.throughput or 0.0), r.number),
+    )
+    completed = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    if not completed:
+        reasons = "; ".join(f"#{r.number} {r.reason}" for r in records if r.reason)[:500]
+        raise RuntimeError(f"every trial failed ({reasons}); lower the effective batch or raise `memory_limit`.")
+    top = max(completed, key=lambda t: float(t.value))  # type: ignore[arg-type]
+    throughput = float(top.value)  # type: ignore[arg-type]
+    if runners:  # the race's winner, at the median of every step it was timed
+        top = next(t for t in study.get_trials(deepcopy=False) if t.number == runners[0].trial)
+        throughput = eb / runners[0].quartiles[1]
+    strategy, options = labels[top.params["strategy"]]
+    chosen = job.knob_space.setting_of(top.params)
+    m = int(top.params["microbatch_size"])
+    plan = Plan(
+        effective_batch=eb, microbatch_size=m, accumulation_steps=-(-eb // m), strategy=strategy,
+        options=dict(options), throughput=throughput, device=jax.devices()[0].device_kind, **job.loss_kw,
+        accumulator_dtype=chosen.accumulator_dtype, remat=chosen.remat, knobs=chosen.values,
+        params=params_signature(job.params), versions=_versions(),
+    )  # fmt: skip
+    # The jitted functions keep the executables, so the caller's first call does not compile again.
+    update_fn = plan.build(job.loss_fn, job.optimizer)
+    params_a = abstract(job.params)
+    state_s = () if job.state is None else (abstract(job.state),)
+    batch_s = abstract_batch(full_batch, eb)
+    for program in update_fn.programs(params_a, jax.eval_shape(update_fn.init, params_a), batch_s, *state_s):
+        program.lowered.compile()
+    name = study.study_name
+    return TuneResult(
+        plan=plan, trials=tuple(records), race=tuple(runners), memory_limit_bytes=limit,
+        peak_bytes=top.user_attrs.get("peak_bytes"), probe=space.probed, study_name=name, storage="",
+        fingerprint="", resumed_trials=0, new_trials=0, message="",
+        bounds={str(setting): bound for setting, bound in space.bounds.items()},
+        predicted_over=space.predicted_over, update_fn=update_fn, init=update_fn.init,
+    )  # fmt: skip
 
 
 @quiet_optuna()
@@ -258,460 +324,58 @@ def tune(
       ValueError, TypeError: bad arguments or an unopenable storage, before any trial runs.
       RuntimeError: nothing fits (the probe found no microbatch) or every trial failed.
     """
-    batch_size = leading_size(batch)
     knobs = loss_fn if isinstance(loss_fn, Knobs) else None
-    knob_space = KnobSpace(check_remat_values(remat), check_dtype_values(accumulator_dtype), knobs)
-    knob_settings = knob_space.settings()
-    losses: dict[Setting, Callable[..., Any]] = {}
-
-    def loss_for(setting: Setting) -> Callable[..., Any]:
-        if setting not in losses:
-            losses[setting] = loss_fn.loss_fn(**setting.values) if isinstance(loss_fn, Knobs) else loss_fn
-        return losses[setting]
-
-    default = knob_settings[0]
-    check_loss_fn(loss_for(default))
-    check_optimizer(optimizer)
-    check_params(params)
-    check_bool(fresh, "fresh")
-    check_bool(isolate, "isolate")
-    if not (isinstance(race_rounds, int) and not isinstance(race_rounds, bool) and race_rounds >= 0):
-        raise ValueError(f"`race_rounds` must be an int >= 0 (0: no race), got race_rounds={race_rounds!r}.")
-    for label, seconds in (("trial_timeout", trial_timeout), ("compile_timeout", compile_timeout)):
-        if seconds is not None and not (isinstance(seconds, (int, float)) and seconds > 0):
-            raise ValueError(f"`{label}` must be a positive number of seconds or None, got {label}={seconds!r}.")
-    effective_batch = batch_size if effective_batch is None else check_positive_int(effective_batch, "effective_batch")
-    if n_trials is not None:
-        check_positive_int(n_trials, "n_trials")
-    if max_microbatch is not None:
-        check_positive_int(max_microbatch, "max_microbatch")
-    check_positive_int(min_microbatch, "min_microbatch")
-    if min_microbatch > min(effective_batch, max_microbatch or effective_batch):
-        raise ValueError(
-            f"`min_microbatch`={min_microbatch} is above the largest microbatch that may be timed "
-            f"({min(effective_batch, max_microbatch or effective_batch)}: `effective_batch`={effective_batch}, "
-            f"`max_microbatch`={max_microbatch}); lower it."
-        )
-    names = list(available_strategies() if strategies is None else strategies)
-    if not names:
-        raise ValueError(f"`strategies` is empty; choose from {', '.join(available_strategies())}.")
-    for name in names:
-        get_strategy(name)
-    layout = layout_of(params, batch, () if state is None else state)
-    shards = 1 if layout is None else layout.shards
-    if layout is not None:  # on a mesh: global microbatch sizes, multiples of the shards; mesh strategies only
-        if effective_batch % shards:
-            raise ValueError(
-                f"`effective_batch`={effective_batch} is not a multiple of the {shards} shards the batch is split "
-                f"into over mesh axes {layout.batch_axes}; use a multiple of {shards}."
-            )
-        off = [n for n in names if not get_strategy(n).supports(layout)]
-        if strategies is not None and off:
-            raise ValueError(
-                f"`strategies` {off} do not run with these inputs on a mesh (e.g. multisteps with sharded "
-                "parameters); leave them out."
-            )
-        names = [n for n in names if n not in off]
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"`timeout` must be a positive number of seconds, got timeout={timeout!r}.")
-    limit_bytes = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
-    loss_kw: dict[str, Any] = dict(has_aux=has_aux, has_state=state is not None, loss_reduction=loss_reduction)
-    # Build one update per strategy so bad input (optimizer, loss, options) fails here, not in trial 0.
-    for name in names:
-        build_update(loss_for(default), optimizer, microbatch_size=1, strategy=name, **default.build, **loss_kw)
-    trace_loss(loss_for(default), params, batch, state)  # the loss's own error, here, before any child starts
-    warn_if_not_finite(loss_for(default), params, batch, state=state, has_aux=has_aux, loss_reduction=loss_reduction)
-    setup = None
+    job = Job.check(
+        loss_fn, params, batch, optimizer=optimizer, effective_batch=effective_batch, strategies=strategies,
+        memory_limit=memory_limit, n_trials=n_trials, timeout=timeout, fresh=fresh, has_aux=has_aux, state=state,
+        loss_reduction=loss_reduction, max_microbatch=max_microbatch, min_microbatch=min_microbatch,
+        trial_timeout=trial_timeout, compile_timeout=compile_timeout, isolate=isolate, race_rounds=race_rounds,
+        knob_space=KnobSpace(check_remat_values(remat), check_dtype_values(accumulator_dtype), knobs),
+    )  # fmt: skip
     # The worker's job and limit: the probe's (checked here, before anything runs). On a mesh, trials are timed
     # in this process for now: the worker's accumulating programs on a mesh are not built from shapes yet.
-    if measure is None and isolate and layout is None:
+    setup = None
+    if measure is None and isolate and job.layout is None:
+        default = job.settings[0]
         setup = prepare(
-            loss_for(default), params, batch, optimizer=optimizer, strategy=names[0], memory_limit=memory_limit,
-            max_microbatch=effective_batch, has_aux=has_aux, state=state, loss_reduction=loss_reduction,
+            job.loss_for(default), params, batch, optimizer=optimizer, strategy=job.names[0], memory_limit=memory_limit,
+            max_microbatch=job.effective_batch, has_aux=has_aux, state=state, loss_reduction=loss_reduction,
             options={"accumulator_dtype": default.accumulator_dtype},
         )  # fmt: skip
     opened, storage_label = open_storage(storage)
-
-    probed = None
-    if max_microbatch is None:
-        probed = probe(
-            loss_for(default),
-            params,
-            batch,
-            optimizer=optimizer,
-            strategy=names[0],
-            memory_limit=memory_limit,
-            max_microbatch=effective_batch,
-            has_aux=has_aux,
-            state=state,
-            loss_reduction=loss_reduction,
-            options=None if default.remat is None else {"remat": default.remat},
-            sizes=[m for m in probe_sizes(effective_batch) if m >= min_microbatch],
-        )
-        max_microbatch = probed.max_microbatch
-    bounds = {setting: max_microbatch for setting in knob_settings}
-    # Where the effective batch does not fit in one step, the accumulating step also holds the accumulator and the
-    # whole batch (and, for an uneven split, a second program for the last microbatch): each setting's estimate of
-    # it, calibrated by the probe, drops the sizes predicted over the limit, so they are not timed only to run out
-    # of memory (on the demo transformer, three trials of about 20 s each).
-    accumulating: dict[Setting, Estimate] = {}
-    if probed is not None:  # every other setting's bound, and every setting's accumulating step: estimated
-        accumulates = max_microbatch < effective_batch
-        for setting in knob_settings:
-            if setting == default and not accumulates:
-                continue  # the probe measured it
-            predicted = estimate(
-                loss_for(setting), params, batch, optimizer=optimizer, strategy=names[0],
-                memory_limit=probed.memory_limit_bytes, max_microbatch=probed.microbatch_cap,
-                accumulation=accumulates, effective_batch=effective_batch if accumulates else None, has_aux=has_aux,
-                state=state, loss_reduction=loss_reduction, **setting.build,
-            )  # fmt: skip
-            if setting != default:
-                bounds[setting] = probed.bound_for(predicted)
-            if accumulates:
-                accumulating[setting] = predicted
-        if max(bounds.values()) < min_microbatch:
-            raise RuntimeError(
-                f"nothing fits: no microbatch of at least `min_microbatch`={min_microbatch} fits under the probe's "
-                f"limit ({format_bytes(probed.memory_limit_bytes)}) with any setting of the knobs; reduce the model, "
-                "raise `memory_limit`" + (" or lower `min_microbatch`." if min_microbatch > 1 else ".")
-            )
-
-    ceilings: dict[tuple[Setting, str], int] = {}  # (setting, strategy label): below a size that ran out of memory
-    labels = variants(names, fsdp=layout is not None and layout.sharded_params)
-
-    def predicted_to_fit(setting: Setting, m: int) -> bool:
-        if setting not in accumulating or m >= effective_batch or probed is None:
-            return True
-        return probed.predicted_peak(accumulating[setting], m, effective_batch) <= probed.memory_limit_bytes
-
-    fitting: dict[Setting, list[int]] = {}
-    predicted_over: dict[str, list[int]] = {}
-    for s, b in bounds.items():
-        candidates = [m for m in microbatch_candidates(effective_batch, max(b, 1)) if m % shards == 0 and b >= m]
-        candidates = [m for m in candidates if m >= min_microbatch]
-        # (every size predicted over: the smallest is still timed, and a real trial decides)
-        fitting[s] = [m for m in candidates if predicted_to_fit(s, m)] or candidates[:1]
-        if len(fitting[s]) < len(candidates):
-            predicted_over[str(s)] = [m for m in candidates if m not in fitting[s]]
-    sizes = list(dict.fromkeys(m for s in knob_settings for m in fitting[s]))
-    if not sizes:
-        raise RuntimeError(
-            f"no microbatch size to time between `min_microbatch`={min_microbatch} and the bounds "
-            f"{sorted(set(bounds.values()))} (sizes that split {effective_batch} examples evenly or are powers of "
-            "two); lower `min_microbatch`."
-        )
-    knob_params = knob_space.params()
-    space: dict[str, list[Any]] = {"microbatch_size": sizes, "strategy": list(labels), **knob_params}
-    grid_points = sum(len(fitting[s]) for s in knob_settings) * len(labels)  # the configurations within bounds
-    plain = build_update(
-        loss_for(default), optimizer, microbatch_size=effective_batch, strategy=names[0], **default.build, **loss_kw
-    )
-    params_s = abstract(params)
-    state_s = () if state is None else (abstract(state),)
-    programs = plain.programs(
-        params_s, jax.eval_shape(plain.init, params_s), abstract_batch(batch, effective_batch), *state_s
-    )
-    key = fingerprint(
-        "\n".join(p.lowered.as_text() for p in programs),
-        {
-            "effective_batch": effective_batch, "space": space, "memory_limit": limit_bytes,
-            "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "versions": _versions(),
-        },
-    )  # fmt: skip
-    name = study_name or f"autoaccum-{key}"
-    if fresh:
-        with contextlib.suppress(KeyError):  # no such study yet: nothing to delete
-            open_claims(opened, opened.get_study_id_from_name(name)).clear()
-            optuna.delete_study(study_name=name, storage=opened)
-    wanted = default_budget(grid_points, len(labels)) if n_trials is None else n_trials
-    exhaustive = wanted >= grid_points
-    sampler: optuna.samplers.BaseSampler
-    if exhaustive:
-        sampler = optuna.samplers.GridSampler(space, seed=seed)
-    else:
-        # constant_liar: other workers' running trials count as bad ones, so TPE proposes something else.
-        with warnings.catch_warnings():  # "experimental" in some Optuna releases
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            sampler = optuna.samplers.TPESampler(
-                seed=seed, n_startup_trials=min(len(labels) + 2, 8), constant_liar=True
-            )
-    study = optuna.create_study(
-        storage=opened, sampler=sampler, study_name=name, direction="maximize", load_if_exists=True
-    )
-    # A configuration is measured by the trial that wins its claim (`autoaccum._tune.claims`), once for the
-    # study, whichever worker runs it; settled ones (completed, or failed for a reason: out of memory, timed out)
-    # are never re-run. A trial interrupted by Ctrl-C is marked and queued again; one killed outright stays
-    # RUNNING until its heartbeat goes stale, then Optuna's RetryHeartbeatStaleTrialCallback queues it again.
-    claims = open_claims(opened, opened.get_study_id_from_name(name))
-    trials = study.get_trials(deepcopy=False)
-
-    def by_number() -> dict[int, optuna.trial.FrozenTrial]:
-        return {t.number: t for t in study.get_trials(deepcopy=False)}
-
-    earlier = _settled_configs(study)
-    resumed = len(earlier)
-    claimed = {row[0] for row in claims.rows().values()}
-    for config, number in earlier.items():  # trials settled before they were claimed: record their claims
-        if config not in claimed:
-            claims.claim(config, number, None, by_number)
-    queued = {config_key(t.params) for t in trials if t.state == _WAITING}
-    for t in trials:
-        if t.user_attrs.get("interrupted") and config_key(t.params) not in earlier.keys() | queued:
-            study.enqueue_trial(t.params)
-            queued.add(config_key(t.params))
-    budget = min(wanted, grid_points)  # the study's, shared by every worker on it
-    setting_index = {s: i for i, s in enumerate(knob_settings)}
-
-    def program_of(config: SearchConfig) -> tuple[Any, ...]:
-        variant = labels[config.strategy]
-        return (config.setting, program_key(config.microbatch_size, variant, effective_batch))
-
-    # The search proposes the configurations to time next from the study's settled trials (`Search`); the
-    # sampler spends the rest of the budget. A small space is the grid's alone.
-    sized = [fitting[s] for s in knob_settings]
-    search = None if exhaustive else Search(sized, list(labels), effective_batch, program_of)
-
-    def steer() -> None:
-        """Queues what the search proposes next (a configuration queued or settled already is not queued again)."""
-        if search is None:
-            return
-        for config in search.propose(_searched(study, knob_space, setting_index)):
-            setting = knob_settings[config.setting]
-            params = {"microbatch_size": config.microbatch_size, "strategy": config.strategy}
-            study.enqueue_trial({**params, **knob_space.params_of(setting)}, skip_if_exists=True)
-
-    full_batch = batch
-    if effective_batch != batch_size and layout is None:
-        full_batch = resize_batch(batch, effective_batch)
-    elif effective_batch != batch_size:  # on a mesh: resized on the host, then laid out as given
-        resized = resize_batch(jax.device_get(batch), effective_batch)
-        full_batch = jax.tree.map(lambda r, x: jax.device_put(r, x.sharding), resized, batch)
-    timer = measure or functools.partial(time_update, time_limit=trial_timeout)
-    with_state: dict[str, Any] = {} if state is None else {"state": state}
-    worker = None
-    if setup is not None:  # the worker makes each setting's loss from the knobs (the factory travels, pickled)
-        job = setup.job if knobs is None else dataclasses.replace(setup.job, loss_fn=knobs)  # type: ignore[arg-type]
-        worker = TimingWorker(
-            job, setup.device, setup.memory_limit_bytes, compile_timeout=compile_timeout, step_timeout=trial_timeout,
-            settings=[s.values for s in knob_settings],
-        )  # fmt: skip
-    limit_label = None if setup is None else format_bytes(setup.memory_limit_bytes)
-
-    updates: dict[tuple[int, str, Setting], Update] = {}
-
-    def time_config(trial: optuna.Trial | optuna.trial.FrozenTrial, warmup: int = WARMUP) -> Timing:
-        """Times the configuration of ``trial`` (its Optuna parameters): in the worker (after ``warmup`` steps),
-        or here."""
-        m = int(trial.params["microbatch_size"])
-        strategy, options = labels[trial.params["strategy"]]
-        setting = knob_space.setting_of(trial.params)
-        if worker is None:  # (each configuration's update is kept: timing it again compiles nothing again)
-            config = (m, trial.params["strategy"], setting)
-            if config not in updates:
-                updates[config] = build_update(
-                    loss_for(setting), optimizer, microbatch_size=m, strategy=strategy, **setting.build, **loss_kw,
-                    **options,
-                )  # fmt: skip
-            return timer(updates[config], params, full_batch, **with_state)
-        build = {"strategy": strategy, **options, **setting.build}
-        index = knob_settings.index(setting)
-        outcome = worker.time(Request(build, m, effective_batch, STEPS, warmup, setting=index))
-        if outcome.status == "oom":
-            raise TrialFailed(f"out of memory in the worker (limit {limit_label}): {outcome.message}")
-        if outcome.status != "fits":
-            message = (outcome.message or "").strip()
-            raise TrialFailed(f"failed in the worker: {message if len(message) < 900 else message[:900] + ' ...'}")
-        times = tuple(outcome.times or ())
-        return Timing(outcome.seconds or 0.0, outcome.compile_seconds or 0.0, len(times), times, outcome.peak_bytes)
-
-    def retime(number: int) -> tuple[float, ...] | None:
-        """Trial ``number``'s configuration timed again, for the finalists' race."""
-        return _retime(by_number()[number], functools.partial(time_config, warmup=RETIME_WARMUP))
-
-    def objective(trial: optuna.Trial) -> float:
-        m = trial.suggest_categorical("microbatch_size", sizes)
-        trial.suggest_categorical("strategy", list(labels))
-        setting = knob_space.setting_of({k: trial.suggest_categorical(k, v) for k, v in knob_params.items()})
-        trial.set_user_attr("remat", setting.remat)
-        trial.set_user_attr("accumulator_dtype", setting.accumulator_dtype)
-        trial.set_user_attr("knobs", setting.values)
-        label = trial.params["strategy"]
-        bound = min(bounds[setting], ceilings.get((setting, label), bounds[setting]))
-        if m > bound:  # never timed: not a configuration of the study's (it claims nothing)
-            trial.set_user_attr("above_bound", bound)
-            raise optuna.TrialPruned(f"microbatch {m} is above the bound of {label}, {setting} ({bound})")
-        holder = claims.claim(config_key(trial.params), trial.number, budget, by_number)
-        if holder is None:  # the study's budget is claimed, by this worker or others
-            trial.set_user_attr("over_budget", True)
-            study.stop()
-            raise optuna.TrialPruned("the study's budget of trials is claimed")
-        if holder != trial.number:
-            # Measured already (TPE may propose a point again; a re-queued copy), or being measured by another
-            # worker: reuse the result, never re-run.
-            trial.set_user_attr("duplicate_of", holder)
-            other = by_number()[holder]
-            if other.state == _COMPLETE:
-                return float(other.value)  # type: ignore[arg-type]
-            raise optuna.TrialPruned(f"trial {holder} measures this configuration")
-        program = program_key(m, labels[label], effective_batch)
-        for other in study.get_trials(deepcopy=False, states=(_COMPLETE,)):
-            same_knobs = all(other.params.get(k) == trial.params[k] for k in knob_params)
-            other_m, other_label = int(other.params["microbatch_size"]), other.params["strategy"]
-            if same_knobs and program_key(other_m, labels[other_label], effective_batch) == program:
-                # The same program (with one accumulation step every strategy runs the plain step; scan unrolled
-                # 2 or 8 times over 2 steps unrolls them both): timing it again would only let noise pick
-                # between identical programs.
-                trial.set_user_attr("same_program_as", other.number)
-                return float(other.value)  # type: ignore[arg-type]
-        try:
-            timing = time_config(trial)
-        except TrialFailed as e:
-            trial.set_user_attr("reason", str(e))
-            if str(e).startswith("out of memory") and m <= bound:
-                # The probe bounds one microbatch's step; the accumulating step also holds the whole effective
-                # batch and the accumulator, in buffers of its strategy's own. A size that ran out of memory
-                # there lowers the bound of this strategy (and setting): larger sizes are not timed again, only
-                # to run out of memory too.
-                ceilings[(setting, label)] = m - 1
-            raise
-        except KeyboardInterrupt:
-            trial.set_user_attr("interrupted", True)
-            raise
-        trial.set_user_attr("compile_seconds", timing.compile_seconds)
-        trial.set_user_attr("times", list(timing.times or (timing.seconds_per_step,)))
-        if timing.peak_bytes is not None:
-            trial.set_user_attr("peak_bytes", timing.peak_bytes)
-        return effective_batch / timing.seconds_per_step
-
-    def report(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        steer()
-        count = len(_settled_configs(study))
-        if trial.state != _PRUNED and "duplicate_of" not in trial.user_attrs:
-            for callback in callbacks:
-                callback(record(trial, effective_batch, labels), count, budget)
-        if count >= budget:
-            study.stop()
-
-    # Run until the study has settled its budget. With nothing left to claim while other workers still run
-    # trials, wait for them: a trial whose worker died goes stale and is queued again, for this worker to run.
-    deadline = None if timeout is None else time.monotonic() + timeout
-    after_round = -1
-    steer()
-    above = len(sizes) * len(labels) * len(knob_settings) - grid_points  # proposals above a bound: pruned
+    space = Space.bound(job, max_microbatch)
+    study, claims, budget, exhaustive, key = _open_study(job, space, opened, study_name, fresh, seed, n_trials)
+    resumed = len(settled_configs(study))
+    full_batch = _full_batch(job)
     with contextlib.ExitStack() as stack:
-        if worker is not None:
-            stack.enter_context(worker)
-        while True:
-            count = len(_settled_configs(study))
-            left = None if deadline is None else deadline - time.monotonic()
-            if count >= budget or (left is not None and left <= 0):
-                break
-            trials = study.get_trials(deepcopy=False)
-            if after_round >= 0 and not any(t.state == _WAITING for t in trials):
-                holders = {number for _, number in claims.rows().values()}
-                if _heartbeats(opened) and any(t.state == _RUNNING and t.number in holders for t in trials):
-                    time.sleep(POLL_SECONDS if left is None else min(POLL_SECONDS, left))
-                    fail_stale_trials(study)
-                    continue
-                if count == after_round:  # the sampler has nothing new to offer, and no other worker is running
-                    break
-            # Proposals of an already measured point cost nothing and don't count; the cap only bounds the loop.
-            study.optimize(
-                objective, n_trials=4 * (budget - count) + 16 + above, timeout=left, catch=(TrialFailed,),
-                callbacks=[report],
+        if setup is None:
+            timer = measure or functools.partial(time_update, time_limit=trial_timeout)
+            time_one = time_here(job, timer, full_batch)
+        else:  # the worker makes each setting's loss from the knobs (the factory travels, pickled)
+            worker_job = setup.job
+            if job.knobs is not None:
+                worker_job = dataclasses.replace(setup.job, loss_fn=job.knobs)  # type: ignore[arg-type]
+            worker = TimingWorker(
+                worker_job, setup.device, setup.memory_limit_bytes, compile_timeout=compile_timeout,
+                step_timeout=trial_timeout, settings=[s.values for s in job.settings],
             )  # fmt: skip
-            after_round = len(_settled_configs(study))
-
-        # The finalists, re-timed side by side (`autoaccum._tune.race`): the pick is not decided by one
-        # trial's noise. Several workers on one study race once: the first to finish records its race, the
-        # others take it.
-        entrants = _entrants(study)
-        settled_key = [t.number for t in entrants]
-        race_record = study.user_attrs.get("race")
-        if (race_record is None or race_record["entrants"] != settled_key) and race_rounds > 0 and len(entrants) > 1:
-            runners = race(
-                [(t.number, t.number, t.user_attrs.get("times") or ()) for t in entrants[:FINALISTS]], retime,
-                rounds=race_rounds,
-            )  # fmt: skip
-            race_record = study.user_attrs.get("race")
-            if race_record is None or race_record["entrants"] != settled_key:
-                race_record = {"entrants": settled_key, "runners": [r.to_dict() for r in runners]}
-                study.set_user_attr("race", race_record)
-    runners = []
-    if race_record is not None and race_record["entrants"] == [t.number for t in _entrants(study)]:
-        runners = [Runner.from_dict(r) for r in race_record["runners"]]
-
-    records = sorted(
-        (
-            record(t, effective_batch, labels)
-            for t in study.get_trials(deepcopy=False)
-            if "duplicate_of" not in t.user_attrs and t.state not in (_WAITING, _PRUNED)
-        ),
-        key=lambda r: (r.throughput is None, -(r.throughput or 0.0), r.number),
-    )
-    completed = study.get_trials(deepcopy=False, states=(_COMPLETE,))
-    if not completed:
-        reasons = "; ".join(f"#{r.number} {r.reason}" for r in records if r.reason)[:500]
-        raise RuntimeError(f"every trial failed ({reasons}); lower the effective batch or raise `memory_limit`.")
-    top = max(completed, key=lambda t: float(t.value))  # type: ignore[arg-type]
-    throughput = float(top.value)  # type: ignore[arg-type]
-    if runners:  # the race's winner, at the median of every step it was timed
-        top = by_number()[runners[0].trial]
-        throughput = effective_batch / runners[0].quartiles[1]
-    strategy, options = labels[top.params["strategy"]]
-    chosen = knob_space.setting_of(top.params)
-    plan = Plan(
-        effective_batch=effective_batch,
-        microbatch_size=int(top.params["microbatch_size"]),
-        accumulation_steps=-(-effective_batch // int(top.params["microbatch_size"])),
-        strategy=strategy,
-        options=dict(options),
-        throughput=throughput,
-        device=jax.devices()[0].device_kind,
-        has_aux=has_aux,
-        has_state=state is not None,
-        loss_reduction=loss_reduction,
-        accumulator_dtype=chosen.accumulator_dtype,
-        remat=chosen.remat,
-        knobs=chosen.values,
-        params=params_signature(params),
-        versions=_versions(),
-    )
-    # Compiled here from shapes for the effective batch (nothing runs: the step ran in the worker, under the
-    # limit); the jitted functions keep the executables, so the caller's first call does not compile again.
-    update_fn = plan.build(loss_fn, optimizer)
-    params_a = abstract(params)
-    for program in update_fn.programs(
-        params_a, jax.eval_shape(update_fn.init, params_a), abstract_batch(full_batch, effective_batch), *state_s
-    ):
-        program.lowered.compile()
-    new = len(_settled_configs(study)) - resumed
+            time_one = time_in_worker(job, stack.enter_context(worker), setup.memory_limit_bytes)
+        search = None if exhaustive else Search([space.fitting[s] for s in job.settings], list(job.labels),
+                                                 job.effective_batch, functools.partial(_program, job))  # fmt: skip
+        trials = Trials(job, space, study, claims, budget, search, time_one, callbacks)
+        trials.run(timeout, _heartbeats(opened))
+        runners = trials.race(race_rounds)
+    limit = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
+    if setup is not None or space.probed is not None:
+        limit = (setup or space.probed).memory_limit_bytes  # type: ignore[union-attr]
+    result = _result(job, space, study, runners, full_batch, limit)
+    new = len(settled_configs(study)) - resumed
+    name = study.study_name
+    message = f"new study {name}: {new} trials"
     if resumed:
         message = (
             f"resumed: {resumed} trials from earlier runs, {new} new (study {name}; pass fresh=True to start over)"
         )
-    else:
-        message = f"new study {name}: {new} trials"
-    if setup is not None:
-        limit_bytes = setup.memory_limit_bytes
-    elif probed is not None:
-        limit_bytes = probed.memory_limit_bytes
-    return TuneResult(
-        plan=plan,
-        trials=tuple(records),
-        race=tuple(runners),
-        memory_limit_bytes=limit_bytes,
-        peak_bytes=top.user_attrs.get("peak_bytes"),
-        probe=probed,
-        study_name=name,
-        storage=storage_label,
-        fingerprint=key,
-        resumed_trials=resumed,
-        new_trials=new,
-        message=message,
-        bounds={str(setting): bound for setting, bound in bounds.items()},
-        predicted_over=predicted_over,
-        update_fn=update_fn,
-        init=update_fn.init,
+    return dataclasses.replace(
+        result, storage=storage_label, fingerprint=key, resumed_trials=resumed, new_trials=new, message=message
     )

@@ -1,0 +1,256 @@
+"""What a tune works on: its arguments checked (`Job`), and the sizes each knob setting may time (`Space`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optax
+
+from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
+from autoaccum._estimate import Estimate, estimate
+from autoaccum._knobs import Knobs
+from autoaccum._preflight import trace_loss, warn_if_not_finite
+from autoaccum._probe import ProbeResult, probe
+from autoaccum._tune.space import KnobSpace, Setting, microbatch_candidates, probe_sizes, variants
+from autoaccum._units import format_bytes, parse_bytes
+from autoaccum._update import build_update
+from autoaccum.strategies import Layout, PyTree, check_params, layout_of, leading_size
+from autoaccum.strategies import available as available_strategies
+from autoaccum.strategies import get as get_strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """`autoaccum.tune`'s arguments, checked (`Job.check`): the loss of each knob setting, the inputs, the space."""
+
+    loss_fn: Callable[..., Any] | Knobs
+    params: PyTree
+    batch: PyTree
+    optimizer: optax.GradientTransformation
+    state: PyTree | None
+    effective_batch: int
+    names: list[str]
+    knob_space: KnobSpace
+    layout: Layout | None
+    memory_limit: int | str | None
+    min_microbatch: int
+    loss_kw: dict[str, Any]
+    _losses: dict[Setting, Callable[..., Any]] = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def settings(self) -> list[Setting]:
+        """Every setting of the knobs, the default first."""
+        return self.knob_space.settings()
+
+    @property
+    def knobs(self) -> Knobs | None:
+        return self.loss_fn if isinstance(self.loss_fn, Knobs) else None
+
+    @property
+    def shards(self) -> int:
+        return 1 if self.layout is None else self.layout.shards
+
+    @property
+    def labels(self) -> dict[str, tuple[str, dict[str, Any]]]:
+        """The strategy variants searched, by label (`autoaccum._tune.space.variants`)."""
+        return variants(self.names, fsdp=self.layout is not None and self.layout.sharded_params)
+
+    def loss_for(self, setting: Setting) -> Callable[..., Any]:
+        """The loss of ``setting`` (the loss's own knobs' values given to the factory)."""
+        if setting not in self._losses:
+            if isinstance(self.loss_fn, Knobs):
+                self._losses[setting] = self.loss_fn.loss_fn(**setting.values)
+            else:
+                self._losses[setting] = self.loss_fn
+        return self._losses[setting]
+
+    @classmethod
+    def check(cls, loss_fn: Callable[..., Any] | Knobs, params: PyTree, batch: PyTree, **kw: Any) -> Job:
+        """Checks ``tune``'s arguments (``kw``: its keyword arguments that a `Job` holds, and the others it checks);
+        raises ValueError or TypeError naming the bad one, before anything runs. Traces the loss once (its own
+        errors come out here) and warns where it is not finite at ``params``."""
+        knob_space: KnobSpace = kw["knob_space"]
+        optimizer, state = kw["optimizer"], kw["state"]
+        check_optimizer(optimizer)
+        check_params(params)
+        batch_size = leading_size(batch)
+        effective_batch = kw["effective_batch"]
+        effective_batch = (
+            batch_size if effective_batch is None else check_positive_int(effective_batch, "effective_batch")
+        )
+        _check_numbers(kw, effective_batch)
+        names = _check_strategies(kw["strategies"])
+        layout = layout_of(params, batch, () if state is None else state)
+        if layout is not None:
+            names = _on_mesh(layout, names, effective_batch, explicit=kw["strategies"] is not None)
+        loss_kw = dict(has_aux=kw["has_aux"], has_state=state is not None, loss_reduction=kw["loss_reduction"])
+        job = cls(
+            loss_fn, params, batch, optimizer, state, effective_batch, names, knob_space, layout, kw["memory_limit"],
+            kw["min_microbatch"], loss_kw,
+        )  # fmt: skip
+        default = job.settings[0]
+        check_loss_fn(job.loss_for(default))
+        if kw["memory_limit"] is not None:
+            parse_bytes(kw["memory_limit"], "memory_limit")
+        for name in names:  # bad input (optimizer, loss, options) fails here, not in trial 0
+            build_update(job.loss_for(default), optimizer, microbatch_size=1, strategy=name, **default.build, **loss_kw)
+        trace_loss(job.loss_for(default), params, batch, state)  # the loss's own error, before any child starts
+        warn_if_not_finite(
+            job.loss_for(default), params, batch, state=state, has_aux=kw["has_aux"],
+            loss_reduction=kw["loss_reduction"],
+        )  # fmt: skip
+        return job
+
+
+def _check_numbers(kw: dict[str, Any], effective_batch: int) -> None:
+    check_bool(kw["fresh"], "fresh")
+    check_bool(kw["isolate"], "isolate")
+    race_rounds = kw["race_rounds"]
+    if not (isinstance(race_rounds, int) and not isinstance(race_rounds, bool) and race_rounds >= 0):
+        raise ValueError(f"`race_rounds` must be an int >= 0 (0: no race), got race_rounds={race_rounds!r}.")
+    for label in ("trial_timeout", "compile_timeout"):
+        seconds = kw[label]
+        if seconds is not None and not (isinstance(seconds, (int, float)) and seconds > 0):
+            raise ValueError(f"`{label}` must be a positive number of seconds or None, got {label}={seconds!r}.")
+    if kw["n_trials"] is not None:
+        check_positive_int(kw["n_trials"], "n_trials")
+    largest = effective_batch
+    if kw["max_microbatch"] is not None:
+        largest = min(largest, check_positive_int(kw["max_microbatch"], "max_microbatch"))
+    check_positive_int(kw["min_microbatch"], "min_microbatch")
+    if kw["min_microbatch"] > largest:
+        raise ValueError(
+            f"`min_microbatch`={kw['min_microbatch']} is above the largest microbatch that may be timed ({largest}: "
+            f"`effective_batch`={effective_batch}, `max_microbatch`={kw['max_microbatch']}); lower it."
+        )
+    timeout = kw["timeout"]
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"`timeout` must be a positive number of seconds, got timeout={timeout!r}.")
+
+
+def _check_strategies(strategies: Sequence[str] | None) -> list[str]:
+    names = list(available_strategies() if strategies is None else strategies)
+    if not names:
+        raise ValueError(f"`strategies` is empty; choose from {', '.join(available_strategies())}.")
+    for name in names:
+        get_strategy(name)
+    return names
+
+
+def _on_mesh(layout: Layout, names: list[str], effective_batch: int, *, explicit: bool) -> list[str]:
+    """The strategies that run on ``layout``'s mesh (global microbatch sizes, multiples of the shards)."""
+    if effective_batch % layout.shards:
+        raise ValueError(
+            f"`effective_batch`={effective_batch} is not a multiple of the {layout.shards} shards the batch is split "
+            f"into over mesh axes {layout.batch_axes}; use a multiple of {layout.shards}."
+        )
+    off = [n for n in names if not get_strategy(n).supports(layout)]
+    if explicit and off:
+        raise ValueError(
+            f"`strategies` {off} do not run with these inputs on a mesh (e.g. multisteps with sharded parameters); "
+            "leave them out."
+        )
+    return [n for n in names if n not in off]
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """The sizes each knob setting may time (`Space.bound`).
+
+    Attributes:
+      bounds: per setting, the largest microbatch predicted to fit one microbatch's step (the probe's for the
+        default setting, the calibrated estimate's for the others; ``max_microbatch`` for all when given).
+      fitting: per setting, the candidate sizes within its bound, at least ``min_microbatch``, whose accumulating
+        step is not predicted over the limit.
+      predicted_over: per setting (by its text), the candidates left out as predicted over the limit.
+      probed: the probe's result (None with ``max_microbatch``).
+    """
+
+    bounds: dict[Setting, int]
+    fitting: dict[Setting, list[int]]
+    predicted_over: dict[str, list[int]]
+    probed: ProbeResult | None
+
+    @property
+    def sizes(self) -> list[int]:
+        return list(dict.fromkeys(m for sizes in self.fitting.values() for m in sizes))
+
+    @classmethod
+    def bound(cls, job: Job, max_microbatch: int | None) -> Space:
+        """Probes the default setting (unless ``max_microbatch`` is given), and bounds every other setting by its
+        compile-only estimate calibrated by the probe (`ProbeResult.bound_for`). Where the effective batch needs
+        accumulating, a size whose accumulating step (which also holds the accumulator and the whole batch) the
+        calibrated estimate predicts over the limit is left out (`ProbeResult.predicted_peak`).
+
+        Raises:
+          RuntimeError: no size at least ``min_microbatch`` fits, or none is a candidate.
+        """
+        settings, eb, default = job.settings, job.effective_batch, job.settings[0]
+        probed = None
+        if max_microbatch is None:
+            probed = probe(
+                job.loss_for(default), job.params, job.batch, optimizer=job.optimizer, strategy=job.names[0],
+                memory_limit=job.memory_limit, max_microbatch=eb, state=job.state,
+                has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"],
+                options=None if default.remat is None else {"remat": default.remat},
+                sizes=[m for m in probe_sizes(eb) if m >= job.min_microbatch],
+            )  # fmt: skip
+            max_microbatch = probed.max_microbatch
+        bounds = dict.fromkeys(settings, max_microbatch)
+        accumulating: dict[Setting, Estimate] = {}
+        if probed is not None:
+            accumulating = _estimates(job, probed, bounds)
+        fitting: dict[Setting, list[int]] = {}
+        over: dict[str, list[int]] = {}
+        for setting, b in bounds.items():
+            candidates = [m for m in microbatch_candidates(eb, max(b, 1)) if m <= b and m % job.shards == 0]
+            candidates = [m for m in candidates if m >= job.min_microbatch]
+            fits = [m for m in candidates if _predicted_to_fit(probed, accumulating.get(setting), m, eb)]
+            fitting[setting] = fits or candidates[:1]  # (all predicted over: the smallest is timed, a trial decides)
+            if len(fitting[setting]) < len(candidates):
+                over[str(setting)] = [m for m in candidates if m not in fitting[setting]]
+        space = cls(bounds, fitting, over, probed)
+        if not space.sizes:
+            raise RuntimeError(
+                f"no microbatch size to time between `min_microbatch`={job.min_microbatch} and the bounds "
+                f"{sorted(set(bounds.values()))} (sizes that split {eb} examples evenly or are powers of two); lower "
+                "`min_microbatch`."
+            )
+        return space
+
+
+def _predicted_to_fit(probed: ProbeResult | None, accumulating: Estimate | None, m: int, effective_batch: int) -> bool:
+    if probed is None or accumulating is None or m >= effective_batch:
+        return True
+    return probed.predicted_peak(accumulating, m, effective_batch) <= probed.memory_limit_bytes
+
+
+def _estimates(job: Job, probed: ProbeResult, bounds: dict[Setting, int]) -> dict[Setting, Estimate]:
+    """Sets every other setting's bound in ``bounds`` from its estimate; returns each setting's estimate of its
+    accumulating step, where the effective batch needs accumulating."""
+    accumulates = probed.max_microbatch < job.effective_batch
+    default = job.settings[0]
+    accumulating: dict[Setting, Estimate] = {}
+    for setting in job.settings:
+        if setting == default and not accumulates:
+            continue  # the probe measured it
+        predicted = estimate(
+            job.loss_for(setting), job.params, job.batch, optimizer=job.optimizer, strategy=job.names[0],
+            memory_limit=probed.memory_limit_bytes, max_microbatch=probed.microbatch_cap, accumulation=accumulates,
+            effective_batch=job.effective_batch if accumulates else None, state=job.state,
+            has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"], **setting.build,
+        )  # fmt: skip
+        if setting != default:
+            bounds[setting] = probed.bound_for(predicted)
+        if accumulates:
+            accumulating[setting] = predicted
+    if max(bounds.values()) < job.min_microbatch:
+        floor = job.min_microbatch
+        raise RuntimeError(
+            f"nothing fits: no microbatch of at least `min_microbatch`={floor} fits under the probe's limit "
+            f"({format_bytes(probed.memory_limit_bytes)}) with any setting of the knobs; reduce the model, raise "
+            "`memory_limit`" + (" or lower `min_microbatch`." if floor > 1 else ".")
+        )
+    return accumulating
