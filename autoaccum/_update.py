@@ -275,6 +275,12 @@ def build_update(
     check_bool(has_aux, "has_aux")
     check_bool(has_state, "has_state")
     check_bool(donate, "donate")
+    if getattr(loss_fn, "has_state", False) is True and not has_state:
+        raise TypeError(
+            f"`loss_fn` ({type(loss_fn).__name__}) takes and returns a model state (loss_fn(params, batch, state) -> "
+            "(loss, state)), but has_state=False; pass has_state=True, and the state to the update: "
+            "update(params, opt_state, batch, state), with e.g. autoaccum.linen.init_state(variables, key)."
+        )
     dtype = floating_dtype(accumulator_dtype)
     if dtype is None:
         raise TypeError(f"`accumulator_dtype` must be a floating dtype such as jnp.float32, got {accumulator_dtype!r}.")

@@ -14,14 +14,22 @@ writes that loss for you, and `init_state` makes the state it threads::
 What goes wrong silently without it: dropping the returned ``batch_stats`` leaves the statistics at their
 initial values forever; closing over ``batch_stats`` bakes the first value into the jitted step; a dropout key
 closed over (or passed unchanged) gives every microbatch and every step the same mask.
+
+What accumulation cannot make equal to one full-batch step: BatchNorm in training mode normalises each
+microbatch by that microbatch's statistics, so the gradient differs from the full batch's, more as the
+microbatch shrinks (keep it above a floor: ``autoaccum.tune(..., min_microbatch=...)``). The running
+statistics take one EMA step per microbatch, ``k`` per update; ``build_update(..., state_update="once")``
+moves them once per update, by the mean of the microbatches' statistics, as one full-batch step would.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 
 from autoaccum.strategies import PyTree
 
@@ -30,11 +38,14 @@ RNG = "rng"
 
 
 def init_state(variables: Mapping[str, Any], rng: jax.Array, mutable: Sequence[str] = ("batch_stats",)) -> dict:
-    """The model state `loss_fn` threads: the ``mutable`` collections of ``variables`` and the key ``rng``.
+    """The model state `loss_fn` threads: copies of the ``mutable`` collections of ``variables`` and of ``rng``.
+
+    They are copies, so that an update that donates the state (``build_update``'s default) leaves ``variables``
+    and ``rng`` usable.
 
     Example:
-      >>> init_state({"params": {}, "batch_stats": {"mean": 0.0}}, jax.random.key(0))["batch_stats"]
-      {'mean': 0.0}
+      >>> init_state({"params": {}, "batch_stats": {"mean": jnp.zeros(2)}}, jax.random.key(0))["batch_stats"]
+      {'mean': Array([0., 0.], dtype=float32)}
     """
     missing = [name for name in mutable if name not in variables]
     if missing:
@@ -42,7 +53,7 @@ def init_state(variables: Mapping[str, Any], rng: jax.Array, mutable: Sequence[s
             f"`variables` has no collection(s) {missing} (it has {sorted(variables)}); pass the `mutable` "
             "collections your model really has, e.g. mutable=() for a model without BatchNorm."
         )
-    return {**{name: variables[name] for name in mutable}, RNG: rng}
+    return jax.tree.map(jnp.copy, {**{name: variables[name] for name in mutable}, RNG: rng})
 
 
 def loss_fn(
@@ -51,8 +62,11 @@ def loss_fn(
     *,
     mutable: Sequence[str] = ("batch_stats",),
     rng_streams: Sequence[str] = ("dropout",),
-) -> Callable[[PyTree, PyTree, PyTree], tuple[Any, PyTree]]:
+) -> Loss:
     """A ``loss_fn(params, batch, state) -> (loss, state)`` for `autoaccum.build_update` (``has_state=True``).
+
+    ``build_update`` refuses it without ``has_state=True`` (it threads the model state), and calling it without a
+    state says so.
 
     Args:
       model: the linen ``nn.Module``.
@@ -73,25 +87,63 @@ def loss_fn(
       >>> params, opt_state, loss, state = update(variables["params"], optax.sgd(0.1).init(variables["params"]),
       ...                                         jnp.ones((4, 3)), state)
     """
+    return Loss(model, criterion, tuple(mutable), tuple(rng_streams))
 
-    def fn(params: PyTree, batch: PyTree, state: PyTree) -> tuple[Any, PyTree]:
-        rng, *keys = jax.random.split(state[RNG], 1 + len(rng_streams))
-        collections = {name: state[name] for name in mutable}
+
+class _NoState:
+    def __repr__(self) -> str:
+        return "<no state>"
+
+
+_NO_STATE: Any = _NoState()
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """``loss(params, batch, state) -> (loss, state)``: a linen model's loss with its state threaded (`loss_fn`).
+
+    Attributes:
+      model: the linen ``nn.Module``.
+      criterion: ``criterion(apply, batch) -> loss``.
+      mutable: the collections the model updates in training.
+      rng_streams: the RNG streams it needs in training.
+      has_state: always True: `autoaccum.build_update` refuses this loss without ``has_state=True``.
+    """
+
+    model: Any
+    criterion: Callable[[Callable[..., Any], PyTree], Any]
+    mutable: tuple[str, ...] = ("batch_stats",)
+    rng_streams: tuple[str, ...] = ("dropout",)
+    has_state: ClassVar[bool] = True
+
+    def __call__(self, params: PyTree, batch: PyTree, state: PyTree = _NO_STATE) -> tuple[Any, PyTree]:
+        """The criterion on ``batch`` with the model's collections and keys from ``state``; ``(loss, state)``.
+
+        Raises:
+          TypeError: ``state`` is missing (the update was built without ``has_state=True``).
+        """
+        if state is _NO_STATE:
+            raise TypeError(
+                "autoaccum.linen.loss_fn(...) takes and returns the model state (loss_fn(params, batch, state) -> "
+                "(loss, state)) but was called without one: pass has_state=True to build_update, the state to the "
+                "update (state = autoaccum.linen.init_state(variables, key)), and state=state to probe, estimate "
+                "and tune."
+            )
+        rng, *keys = jax.random.split(state[RNG], 1 + len(self.rng_streams))
+        collections = {name: state[name] for name in self.mutable}
         updated: dict[str, Any] = {}
 
         def apply(*args: Any, **kwargs: Any) -> Any:
             variables = {"params": params, **collections, **updated}
-            rngs = dict(zip(rng_streams, keys, strict=True))
-            if not mutable:
-                return model.apply(variables, *args, rngs=rngs, **kwargs)
-            out, new = model.apply(variables, *args, rngs=rngs, mutable=list(mutable), **kwargs)
+            rngs = dict(zip(self.rng_streams, keys, strict=True))
+            if not self.mutable:
+                return self.model.apply(variables, *args, rngs=rngs, **kwargs)
+            out, new = self.model.apply(variables, *args, rngs=rngs, mutable=list(self.mutable), **kwargs)
             updated.update(new)
             return out
 
-        loss = criterion(apply, batch)
+        loss = self.criterion(apply, batch)
         return loss, {**collections, **updated, RNG: rng}
 
-    return fn
 
-
-__all__ = ["RNG", "init_state", "loss_fn"]
+__all__ = ["RNG", "Loss", "init_state", "loss_fn"]

@@ -7,6 +7,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from test_strategies import assert_trees_close
@@ -83,3 +84,66 @@ def test_linen_batch_stats_and_dropout_equal_the_reference_after_two_updates(str
 def test_init_state_names_a_missing_collection() -> None:
     with pytest.raises(ValueError, match=r"no collection\(s\) \['batch_stats'\]"):
         autoaccum.linen.init_state({"params": {}}, jax.random.key(0))
+
+
+def test_loss_fn_without_has_state_is_told_to_pass_it() -> None:
+    model, tx = ConvNet(), optax.sgd(0.1)
+    variables = model.init({"params": jax.random.key(0)}, data(0)["image"], train=False)
+    loss_fn = autoaccum.linen.loss_fn(model, xent)
+    with pytest.raises(TypeError, match=r"takes and returns a model state .* but has_state=False; pass has_state=True"):
+        autoaccum.build_update(loss_fn, tx, microbatch_size=4)  # refused when built: nothing has been traced
+    with pytest.raises(TypeError, match=r"called without one: pass has_state=True"):
+        loss_fn(variables["params"], data(0))  # as probe, estimate or tune call it without `state=`
+
+
+def test_init_state_leaves_the_callers_variables_and_key_usable() -> None:
+    # The update donates the state (the default): init_state's copies go, the caller's arrays stay (atol 0).
+    model, tx = ConvNet(), optax.sgd(0.1)
+    variables = model.init({"params": jax.random.key(0)}, data(0)["image"], train=False)
+    rng = jax.random.key(1)
+    before = jax.tree.map(np.asarray, variables["batch_stats"])
+    update = autoaccum.build_update(autoaccum.linen.loss_fn(model, xent), tx, microbatch_size=4, has_state=True)
+    params = jax.tree.map(jnp.copy, variables["params"])
+    state = autoaccum.linen.init_state(variables, rng)
+    _, _, _, state = update(params, tx.init(params), data(1), state)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(variables["batch_stats"]))
+    assert not rng.is_deleted()
+    assert_trees_close(variables["batch_stats"], before, atol=0.0)
+    jax.random.split(rng)  # still a key
+
+
+class MLP(nn.Module):
+    """Dense (no bias), BatchNorm, ReLU, Dense: the BatchNorm's input does not depend on any statistics."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        x = nn.Dense(6, use_bias=False)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        return nn.Dense(1)(nn.relu(x))
+
+
+def test_state_update_once_moves_batch_stats_once_per_update_by_the_microbatches_mean() -> None:
+    # By hand, without autoaccum: h = x @ kernel; per microbatch of 4, 4, 2 the batch mean and (biased) variance
+    # of h; the running statistics move once: 0.9 * old + 0.1 * sum_i (n_i / B) * stat_i (atol 1e-6, float32).
+    # The mean is the full batch's; threaded per microbatch they would take three EMA steps instead.
+    model, tx = MLP(), optax.sgd(0.1)
+    x = jax.random.normal(jax.random.key(3), (10, 5))
+    batch = {"x": x, "y": jax.random.normal(jax.random.key(4), (10, 1))}
+    variables = model.init(jax.random.key(0), x[:1], train=False)
+    criterion = lambda apply, b: jnp.mean((apply(b["x"], train=True) - b["y"]) ** 2)  # noqa: E731
+    update = autoaccum.build_update(
+        autoaccum.linen.loss_fn(model, criterion, rng_streams=()), tx, microbatch_size=4, has_state=True,
+        state_update="once",
+    )  # fmt: skip
+    params = jax.tree.map(jnp.copy, variables["params"])
+    _, _, _, state = update(params, tx.init(params), batch, autoaccum.linen.init_state(variables, jax.random.key(1)))
+
+    h = np.asarray(x, np.float64) @ np.asarray(variables["params"]["Dense_0"]["kernel"], np.float64)
+    pieces = [h[0:4], h[4:8], h[8:10]]
+    mean = sum(len(p) / 10 * p.mean(axis=0) for p in pieces)
+    var = sum(len(p) / 10 * p.var(axis=0) for p in pieces)
+    stats = state["batch_stats"]["BatchNorm_0"]
+    old = variables["batch_stats"]["BatchNorm_0"]
+    np.testing.assert_allclose(stats["mean"], 0.9 * np.asarray(old["mean"]) + 0.1 * mean, atol=1e-6)
+    np.testing.assert_allclose(stats["var"], 0.9 * np.asarray(old["var"]) + 0.1 * var, atol=1e-6)
+    np.testing.assert_allclose(mean, h.mean(axis=0), atol=1e-12)  # the full batch's mean
