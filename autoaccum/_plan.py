@@ -14,7 +14,7 @@ import optax
 from autoaccum._json import JsonMixin
 from autoaccum._knobs import Knobs, resolve
 from autoaccum._update import Update, build_update
-from autoaccum.strategies import PyTree
+from autoaccum.strategies import PyTree, Schedule
 
 
 def params_signature(params: PyTree) -> dict[str, str]:
@@ -126,6 +126,25 @@ class Plan(JsonMixin):
         if difference:
             raise ValueError(f"this plan was tuned for different params: {difference}.")
 
+    def update_options(self) -> dict[str, Any]:
+        """The `autoaccum.build_update` arguments this plan sets, besides the loss, the optimizer, ``has_state``
+        and ``donate``.
+
+        Example:
+          >>> plan = Plan(effective_batch=10, microbatch_size=4, accumulation_steps=3, strategy="scan")
+          >>> plan.update_options()["microbatch_size"]
+          4
+        """
+        return dict(
+            microbatch_size=self.microbatch_size,
+            strategy=self.strategy,
+            has_aux=self.has_aux,
+            loss_reduction=self.loss_reduction,
+            accumulator_dtype=np.dtype(self.accumulator_dtype),
+            remat=self.remat,
+            **self.options,
+        )
+
     def build(
         self,
         loss_fn: Callable[..., Any] | Knobs,
@@ -133,11 +152,14 @@ class Plan(JsonMixin):
         *,
         params: PyTree | None = None,
         donate: bool = True,
+        state_update: Schedule = "per_microbatch",
     ) -> Update:
         """The `Update` this plan describes (``params``, if given, are checked against the plan first).
 
         ``loss_fn`` is the loss function, or, for a plan tuned with knobs of the loss's own, the `autoaccum.Knobs`
-        it was tuned with: the loss is then ``make_loss(**plan.knobs)``.
+        it was tuned with: the loss is then ``make_loss(**plan.knobs)``. ``donate`` and ``state_update`` are as
+        for `autoaccum.build_update` (a plan does not record them). For an nnx model and optimizer build the nnx
+        step instead: ``autoaccum.nnx.build_update(loss_fn, plan=plan)``.
 
         Raises:
           ValueError: ``params`` differ from the plan's, or the plan has knobs and ``loss_fn`` is a plain function
@@ -148,13 +170,8 @@ class Plan(JsonMixin):
         return build_update(
             resolve(loss_fn, self.knobs),
             optimizer,
-            microbatch_size=self.microbatch_size,
-            strategy=self.strategy,
-            has_aux=self.has_aux,
             has_state=self.has_state,
-            loss_reduction=self.loss_reduction,  # type: ignore[arg-type]
-            accumulator_dtype=np.dtype(self.accumulator_dtype),
             donate=donate,
-            remat=self.remat,
-            **self.options,
+            state_update=state_update,
+            **self.update_options(),
         )

@@ -11,8 +11,12 @@ Only what the optimizer's ``wrt`` selects is differentiated. Everything else the
 running statistics, the ``nnx.Rngs`` streams' keys and counters, any other ``nnx.Variable``) is model state:
 it flows through the microbatches in order, as `autoaccum.build_update`'s ``has_state`` does, so each
 microbatch of each update draws its own dropout mask and BatchNorm statistics advance once per microbatch,
-as they would over the same examples fed one microbatch at a time. One program is compiled per shape; the
-second call does not retrace.
+as they would over the same examples fed one microbatch at a time; with ``state_update="once"`` the
+``nnx.BatchStat`` statistics (every floating state) move once per update instead, by the mean of the
+microbatches' statistics. The step equals one full-batch step for per-example losses; BatchNorm in training
+mode normalises each microbatch by its own statistics, and a loss coupling the batch's examples is computed per
+microbatch (see `autoaccum.build_update`). One program is compiled per shape; the second call does not retrace.
+A tuned plan, saved and loaded, builds the same step: ``autoaccum.nnx.build_update(loss_fn, plan=plan)``.
 
 `probe`, `estimate` and `tune` take the same ``(loss_fn, model, optimizer, batch)`` and answer for the model as
 `autoaccum.probe`, `autoaccum.estimate` and `autoaccum.tune` do for a function of a parameters pytree (they
@@ -26,12 +30,14 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from autoaccum._checks import check_loss_fn
 from autoaccum._estimate import estimate as _estimate
 from autoaccum._knobs import Knobs, resolve
+from autoaccum._plan import Plan
 from autoaccum._probe import probe as _probe
 from autoaccum._tune import run as _run
 from autoaccum._update import Update as _Update
@@ -109,15 +115,20 @@ class Update:
     by one per call. Programs are built per model structure and cached.
     """
 
-    def __init__(self, loss_fn: Callable[..., Any], options: dict[str, Any]) -> None:
+    def __init__(self, loss_fn: Callable[..., Any], options: dict[str, Any], plan: Plan | None = None) -> None:
         self.loss_fn = loss_fn
         self.options = options
+        self.plan = plan
         self._cache: dict[Any, _Update] = {}
 
     def _prepare(self, model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Functional, _Update]:
         f = functional(self.loss_fn, model, optimizer)
-        key = (f.graphdef, id(f.tx))
+        # Keyed as nnx.jit's cache is (jax.jit's, by the treedef of the model's GraphDef): compared with ==, never
+        # hashed itself, so a model holding a list attribute (an unhashable GraphDef) is accepted as nnx.jit does.
+        key = (jax.tree.structure(f.graphdef), id(f.tx))
         if key not in self._cache:
+            if self.plan is not None:
+                self.plan.check_params(f.params)
             self._cache[key] = _build_update(f.loss_fn, f.tx, has_state=True, **self.options)
         return f, self._cache[key]
 
@@ -145,24 +156,39 @@ class Update:
 
 
 def build_update(
-    loss_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any] | Knobs,
     *,
-    microbatch_size: int,
+    microbatch_size: int | None = None,
     strategy: str = "auto",
     has_aux: bool = False,
     loss_reduction: str = "mean",
     accumulator_dtype: Any = jnp.float32,
     donate: bool = True,
+    plan: Plan | None = None,
     **options: Any,
 ) -> Update:
     """An accumulating step for nnx models: ``loss = step(model, optimizer, batch)`` updates both in place.
 
+    The step equals one full-batch step for a loss of per-example terms; with BatchNorm in training mode, or a
+    loss coupling the batch's examples, it does not (each microbatch is a batch of its own: see
+    `autoaccum.build_update`). Pass ``state_update="once"`` to move the ``nnx.BatchStat`` running statistics once
+    per update (by the mean of the microbatches' statistics) instead of once per microbatch.
+
     Args:
       loss_fn: ``loss_fn(model, batch) -> loss`` (the mean over the batch's examples); with ``has_aux``,
-        ``-> (loss, aux)``; with ``loss_reduction="sum"``, ``loss`` is ``(loss_sum, weight)``.
+        ``-> (loss, aux)``; with ``loss_reduction="sum"``, ``loss`` is ``(loss_sum, weight)``. With a ``plan``
+        tuned with knobs of the loss's own, the `autoaccum.Knobs` it was tuned with.
       microbatch_size, strategy, has_aux, loss_reduction, accumulator_dtype, donate, **options: as for
-        `autoaccum.build_update`. With ``donate`` the model's and optimizer's arrays are reused for the results
-        (the model and optimizer are updated in place either way).
+        `autoaccum.build_update` (``state_update`` and ``remat`` among the options). With ``donate`` the model's
+        and optimizer's arrays are reused for the results (the model and optimizer are updated in place either
+        way).
+      plan: a tuned `autoaccum.Plan` (e.g. ``autoaccum.Plan.load("plan.json")``) in place of ``microbatch_size``,
+        ``strategy``, ``has_aux``, ``loss_reduction``, ``accumulator_dtype``, ``remat`` and the strategy's
+        options, which it sets (its knobs too); ``donate`` and ``state_update`` may be given beside it. The
+        model's parameters are checked against the plan's at the first call.
+
+    Raises:
+      TypeError, ValueError: bad arguments, or a ``plan`` with arguments it sets.
 
     Example:
       >>> import jax.numpy as jnp, optax, autoaccum
@@ -173,14 +199,61 @@ def build_update(
       >>> loss = step(model, optimizer, {"x": jnp.ones((10, 3)), "y": jnp.zeros((10, 1))})
       >>> int(optimizer.step[...])
       1
+      >>> plan = autoaccum.Plan(effective_batch=10, microbatch_size=5, accumulation_steps=2, strategy="loop")
+      >>> step = autoaccum.nnx.build_update(lambda m, b: jnp.mean(m(b["x"]) ** 2), plan=plan)
+      >>> step.options["microbatch_size"], step.options["strategy"]
+      (5, 'loop')
     """
+    if plan is not None:
+        given = dict(
+            microbatch_size=microbatch_size, strategy=strategy, has_aux=has_aux, loss_reduction=loss_reduction,
+            accumulator_dtype=accumulator_dtype, **options,
+        )  # fmt: skip
+        loss_fn, options = _from_plan(loss_fn, plan, given)
+    elif isinstance(loss_fn, Knobs):
+        raise TypeError(
+            "`loss_fn` is an autoaccum.Knobs: pass the plan tuned with it (plan=...), whose knob values make the "
+            "loss, or a loss function made with chosen values, loss_fn=knobs.loss_fn(**values)."
+        )
+    elif microbatch_size is None:
+        raise TypeError(
+            "`microbatch_size` is required: pass microbatch_size=..., or a tuned plan, plan=autoaccum.Plan.load(path)."
+        )
+    else:
+        options = dict(
+            microbatch_size=microbatch_size, strategy=strategy, has_aux=has_aux, loss_reduction=loss_reduction,
+            accumulator_dtype=accumulator_dtype, **options,
+        )  # fmt: skip
     check_loss_fn(loss_fn)
-    options = dict(
-        microbatch_size=microbatch_size, strategy=strategy, has_aux=has_aux, loss_reduction=loss_reduction,
-        accumulator_dtype=accumulator_dtype, donate=donate, **options,
-    )  # fmt: skip
+    options = dict(options, donate=donate)
     _build_update(lambda p, b, s: (0.0, s), _NoOptimizer(), has_state=True, **options)  # bad arguments raise now
-    return Update(loss_fn, options)
+    return Update(loss_fn, options, plan)
+
+
+_BESIDE_A_PLAN = ("state_update",)
+_DEFAULTS: dict[str, Any] = dict(
+    microbatch_size=None, strategy="auto", has_aux=False, loss_reduction="mean", accumulator_dtype=jnp.float32
+)
+
+
+def _from_plan(loss_fn: Any, plan: Any, given: dict[str, Any]) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """The loss and `build_update` options a plan sets; arguments it sets, given beside it, are refused."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"`plan` must be an autoaccum.Plan (e.g. Plan.load(path)), got {type(plan).__name__}.")
+    clashing = sorted(
+        name
+        for name, value in given.items()
+        if name not in _BESIDE_A_PLAN
+        and not (name in _DEFAULTS and (value is _DEFAULTS[name] or value == _DEFAULTS[name]))
+    )
+    if clashing:
+        raise ValueError(
+            f"`plan` sets {', '.join(f'`{n}`' for n in clashing)} (the plan has "
+            f"{', '.join(f'{n}={plan.update_options().get(n)!r}' for n in clashing)}); pass either the plan or "
+            "these arguments, not both (beside a plan only `donate` and `state_update` are taken)."
+        )
+    options = {**plan.update_options(), **{n: given[n] for n in _BESIDE_A_PLAN if n in given}}
+    return resolve(loss_fn, plan.knobs), options
 
 
 class _NoOptimizer:
@@ -228,12 +301,7 @@ def tune(
         f = functional(loss_fn, model, optimizer)
         pure = f.loss_fn
     result = _run.tune(pure, f.params, batch, optimizer=f.tx, state=f.state, **kwargs)
-    plan = result.plan
-    step = build_update(
-        resolve(loss_fn, plan.knobs), microbatch_size=plan.microbatch_size, strategy=plan.strategy,
-        has_aux=plan.has_aux, loss_reduction=plan.loss_reduction, accumulator_dtype=jnp.dtype(plan.accumulator_dtype),
-        remat=plan.remat, **plan.options,
-    )  # fmt: skip
+    step = build_update(loss_fn, plan=result.plan)
     return dataclasses.replace(result, step=step)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -13,6 +14,7 @@ from flax import nnx
 from test_strategies import count_backend_compiles
 
 import autoaccum
+from autoaccum._plan import params_signature
 
 as_pure = getattr(nnx, "as_pure", None) or nnx.pure  # flax < 0.12.7 calls it `pure`
 
@@ -47,7 +49,7 @@ def batches(n: int = 2, size: int = 10) -> list[dict[str, jax.Array]]:
     ]
 
 
-def reference_update(model: Net, optimizer: nnx.Optimizer, batch: Any, m: int) -> jax.Array:
+def reference_update(model: Any, optimizer: nnx.Optimizer, batch: Any, m: int, objective: Any = loss_fn) -> jax.Array:
     """Without autoaccum: microbatches in order, the model's other state threaded, (n_i / B) * grad_i summed,
     one optax step; written back to the model and optimizer."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
@@ -55,8 +57,8 @@ def reference_update(model: Net, optimizer: nnx.Optimizer, batch: Any, m: int) -
 
     def pure(p: Any, b: Any, r: Any) -> tuple[jax.Array, Any]:
         local = nnx.merge(graphdef, p, r)
-        loss = loss_fn(local, b)
-        return loss, as_pure(nnx.split(local, nnx.Param, ...)[2])  # type: ignore[misc]
+        value = objective(local, b)
+        return value, as_pure(nnx.split(local, nnx.Param, ...)[2])  # type: ignore[misc]
 
     total = batch["x"].shape[0]
     grads = jax.tree.map(jnp.zeros_like, params)
@@ -162,3 +164,116 @@ def test_nnx_probe_in_child_processes() -> None:
         loss_fn, model, optimizer, batches(1, 8)[0], memory_limit="256MiB", max_microbatch=64, granularity=32
     )
     assert result.max_microbatch == 64 and all(t.fits for t in result.trials)
+
+
+class Viewed(nnx.Module):
+    """Holds a list attribute, as flax's UNETR tutorial model does (``self.proj_view_shape = [...]``)."""
+
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        self.hidden = nnx.Linear(4, 6, rngs=rngs)
+        self.view_shape = [2, 3]  # a list: the model's GraphDef does not hash
+        self.out = nnx.Linear(3, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = nnx.relu(self.hidden(x)).reshape((x.shape[0], *self.view_shape))
+        return self.out(h.mean(axis=1))
+
+
+def test_a_model_holding_a_list_attribute_steps_as_under_nnx_jit() -> None:
+    # atol 1e-6 (float32), two updates of 3 + 3 + 3 + 1; the second compiles nothing.
+    def make_viewed() -> tuple[Viewed, nnx.Optimizer]:
+        model = Viewed(rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+    model, optimizer = make_viewed()
+    ref_model, ref_optimizer = make_viewed()
+    first, second = batches()
+    assert jnp.isfinite(nnx.jit(loss_fn)(model, first))  # what nnx.jit accepts
+    step = autoaccum.nnx.build_update(loss_fn, microbatch_size=3)
+    loss = step(model, optimizer, first)
+    np.testing.assert_allclose(float(loss), float(reference_update(ref_model, ref_optimizer, first, 3)), atol=1e-6)
+    with count_backend_compiles() as compiles:
+        loss = step(model, optimizer, second)
+    assert compiles == []
+    np.testing.assert_allclose(float(loss), float(reference_update(ref_model, ref_optimizer, second, 3)), atol=1e-6)
+    assert_states_close(nnx.state(model), nnx.state(ref_model), atol=1e-6)
+    assert_states_close(nnx.state(optimizer), nnx.state(ref_optimizer), atol=1e-6)
+
+
+def make_scaled_loss(scale: float = 1.0) -> Any:
+    return lambda model, batch: scale * loss_fn(model, batch)
+
+
+def test_a_saved_plan_builds_the_nnx_step_with_its_knobs_remat_and_accumulator_dtype(tmp_path: Any) -> None:
+    # The plan as autoaccum.nnx.tune makes it (model state: has_state=True), saved and loaded; the step equals the
+    # reference with the plan's knob (scale 2), microbatch 3 and strategy (atol 1e-6, float32).
+    model, optimizer = make()
+    ref_model, ref_optimizer = make()
+    knobs = autoaccum.Knobs(make_scaled_loss, scale=(1.0, 2.0))
+    signature = params_signature(autoaccum.nnx.functional(loss_fn, model, optimizer).params)
+    tuned = autoaccum.Plan(
+        effective_batch=10, microbatch_size=3, accumulation_steps=4, strategy="loop", has_state=True,
+        remat="nothing_saveable", knobs={"scale": 2.0}, params=signature,
+    )  # fmt: skip
+    plan = autoaccum.Plan.load(tuned.save(tmp_path / "plan.json"))
+    step = autoaccum.nnx.build_update(knobs, plan=plan)
+    for batch in batches():
+        loss = step(model, optimizer, batch)
+        expected = reference_update(ref_model, ref_optimizer, batch, 3, objective=make_scaled_loss(2.0))
+        np.testing.assert_allclose(float(loss), float(expected), atol=1e-6)
+    assert_states_close(nnx.state(model), nnx.state(ref_model), atol=1e-6)
+    assert_states_close(nnx.state(optimizer), nnx.state(ref_optimizer), atol=1e-6)
+    spec = step.compiled_for(model, optimizer).accumulation.spec
+    assert (spec.microbatch_size, spec.remat, spec.accumulator_dtype) == (3, "nothing_saveable", jnp.float32)
+
+    bf16 = dataclasses.replace(plan, accumulator_dtype="bfloat16", strategy="scan", options={"unroll": 2})
+    update = autoaccum.nnx.build_update(knobs, plan=bf16, state_update="once").compiled_for(model, optimizer)
+    assert (update.strategy, update.options, update.state_update) == ("scan", {"unroll": 2}, "once")
+    assert update.accumulation.spec.accumulator_dtype == jnp.bfloat16
+
+
+def test_a_plan_is_checked_against_the_model_and_the_arguments_beside_it() -> None:
+    model, optimizer = make()
+    plan = autoaccum.Plan(effective_batch=10, microbatch_size=3, accumulation_steps=4, strategy="scan")
+    with pytest.raises(ValueError, match=r"`plan` sets `microbatch_size`, `strategy` \(the plan has microbatch_size=3"):
+        autoaccum.nnx.build_update(loss_fn, plan=plan, microbatch_size=4, strategy="loop")
+    with pytest.raises(TypeError, match=r"`microbatch_size` is required: pass microbatch_size=\.\.\., or a tuned plan"):
+        autoaccum.nnx.build_update(loss_fn)
+    other = dataclasses.replace(plan, params={"['kernel']": "float32[3, 3]"})
+    with pytest.raises(ValueError, match=r"this plan was tuned for different params"):
+        autoaccum.nnx.build_update(loss_fn, plan=other)(model, optimizer, batches()[0])
+
+
+def test_a_plan_built_the_functional_way_points_an_nnx_model_at_the_nnx_door() -> None:
+    # Plan.build makes the functional update, which takes (params, opt_state, batch, state); an nnx model and
+    # optimizer passed to it are pointed at autoaccum.nnx.build_update(loss_fn, plan=...), not at `state`.
+    model, optimizer = make()
+    plan = autoaccum.Plan(effective_batch=10, microbatch_size=3, accumulation_steps=4, strategy="scan", has_state=True)
+    with pytest.raises(TypeError, match=r"is an nnx\.Net.*autoaccum\.nnx\.build_update\(loss_fn, plan="):
+        plan.build(loss_fn, optimizer.tx)(model, optimizer, batches()[0])
+
+
+def test_state_update_once_moves_batch_stats_once_per_update() -> None:
+    # By hand, without autoaccum: the BatchNorm's input is h = x @ kernel (no layer before it normalises); per
+    # microbatch of 3, 3, 3, 1 its mean and biased variance; the statistics move once per update:
+    # 0.9 * old + 0.1 * sum_i (n_i / B) * stat_i (atol 1e-6, float32); the mean is the full batch's. The
+    # parameters equal the threaded reference's (training mode normalises by the microbatch's own statistics
+    # either way), and the dropout stream still draws once per microbatch.
+    model, optimizer = make()
+    ref_model, ref_optimizer = make()
+    step = autoaccum.nnx.build_update(loss_fn, microbatch_size=3, state_update="once")
+    (batch,) = batches(1)
+    kernel = np.asarray(model.hidden.kernel[...], np.float64)
+    old_mean, old_var = np.asarray(model.norm.mean[...]), np.asarray(model.norm.var[...])
+    step(model, optimizer, batch)
+    reference_update(ref_model, ref_optimizer, batch, 3)
+
+    h = np.asarray(batch["x"], np.float64) @ kernel
+    pieces = [h[i : i + 3] for i in range(0, 10, 3)]
+    mean = sum(len(p) / 10 * p.mean(axis=0) for p in pieces)
+    var = sum(len(p) / 10 * p.var(axis=0) for p in pieces)
+    np.testing.assert_allclose(model.norm.mean[...], 0.9 * old_mean + 0.1 * mean, atol=1e-6)
+    np.testing.assert_allclose(model.norm.var[...], 0.9 * old_var + 0.1 * var, atol=1e-6)
+    np.testing.assert_allclose(mean, h.mean(axis=0), atol=1e-12)
+    assert_states_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), atol=1e-6)
+    assert int(model.drop.rngs.count[...]) == 4
