@@ -2,8 +2,10 @@
 
 The model and its ``nnx.Optimizer`` are written the way nnx's own docs write them; ``autoaccum.nnx.tune``
 finds the microbatch and strategy for an effective batch of 128 under a memory limit, and the tuned step
-updates the model and optimizer in place, each microbatch drawing its own dropout mask and advancing the
-BatchNorm statistics. Run: ``python examples/nnx_train.py``.
+updates the model and optimizer in place, each microbatch drawing its own dropout mask. BatchNorm in training
+mode normalises each microbatch by its own statistics, so the tune keeps the microbatch at 16 or more
+(``min_microbatch``), and the step built from the plan moves the running statistics once per update, by the
+mean of the microbatches' statistics (``state_update="once"``). Run: ``python examples/nnx_train.py``.
 """
 
 from __future__ import annotations
@@ -40,14 +42,16 @@ def main(steps: int = 5) -> None:
     batch = {"image": jax.random.normal(kx, (128, 16, 16, 1)), "label": jax.random.randint(ky, (128,), 0, 10)}
 
     result = autoaccum.nnx.tune(
-        loss_fn, model, optimizer, batch, memory_limit="512MiB", max_microbatch=64, n_trials=4,
+        loss_fn, model, optimizer, batch, memory_limit="512MiB", min_microbatch=16, max_microbatch=64, n_trials=4,
         strategies=["scan", "loop"], storage=":memory:",
     )  # fmt: skip
     plan = result.plan
     print(f"plan: microbatch {plan.microbatch_size} x {plan.accumulation_steps}, {plan.strategy}")
+    assert plan.microbatch_size >= 16
+    step = autoaccum.nnx.build_update(loss_fn, plan=plan, state_update="once")  # as from Plan.load("plan.json")
     model.train()
     for i in range(steps):
-        loss = result.step(model, optimizer, batch)  # updates model and optimizer in place
+        loss = step(model, optimizer, batch)  # updates model and optimizer in place
         print(f"step {i}: loss {float(loss):.4f}, BatchNorm mean[0] {float(model.norm.mean[...][0]):+.4f}")
     assert int(optimizer.step[...]) == steps
     assert bool(jnp.isfinite(loss))
