@@ -268,16 +268,33 @@ def cgroup_limit(root: Path = Path("/sys/fs/cgroup")) -> tuple[int, int] | None:
     return None
 
 
-def oom_kills(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """The cgroup's count of OOM-killer kills (``memory.events``), or None where it cannot be read."""
+def oom_kills(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc")) -> int | None:
+    """Processes the kernel's OOM killer has killed, counted where this process's memory is: by its cgroup (v2
+    ``memory.events``, v1 ``memory.oom_control``; the cgroup mounted at ``root`` when this process's own is not
+    there), else by the kernel (``/proc/vmstat``: every process of the machine); None where no count can be read.
+
+    A count that rose while a child ran says the OOM killer killed it (with the kernel's count: it, or another
+    process at the same time).
+    """
+    own: dict[str, str] = {}  # controller ("" for cgroup v2) -> this process's cgroup
     try:
-        text = (root / "memory.events").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "oom_kill" and value.strip().isdigit():
-            return int(value)
+        for line in (proc / "self" / "cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for controller in controllers.split(","):
+                own[controller] = path.strip("/")
+    except (OSError, ValueError):  # no cgroups here, or a line of another form
+        pass
+    places = [root / own.get("", "") / "memory.events", root / "memory.events"]
+    places += [root / "memory" / own.get("memory", "") / "memory.oom_control", root / "memory" / "memory.oom_control"]
+    for place in [*places, proc / "vmstat"]:
+        try:
+            text = place.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
     return None
 
 

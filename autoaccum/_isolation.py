@@ -1,20 +1,22 @@
 """Child processes that may run out of memory, crash or hang without taking the caller down.
 
 The caller writes a *payload* (`payload`: the job pickled with cloudpickle, parameters as shapes only), then
-`run_child` starts ``python -m autoaccum._child KIND PAYLOAD ARGS... RESULT`` under `child_env` (one device,
-its allocator capped on a GPU; glibc malloc made predictable on the CPU) with a time limit. The child writes
-its result as JSON; a child that dies first is classified from its exit status and output (`classify_exit`),
-one that outlives its time limit is killed with its whole process group and reported as such.
+`ChildRunner` starts a child (`child_command`: this interpreter, this process's `autoaccum`, from any working
+folder) under `child_env` (one device, its allocator capped on a GPU; glibc malloc made predictable on the CPU)
+with a time limit. The child writes its result as JSON; a child that dies first is classified from its exit status
+and output (`classify_exit`), one that outlives its time limit is killed with its whole process group and reported
+as such, and one killed from outside (not by the kernel's OOM killer) runs once more (`dead_child`). A child ends
+with its parent (`die_with_parent`); interrupted, the parent ends its children before it goes on.
 
 What "does not fit" means for a dead child, exactly (`classify_exit`):
 
 * it dies from a signal after an allocation failure it could not report: ``SIGABRT``/``SIGSEGV`` with
   ``std::bad_alloc``, ``RESOURCE_EXHAUSTED``, ``Out of memory`` or ``Cannot allocate memory`` in its output
-  (C++ ``terminate`` on ``bad_alloc``), or ``SIGKILL`` from the kernel's OOM killer (the cgroup's
-  ``memory.events`` ``oom_kill`` count rose, or cannot be read).
+  (C++ ``terminate`` on ``bad_alloc``), or ``SIGKILL`` from the kernel's OOM killer (an OOM-kill count,
+  `autoaccum._device.oom_kills`, rose while it ran; where none can be read, a ``SIGKILL`` is not taken for one).
 
-Anything else (a plain ``os.abort()``, a segfault with no allocation failure in the output, a non-zero exit,
-a time-out) is an error, reported with its message.
+Anything else (a plain ``os.abort()``, a segfault with no allocation failure in the output, a kill from outside,
+a non-zero exit, a time-out) is an error, reported with its message.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outc
     Args:
       returncode: the child's exit status (``-N`` for signal ``N``).
       output: the end of its stdout and stderr.
-      oom_killed: whether the cgroup's OOM-kill count rose while it ran (None: unknown).
+      oom_killed: whether an OOM-kill count rose while it ran (`autoaccum._device.oom_kills`; None: unknown).
     """
     tail = output.strip()[-1500:]
     if returncode < 0:
@@ -95,9 +97,12 @@ def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outc
         except ValueError:
             name = f"signal {-returncode}"
         if -returncode == signal.SIGKILL:
-            if oom_killed is False:
-                return Outcome("error", message=f"the trial's child was killed by {name}, not by the OOM killer.")
-            return Outcome("oom", message=f"the trial's child was killed by {name} (the kernel's OOM killer).")
+            if oom_killed:
+                return Outcome("oom", message=f"the trial's child was killed by {name} (the kernel's OOM killer).")
+            why = "no OOM-kill count rose" if oom_killed is False else "no OOM-kill count can be read here"
+            return Outcome(
+                "error", message=f"the trial's child was killed by {name} ({why}: not counted as out of memory)."
+            )
         marker = next((m for m in OOM_MARKERS if m in output), None)
         if marker is not None:
             return Outcome("oom", message=f"the trial's child died of {name} after an allocation failure: {tail}")
@@ -107,6 +112,32 @@ def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outc
     return Outcome(
         "error", message=f"the trial's child exited with status {returncode}; its output ends: {tail or '(none)'}"
     )
+
+
+OUTSIDE_KILLS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+"""Signals that end a child from outside (a user, a scheduler, a stray ``kill``): a child they end, unless the
+kernel's OOM killer sent it, runs once more (`dead_child`)."""
+
+
+def dead_child(returncode: int, log: Path, kills_before: int | None) -> tuple[Outcome, bool]:
+    """A child that died without answering: its outcome (`classify_exit`, from the end of its ``log`` and whether an
+    OOM-kill count rose since ``kills_before``, `oom_kills` when it started), and whether to run it once more: it
+    was killed from outside (`OUTSIDE_KILLS`), not for its memory."""
+    output = log.read_bytes()[-20000:].decode(errors="replace")
+    after = oom_kills()
+    oom_killed = None if kills_before is None or after is None else after > kills_before
+    outcome = classify_exit(returncode, output, oom_killed)
+    return outcome, -returncode in OUTSIDE_KILLS and outcome.status != "oom"
+
+
+def killed_again(outcome: Outcome) -> Outcome:
+    """``outcome`` of a child killed from outside a second time, after running once more (`dead_child`).
+
+    Example:
+      >>> killed_again(Outcome("error", message="killed by SIGKILL.")).message
+      'killed by SIGKILL. Run once more, it was killed again.'
+    """
+    return dataclasses.replace(outcome, message=f"{outcome.message} Run once more, it was killed again.")
 
 
 _CPU_MALLOC = {
@@ -418,8 +449,20 @@ class ChildRunner:
         """Runs one child; ``(result, None)`` if it wrote its result, else ``(None, outcome)`` saying why not.
 
         A child still running after ``timeout`` seconds is killed with its process group and reported as an
-        ``"error"`` outcome that says so.
+        ``"error"`` outcome that says so; one killed from outside (`dead_child`) runs once more. Interrupted (a
+        ``KeyboardInterrupt``, any exception), this process kills the child before the exception goes on.
         """
+        for _ in range(2):
+            data, failed, again = self._run_once(kind, args, timeout)
+            if not again:
+                return data, failed
+        assert failed is not None
+        return None, killed_again(failed)
+
+    def _run_once(
+        self, kind: str, args: Sequence[str], timeout: float | None
+    ) -> tuple[dict[str, Any] | None, Outcome | None, bool]:
+        """`run`'s one child, and whether to run it once more."""
         assert self._dir is not None, "use ChildRunner as a context manager"
         self._count += 1
         result, log = self._dir / f"{kind}-{self._count}.json", self._dir / f"{kind}-{self._count}.log"
@@ -431,19 +474,21 @@ class ChildRunner:
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
             try:
-                returncode = proc.wait(timeout=timeout)
+                returncode: int | None = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                return None, Outcome(
-                    "error", message=f"timed out: the {kind} ran over {timeout:g} s and was killed (a hang? raise "
-                    "`trial_timeout` if it is only slow)."
-                )  # fmt: skip
-        output = log.read_bytes()[-20000:].decode(errors="replace")
+                returncode = None
+            finally:
+                if proc.poll() is None:  # timed out, or this process is interrupted: the child goes first
+                    _kill_group(proc)
+        if returncode is None:
+            return None, Outcome(
+                "error", message=f"timed out: the {kind} ran over {timeout:g} s and was killed (a hang? raise "
+                "`trial_timeout` if it is only slow)."
+            ), False  # fmt: skip
         if result.is_file():
-            return json.loads(result.read_text()), None
-        after = oom_kills()
-        killed = None if kills is None or after is None else after > kills
-        return None, classify_exit(returncode, output, killed)
+            return json.loads(result.read_text()), None, False
+        outcome, again = dead_child(returncode, log, kills)
+        return None, outcome, again
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

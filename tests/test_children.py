@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 from pathlib import Path
+from typing import Any
 
+import jax
 import optax
 import probe_workloads
 import pytest
 from click.testing import CliRunner
 
 import autoaccum
+import autoaccum._isolation
+from autoaccum._device import oom_kills
+from autoaccum._isolation import ChildRunner, Outcome, classify_exit
 from autoaccum._probe import prepare
 from autoaccum._tune.worker import Request, TimingWorker
 from autoaccum.cli import main
@@ -124,3 +132,75 @@ def test_a_loss_raising_in_a_child_is_reported_from_the_users_file_first(tmp_pat
     where = f'File "{path}", line 12, in criterion'
     assert report.startswith("failed: KeyError: 'nope'\n") and where in report, report
     assert report.index(where) < report.index("_trial.py") and "<dynamic-code>" not in report, report
+
+
+def pids(attempts: Path) -> set[str]:
+    return set(attempts.read_text().split())
+
+
+def killed_in_children(attempts: Path, kills: int) -> Any:
+    """A loss that kills the first ``kills`` children tracing it by SIGKILL, as from outside (each child's id is
+    written to the file ``attempts``)."""
+
+    def loss_fn(params: Any, batch: Any) -> jax.Array:
+        if "autoaccum._child" in sys.modules:
+            with attempts.open("a") as f:
+                f.write(f"{os.getpid()}\n")
+            if len(pids(attempts)) <= kills:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return probe_workloads.linear_loss(params, batch)
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("kills", [1, 2])
+def test_a_child_killed_from_outside_runs_once_more_and_is_never_taken_for_out_of_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kills: int
+) -> None:
+    """A probe trial's child and a tuning worker killed by SIGKILL, where no OOM-kill count can be read: run once
+    more; killed again, an error that says so, not "out of memory"."""
+    monkeypatch.setattr(autoaccum._isolation, "oom_kills", lambda: None)
+    _, params, batch = probe_workloads.linear(features=8)
+    for where in ("probe", "worker"):
+        attempts = tmp_path / f"{where}-attempts"
+        setup = prepare(
+            killed_in_children(attempts, kills), params, batch, optimizer=optax.sgd(0.1), memory_limit="64MiB"
+        )
+        if where == "probe":
+            with ChildRunner(setup.job, setup.device, setup.memory_limit_bytes) as runner:
+                data, failed = runner.run("trial", ["4", str(setup.memory_limit_bytes)], 120)
+            outcome = Outcome.from_dict(data) if failed is None else failed
+        else:
+            limit = setup.memory_limit_bytes
+            with TimingWorker(setup.job, setup.device, limit, compile_timeout=120, step_timeout=60) as worker:
+                outcome = worker.time(Request({"strategy": "scan"}, 4, 8, 2, 0))
+        assert len(pids(attempts)) == 2, where  # once more, never twice more
+        if kills == 1:
+            assert outcome.status == "fits", (where, outcome)
+        else:
+            assert outcome.status == "error" and "SIGKILL" in (outcome.message or ""), (where, outcome)
+            assert "again" in (outcome.message or ""), (where, outcome)
+
+
+def test_only_the_kernels_oom_killer_counts_as_out_of_memory(tmp_path: Path) -> None:
+    """SIGKILL is out of memory only when an OOM-kill count rose while the child ran; unknown, it is an error."""
+    assert classify_exit(-signal.SIGKILL, "", True).status == "oom"
+    for unknown_or_not in (None, False):
+        outcome = classify_exit(-signal.SIGKILL, "", unknown_or_not)
+        assert outcome.status == "error" and "not counted as out of memory" in (outcome.message or ""), outcome
+    # The count: this process's cgroup (v2, v1), else the cgroup as mounted, else the kernel's; None without one.
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("4:memory:/job\n0::/job\n")
+    assert oom_kills(cgroup, proc) is None
+    (proc / "vmstat").write_text("nr_free_pages 1\noom_kill 7\n")
+    assert oom_kills(cgroup, proc) == 7
+    (cgroup / "memory").mkdir(parents=True)
+    (cgroup / "memory" / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    assert oom_kills(cgroup, proc) == 3
+    (cgroup / "memory" / "job").mkdir()
+    (cgroup / "memory" / "job" / "memory.oom_control").write_text("oom_kill_disable 0\noom_kill 2\n")
+    assert oom_kills(cgroup, proc) == 2
+    (cgroup / "job").mkdir()
+    (cgroup / "job" / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\n")
+    assert oom_kills(cgroup, proc) == 1

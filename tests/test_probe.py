@@ -180,7 +180,8 @@ def test_oom_classification() -> None:
     assert classify_exit(abort, bad_alloc, None).status == "oom"
     crashed = classify_exit(abort, "", None)
     assert crashed.status == "error" and "SIGABRT" in (crashed.message or "")
-    assert classify_exit(-signal.SIGKILL, "", None).status == "oom"
+    assert classify_exit(-signal.SIGKILL, "", True).status == "oom"
+    assert classify_exit(-signal.SIGKILL, "", None).status == "error"  # unknown: a kill is not an OOM
     assert classify_exit(-signal.SIGKILL, "", False).status == "error"
     assert classify_exit(-signal.SIGSEGV, "", None).status == "error"
     assert classify_exit(1, "Traceback ...\nMemoryError", None).status == "oom"

@@ -32,7 +32,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from autoaccum._isolation import ChildRunner, Outcome, child_command, child_env, classify_exit
+from autoaccum._device import oom_kills
+from autoaccum._isolation import ChildRunner, Outcome, child_command, child_env, dead_child, killed_again
 from autoaccum._trial import Job
 
 _TIMEOUT: dict[str, Any] = {"event": "timeout"}
@@ -107,6 +108,7 @@ class TimingWorker:
         self._buffer = b""
         self._log: IO[bytes] | None = None
         self._log_path: Path | None = None
+        self._kills: int | None = None  # the OOM-kill count when the trial in the worker started (`oom_kills`)
 
     def __enter__(self) -> TimingWorker:
         self._files.__enter__()
@@ -117,16 +119,29 @@ class TimingWorker:
         self._files.__exit__(*exc)
 
     def time(self, request: Request) -> Outcome:
-        """Times one configuration; never raises for what happens in the worker (see the module docstring)."""
+        """Times one configuration; never raises for what happens in the worker (see the module docstring). A
+        worker killed from outside (`autoaccum._isolation.dead_child`) times it once more, in a fresh worker."""
+        for _ in range(2):
+            outcome, again = self._attempt(request)
+            if not again:
+                break
+        else:
+            outcome = killed_again(outcome)
+        if not keeps_worker(outcome):
+            self._stop()  # a fresh worker for the next trial: nothing of a failed one carries over
+        return outcome
+
+    def _attempt(self, request: Request) -> tuple[Outcome, bool]:
+        """`time`'s one try, and whether to try once more (the worker was killed from outside)."""
         if self._proc is None:
             self._start()
         assert self._proc is not None and self._proc.stdin is not None
+        self._kills = oom_kills()
         try:
             self._proc.stdin.write((json.dumps(dataclasses.asdict(request)) + "\n").encode())
             self._proc.stdin.flush()
         except BrokenPipeError:
             return self._dead()
-        outcome: Outcome | None = None
         for event, limit, doing in (("compiled", self.compile_timeout, "compiling"), ("done", self.step_timeout, "")):
             message = self._read(limit)
             if message is None:
@@ -137,18 +152,13 @@ class TimingWorker:
                 return Outcome(
                     "error", message=f"timed out: {what} ran over {limit:g} s and the worker was killed (a hang? "
                     "raise the time limit if it is only slow)."
-                )  # fmt: skip
-            if message["event"] == "done":  # failed while compiling: no "compiled" message
-                outcome = Outcome.from_dict(message["outcome"])
-                break
+                ), False  # fmt: skip
+            if message["event"] == "done":  # (failed while compiling: no "compiled" message)
+                return Outcome.from_dict(message["outcome"]), False
             assert message["event"] == event, message
             if event == "compiled" and not message.get("cached"):
                 self.compiles += 1
-        if outcome is None:
-            raise AssertionError("the worker answered without an outcome")
-        if not keeps_worker(outcome):
-            self._stop()  # a fresh worker for the next trial: nothing of a failed one carries over
-        return outcome
+        raise AssertionError("the worker answered without an outcome")
 
     def _start(self) -> None:
         directory = self._files.directory
@@ -184,18 +194,13 @@ class TimingWorker:
         message: dict[str, Any] = json.loads(line)
         return message
 
-    def _dead(self) -> Outcome:
-        """The outcome of a worker that died mid-trial, classified from its exit and output; then cleaned up."""
-        from autoaccum._device import oom_kills
-
+    def _dead(self) -> tuple[Outcome, bool]:
+        """The outcome of a worker that died mid-trial, and whether to try once more (`dead_child`); then cleaned
+        up."""
         assert self._proc is not None and self._log_path is not None
-        kills = oom_kills()
         returncode = self._proc.wait()
-        output = self._log_path.read_bytes()[-20000:].decode(errors="replace")
-        after = oom_kills()
         self._stop()
-        killed = None if kills is None or after is None else after > kills
-        return classify_exit(returncode, output, killed)
+        return dead_child(returncode, self._log_path, self._kills)
 
     def _stop(self) -> None:
         from autoaccum._isolation import _kill_group
