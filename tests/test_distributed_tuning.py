@@ -21,8 +21,6 @@ from typing import Any
 import optuna
 import pytest
 
-from autoaccum._tune.claims import open_claims
-
 WORKER = Path(__file__).parent / "tune_worker.py"
 GRID = 16  # microbatch 1..4 x (scan, scan:unroll=2, scan:unroll=8, loop)
 
@@ -42,7 +40,6 @@ def postgres() -> Iterator[str]:
         yield url
     finally:
         for name in set(optuna.get_all_study_names(storage)) - before:
-            open_claims(storage, storage.get_study_id_from_name(name)).clear()
             optuna.delete_study(study_name=name, storage=storage)
         close(storage)
 
@@ -104,8 +101,9 @@ def test_two_workers_share_the_budget_and_measure_each_configuration_once(
     postgres: str, tmp_path: Path, n_trials: int, settles: int
 ) -> None:
     """Asked for ``n_trials`` each, two workers settle ``n_trials`` configurations together (the study's budget,
-    not one each), run side by side, never measure one configuration twice (each worker's sampler has the same
-    seed: on their own they would start on the same point), and return the same best plan."""
+    not one each; one more where both claimed the last slot at once), run side by side, measure a configuration
+    at most twice (each worker's sampler has the same seed: on their own they would start on the same point, and
+    measure every point twice), and return the same best plan."""
     salt = str(uuid.uuid4().int % 10**6)
     logs = [tmp_path / f"worker{i}.jsonl" for i in range(2)]
     workers = [
@@ -116,10 +114,11 @@ def test_two_workers_share_the_budget_and_measure_each_configuration_once(
 
     assert results[0]["study_name"] == results[1]["study_name"] == f"autoaccum-{results[0]['fingerprint']}"
     configurations = settled_configurations(load(postgres, results[0]["study_name"]))
-    assert len(configurations) == len(set(configurations)) == settles
+    assert settles <= len(set(configurations)) <= min(settles + 1, GRID)
     both = measured(logs[0]) + measured(logs[1])
     assert measured(logs[0]) and measured(logs[1]), "both workers measured"
-    assert len(both) == len(set(both)) == settles, "no configuration measured twice"
+    assert all(both.count(c) <= 2 for c in both), "a configuration measured at most twice"
+    assert len(both) <= len(set(both)) + 1, "twice only where two workers claimed it at once"
     assert results[0] == {**results[1], "new_trials": results[0]["new_trials"]}  # the same plan, the same study
 
 

@@ -18,7 +18,6 @@ from autoaccum._batch import abstract, abstract_batch, resize_batch
 from autoaccum._knobs import Knobs
 from autoaccum._plan import Plan, params_signature
 from autoaccum._probe import prepare
-from autoaccum._tune.claims import Claims, config_key, open_claims
 from autoaccum._tune.job import Job, Space
 from autoaccum._tune.race import ROUNDS, Runner
 from autoaccum._tune.result import TrialRecord, TuneResult, record
@@ -26,7 +25,7 @@ from autoaccum._tune.search import Config, Search
 from autoaccum._tune.space import BUILTIN_REMAT, KnobSpace, check_dtype_values, check_remat_values, program_key
 from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
 from autoaccum._tune.timing import Timing, time_update
-from autoaccum._tune.trials import Trials, settled_configs, time_here, time_in_worker
+from autoaccum._tune.trials import Trials, config_key, settled_configs, time_here, time_in_worker
 from autoaccum._tune.worker import TimingWorker
 from autoaccum._units import parse_bytes
 from autoaccum._update import Update, build_update
@@ -94,8 +93,8 @@ def _open_study(
     fresh: bool,
     seed: int,
     n_trials: int | None,
-) -> tuple[optuna.Study, Claims, int, bool, str]:
-    """The study (created, or resumed: its name is a fingerprint of what determines its timings), its claims, its
+) -> tuple[optuna.Study, int, bool, str]:
+    """The study (created, or resumed: its name is a fingerprint of what determines its timings), its
     budget, whether it covers the whole grid, and the fingerprint. A trial interrupted earlier is queued again."""
     labels, default = job.labels, job.settings[0]
     space_params: dict[str, list[Any]] = {"microbatch_size": space.sizes, "strategy": list(labels)}
@@ -120,7 +119,6 @@ def _open_study(
     name = study_name or f"autoaccum-{key}"
     if fresh:
         with contextlib.suppress(KeyError):  # no such study yet: nothing to delete
-            open_claims(storage, storage.get_study_id_from_name(name)).clear()
             optuna.delete_study(study_name=name, storage=storage)
     wanted = default_budget(grid_points, len(labels)) if n_trials is None else n_trials
     exhaustive = wanted >= grid_points
@@ -136,21 +134,15 @@ def _open_study(
     study = optuna.create_study(
         storage=storage, sampler=sampler, study_name=name, direction="maximize", load_if_exists=True
     )
-    claims = open_claims(storage, storage.get_study_id_from_name(name))
-    _resume(study, claims)
-    return study, claims, min(wanted, grid_points), exhaustive, key
+    _resume(study)
+    return study, min(wanted, grid_points), exhaustive, key
 
 
-def _resume(study: optuna.Study, claims: Claims) -> None:
-    """Records the claims of trials settled before they were claimed, and queues again the trials interrupted by
-    Ctrl-C (one killed outright stays RUNNING until its heartbeat goes stale; then it is queued again)."""
+def _resume(study: optuna.Study) -> None:
+    """Queues again the trials interrupted by Ctrl-C (one killed outright stays RUNNING until its heartbeat goes
+    stale; then Optuna's RetryHeartbeatStaleTrialCallback queues it again)."""
     trials = study.get_trials(deepcopy=False)
-    by_number = {t.number: t for t in trials}
     earlier = settled_configs(study)
-    claimed = {row[0] for row in claims.rows().values()}
-    for config, number in earlier.items():
-        if config not in claimed:
-            claims.claim(config, number, None, lambda: by_number)
     queued = {config_key(t.params) for t in trials if t.state == _WAITING}
     for t in trials:
         if t.user_attrs.get("interrupted") and config_key(t.params) not in earlier.keys() | queued:
@@ -256,10 +248,10 @@ def tune(
     Trials that run out of memory or
     over ``trial_timeout`` are recorded as failed and the study goes on. The study lives in ``storage``, so an
     interrupted tune resumes where it stopped (finished trials are not re-run) and several processes (one per host)
-    can tune one study together: each configuration is measured once, by the worker that claims it first
-    (`autoaccum._tune.claims`), and each worker returns once the study's budget is settled, so all return the same
-    plan; a worker that dies mid-trial leaves a trial that another one runs again once its heartbeat is stale
-    (90 s). A study is identified by a fingerprint of what determines its timings
+    can tune one study together: each configuration is measured by the trial that claims it first (`Trials.claim`:
+    at most twice where two claim it at once), and each worker returns once the study's budget is settled, so all
+    return the same plan; a worker that dies mid-trial leaves a trial that another one runs again once its
+    heartbeat is stale (90 s). A study is identified by a fingerprint of what determines its timings
     (`TuneResult.fingerprint`): change the loss's body or the optimizer and a new study starts, never the old one's
     answer.
 
@@ -344,7 +336,7 @@ def tune(
         )  # fmt: skip
     opened, storage_label = open_storage(storage)
     space = Space.bound(job, max_microbatch)
-    study, claims, budget, exhaustive, key = _open_study(job, space, opened, study_name, fresh, seed, n_trials)
+    study, budget, exhaustive, key = _open_study(job, space, opened, study_name, fresh, seed, n_trials)
     resumed = len(settled_configs(study))
     full_batch = _full_batch(job)
     with contextlib.ExitStack() as stack:
@@ -362,7 +354,7 @@ def tune(
             time_one = time_in_worker(job, stack.enter_context(worker), setup.memory_limit_bytes)
         search = None if exhaustive else Search([space.fitting[s] for s in job.settings], list(job.labels),
                                                  job.effective_batch, functools.partial(_program, job))  # fmt: skip
-        trials = Trials(job, space, study, claims, budget, search, time_one, callbacks)
+        trials = Trials(job, space, study, budget, search, time_one, callbacks)
         trials.run(timeout, _heartbeats(opened))
         runners = trials.race(race_rounds)
     limit = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")

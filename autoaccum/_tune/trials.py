@@ -4,13 +4,14 @@ the loop that runs until the study's budget is settled (`Trials.run`), and the f
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optuna
 
-from autoaccum._tune.claims import Claims, config_key, settled
 from autoaccum._tune.job import Job, Space
 from autoaccum._tune.race import FINALISTS, Runner, race
 from autoaccum._tune.result import TrialRecord, record
@@ -32,9 +33,40 @@ POLL_SECONDS = 0.5
 """How often a worker with nothing left to run looks at the trials other workers are running."""
 
 _COMPLETE = optuna.trial.TrialState.COMPLETE
+_FAIL = optuna.trial.TrialState.FAIL
 _RUNNING = optuna.trial.TrialState.RUNNING
 _WAITING = optuna.trial.TrialState.WAITING
 _PRUNED = optuna.trial.TrialState.PRUNED
+
+MEASURES = "measures"
+"""The user attribute a trial sets before it looks for another that measures its configuration (`Trials.claim`)."""
+
+
+def config_key(params: Mapping[str, Any]) -> str:
+    """One configuration as a short string: a hash of its parameters (of any length: a strategy's options).
+
+    Example:
+      >>> key = config_key({"strategy": "scan", "microbatch_size": 4})
+      >>> key == config_key({"microbatch_size": 4, "strategy": "scan"}), len(key)
+      (True, 32)
+    """
+    return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def settled(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether ``trial`` settled its configuration: measured it, or failed it for a reason of the configuration's
+    own (out of memory, over the time limit). A copy reusing another trial's result settles nothing."""
+    if "duplicate_of" in trial.user_attrs:
+        return False
+    return trial.state == _COMPLETE or (trial.state == _FAIL and "reason" in trial.user_attrs)
+
+
+def measuring(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether ``trial`` (of any worker) is measuring its configuration or has settled it."""
+    attrs = trial.user_attrs
+    if trial.state == _RUNNING:
+        return bool(attrs.get(MEASURES)) and not ({"duplicate_of", "over_budget"} & attrs.keys())
+    return settled(trial)
 
 
 def settled_configs(study: optuna.Study) -> dict[str, int]:
@@ -75,7 +107,7 @@ class Trials:
 
     Attributes:
       job, space: what is tuned and the sizes each setting may time.
-      study, claims: the Optuna study and its claims (`autoaccum._tune.claims`).
+      study: the Optuna study (several workers may share it).
       budget: the configurations the study settles, all workers together.
       search: what proposes the next configurations (None: the grid's sampler alone).
       time_one: times one configuration ``(microbatch, label, setting, warmup) -> Timing`` (raises `TrialFailed`).
@@ -85,7 +117,6 @@ class Trials:
     job: Job
     space: Space
     study: optuna.Study
-    claims: Claims
     budget: int
     search: Search | None
     time_one: Callable[[int, str, Setting, int], Timing]
@@ -143,7 +174,7 @@ class Trials:
     def _reused(self, trial: optuna.Trial, m: int, label: str, knob_params: Mapping[str, Any]) -> float | None:
         """The throughput of the trial that measures this configuration, or its program, if another does (None:
         this trial measures it); prunes this trial where the budget is claimed or another worker is measuring it."""
-        holder = self.claims.claim(config_key(trial.params), trial.number, self.budget, self.by_number)
+        holder = self.claim(trial)
         if holder is None:  # the study's budget is claimed, by this worker or others
             trial.set_user_attr("over_budget", True)
             self.study.stop()
@@ -165,6 +196,22 @@ class Trials:
                 trial.set_user_attr("same_program_as", other.number)
                 return float(other.value)  # type: ignore[arg-type]
         return None
+
+    def claim(self, trial: optuna.Trial) -> int | None:
+        """The trial that measures ``trial``'s configuration: ``trial`` itself, an earlier one (settled, or running in
+        any worker), or None where the study's budget of configurations is taken. Every worker reads the same
+        study: of trials that claim at once, the one of the lowest number holds a configuration, and the budget's
+        slots go by number too; two that read before either wrote may both measure (a budget overshot by at most
+        the workers but one, a configuration measured at most twice)."""
+        trial.set_user_attr(MEASURES, True)
+        holders: dict[str, int] = {}
+        for t in sorted(self.study.get_trials(deepcopy=False), key=lambda t: t.number):
+            if t.number == trial.number or measuring(t):
+                holders.setdefault(config_key(t.params), t.number)
+        holder = holders[config_key(trial.params)]
+        if holder != trial.number:
+            return holder
+        return holder if sorted(holders.values()).index(holder) < self.budget else None
 
     def report(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         """After each trial: the search's next proposals, the callbacks, and a stop once the budget is settled."""
@@ -193,8 +240,7 @@ class Trials:
                 return
             trials = self.study.get_trials(deepcopy=False)
             if after_round >= 0 and not any(t.state == _WAITING for t in trials):
-                holders = {number for _, number in self.claims.rows().values()}
-                if heartbeats and any(t.state == _RUNNING and t.number in holders for t in trials):
+                if heartbeats and any(t.state == _RUNNING and measuring(t) for t in trials):
                     time.sleep(POLL_SECONDS if left is None else min(POLL_SECONDS, left))
                     fail_stale_trials(self.study)
                     continue
