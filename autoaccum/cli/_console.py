@@ -1,14 +1,14 @@
 """Where the commands print: consoles sized for the terminal that never split a word, and warnings as one line.
 
-On a terminal, rich wraps text at its width, at spaces (a word longer than a line is the only one broken), and
-tables fit it. Elsewhere (a pipe, a file, a CI log) nothing is cut or wrapped: lines and tables keep their
-natural width, unless ``COLUMNS`` asks for a width.
+On a terminal, rich wraps text at its width (``COLUMNS`` where set), at spaces (a word longer than a line is the
+only one broken), and tables fit it (`fit_table`). Elsewhere (a pipe, a file, a CI log) nothing is cut or
+wrapped: lines and tables keep their natural width, whatever ``COLUMNS`` says (a shell's, or pytest-xdist's 80,
+describes a terminal that is not there).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, TextIO
@@ -18,16 +18,15 @@ if TYPE_CHECKING:
     from rich.text import Text
 
 UNBOUNDED = 10_000
-"""The width off a terminal with no ``COLUMNS``: wide enough that no line or table is ever cut or folded."""
+"""The width off a terminal: wide enough that no line or table is ever cut or folded."""
 
 
 def make_console(*, stderr: bool = False, quiet: bool = False) -> Console:
-    """A rich console on stdout (or stderr): the terminal's width on a terminal, ``COLUMNS`` where it is set,
-    else `UNBOUNDED`."""
+    """A rich console on stdout (or stderr): the terminal's width on a terminal, else `UNBOUNDED`."""
     from rich.console import Console
 
     console = Console(stderr=stderr, quiet=quiet)
-    if not console.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
+    if not console.is_terminal:
         console.width = UNBOUNDED
     return console
 
