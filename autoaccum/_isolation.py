@@ -33,6 +33,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -414,10 +415,75 @@ def _watch_parent(parent: int, every: float = 0.25) -> None:
     os._exit(1)
 
 
-class ChildRunner:
-    """Runs children of one job: ``runner.run(kind, args, timeout) -> (data or None, output, Outcome or None)``.
+TEMP_PREFIX = "autoaccum-"
+"""The names of the temporary folders of children (`make_directory`): ``autoaccum-*`` in the temporary directory."""
 
-    Use as a context manager: it keeps the payload in a temporary directory, removed on exit.
+
+def make_directory() -> Path:
+    """A new temporary folder for one job's children, with its owner (this process) written in its ``owner`` file,
+    made after removing the folders of earlier runs whose owner is gone (`remove_stale_directories`)."""
+    remove_stale_directories()
+    directory = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
+    (directory / "owner").write_text(_process_tag(os.getpid()))
+    return directory
+
+
+def remove_stale_directories(root: Path | None = None) -> list[Path]:
+    """Removes this user's ``autoaccum-*`` folders in ``root`` (default: the temporary directory) whose owner process
+    ended without removing them (killed by SIGKILL, or crashed), and returns them. A folder without an ``owner``
+    file (being made, or not one of ours) is left alone.
+    """
+    root = Path(tempfile.gettempdir()) if root is None else root
+    removed = []
+    for directory in root.glob(TEMP_PREFIX + "*"):
+        try:
+            if directory.stat().st_uid != os.getuid():
+                continue
+            tag = (directory / "owner").read_text()
+        except OSError:  # gone meanwhile, no owner file, or not a folder
+            continue
+        if not _owner_alive(tag):
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    return removed
+
+
+def _process_tag(pid: int) -> str:
+    """``"PID START"``: a process's id and its start time (Linux's ``/proc``; left out where unknown), which tell it
+    from a later process given the same id."""
+    status = _process_status(pid)
+    return str(pid) if status is None else f"{pid} {status[1]}"
+
+
+def _process_status(pid: int) -> tuple[str, str] | None:
+    """A process's state letter and start time (``/proc/PID/stat``), or None where it cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return fields[0], fields[19]  # fields 3 (state) and 22 (starttime); the name before ")" may hold spaces
+
+
+def _owner_alive(tag: str) -> bool:
+    """Whether the process of a folder's ``tag`` (`_process_tag`) still runs; True for a tag of another form."""
+    pid, _, start = tag.strip().partition(" ")
+    if not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process (with our folder: the id was given again): alive
+        pass
+    status = _process_status(int(pid))
+    return status is None or (status[0] != "Z" and start in ("", status[1]))
+
+
+class ChildRunner:
+    """Runs children of one job: ``runner.run(kind, args, timeout) -> (data or None, Outcome or None)``.
+
+    Use as a context manager: it keeps the payload in a temporary directory (`make_directory`), removed on exit,
+    an exception's included; one that a killed run left behind is removed by the next run.
     """
 
     def __init__(self, job: Any, device: DeviceInfo, limit: int, functions: Sequence[Any] = ()) -> None:
@@ -426,8 +492,12 @@ class ChildRunner:
         self._count = 0
 
     def __enter__(self) -> ChildRunner:
-        self._dir = Path(tempfile.mkdtemp(prefix="autoaccum-"))
-        (self._dir / "job.pkl").write_bytes(payload(self.job, self.device.platform, self.functions))
+        self._dir = make_directory()
+        try:
+            (self._dir / "job.pkl").write_bytes(payload(self.job, self.device.platform, self.functions))
+        except BaseException:  # (a job that does not pickle, an interrupt): no folder is left behind
+            self.__exit__()
+            raise
         return self
 
     @property
@@ -437,8 +507,6 @@ class ChildRunner:
         return self._dir
 
     def __exit__(self, *exc: object) -> None:
-        import shutil
-
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ from click.testing import CliRunner
 import autoaccum
 import autoaccum._isolation
 from autoaccum._device import oom_kills
-from autoaccum._isolation import ChildRunner, Outcome, classify_exit
+from autoaccum._isolation import ChildRunner, Outcome, classify_exit, remove_stale_directories
 from autoaccum._probe import prepare
 from autoaccum._tune.worker import Request, TimingWorker
 from autoaccum.cli import main
@@ -204,3 +207,96 @@ def test_only_the_kernels_oom_killer_counts_as_out_of_memory(tmp_path: Path) -> 
     (cgroup / "job").mkdir()
     (cgroup / "job" / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\n")
     assert oom_kills(cgroup, proc) == 1
+
+
+HANGING_FILE = """\
+import os
+import sys
+import time
+
+import jax.numpy as jnp
+import optax
+
+import autoaccum
+
+
+def loss(params, batch):
+    if "autoaccum._child" in sys.modules:  # where a child traces it: says so, then hangs
+        with open(os.environ["HANG_MARKER"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(600)
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+
+def workload():
+    return autoaccum.Workload(loss, {"w": jnp.zeros(8)}, {"x": jnp.ones((4, 8)), "y": jnp.ones(4)}, optax.sgd(0.1))
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def start_hanging(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], int]:
+    """``autoaccum ARGS...`` on `HANGING_FILE` in a process of its own, once a child of it hangs: the process and
+    the child's id."""
+    (tmp_path / "wl.py").write_text(HANGING_FILE)
+    (tmp_path / "tmp").mkdir()
+    marker = tmp_path / "hanging"
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "HANG_MARKER": str(marker)}
+    command = [sys.executable, "-m", "autoaccum", args[0], f"{tmp_path / 'wl.py'}:workload", *args[1:]]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (marker.exists() and marker.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    return proc, int(marker.read_text().split()[0])
+
+
+@pytest.mark.parametrize(
+    ("command", "signum", "code", "says"),
+    [
+        ("tune", signal.SIGINT, 130, "interrupted (Ctrl-C); its child processes were ended"),
+        ("tune", signal.SIGTERM, 143, "terminated (SIGTERM); its child processes were ended"),
+        ("probe", signal.SIGTERM, 143, "autoaccum probe: terminated (SIGTERM)"),
+    ],
+)
+def test_an_interrupted_command_ends_its_children_removes_its_files_and_says_so(
+    tmp_path: Path, command: str, signum: int, code: int, says: str
+) -> None:
+    """Ctrl-C exits with 130, SIGTERM (a job scheduler's) with 143; either way the hanging child (a tuning worker,
+    a probe's trial) is ended and the temporary folder (the pickled job) removed; tune says its study is kept."""
+    args = ["--memory-limit", "64MiB", "--max-microbatch", "4"]
+    if command == "tune":
+        args += ["--storage", f"sqlite:///{tmp_path / 'studies.db'}"]
+    proc, child = start_hanging(tmp_path, command, *args)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, (out, err)
+    assert says in err and "Aborted!" not in err, err
+    if command == "tune":
+        assert "The study is kept: run the same command again to resume it" in err, err
+    assert not alive(child), child
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_killed_commands_children_end_with_it_and_its_files_go_with_the_next_run(tmp_path: Path) -> None:
+    """SIGKILL leaves no way to clean up: the child ends with its parent anyway, and the next run removes the
+    temporary folder whose owner is gone (not a live run's, nor a folder with no owner)."""
+    proc, child = start_hanging(tmp_path, "probe", "--memory-limit", "64MiB", "--max-microbatch", "4")
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(child)
+    (left,) = (tmp_path / "tmp").iterdir()
+    live = Path(tempfile.mkdtemp(prefix="autoaccum-", dir=tmp_path / "tmp"))
+    (live / "owner").write_text(str(os.getpid()))
+    unowned = Path(tempfile.mkdtemp(prefix="autoaccum-", dir=tmp_path / "tmp"))
+    assert remove_stale_directories(tmp_path / "tmp") == [left]
+    assert sorted((tmp_path / "tmp").iterdir()) == sorted([live, unowned])
