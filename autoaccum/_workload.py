@@ -75,7 +75,9 @@ def load_workload(target: str) -> Workload:
     """Loads ``target`` = ``path/to/file.py:function`` or ``package.module:function`` and calls the function.
 
     A file is loaded the way ``python path/to/file.py`` would run it: its folder first on ``sys.path``, so
-    that it can import the modules beside it (``from models import ResNet18``).
+    that it can import the modules beside it (``from models import ResNet18``). It gets a module name of its own,
+    which child processes (probe trials, the tuning worker) cannot import: they load the same file under the same
+    name when a trial's job refers to it (`autoaccum._isolation.payload`).
 
     Raises:
       WorkloadError: the file, module or function does not exist, importing or calling it raised (the

@@ -66,7 +66,8 @@ def probe(
     \b
     Exit codes: 0 found a microbatch that fits;
                 1 nothing fits, or a trial failed for another reason than memory;
-                2 bad usage or bad input (workload, limit, sizes).
+                2 bad usage or bad input (workload, limit, sizes);
+                130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
     """
     # The children need the GPU memory: keep this process from preallocating 75% of it when JAX starts.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -125,7 +125,9 @@ def tune(
     --demo uses the built-in transformer language model.
 
     \b
-    Exit codes: 0 a plan was found; 1 nothing fits or every trial failed; 2 bad usage or bad input.
+    Exit codes: 0 a plan was found; 1 nothing fits or every trial failed; 2 bad usage or bad input;
+                130 interrupted (Ctrl-C), 143 terminated (SIGTERM): the study is kept, and running
+                the same command again resumes it.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
