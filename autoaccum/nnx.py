@@ -289,7 +289,10 @@ def tune(
 
     ``loss_fn`` may be an `autoaccum.Knobs` whose factory makes ``loss_fn(model, batch)`` for each value of the
     loss's own knobs (e.g. which ``nnx.remat`` policy wraps the blocks it calls). The result's ``step`` is the
-    tuned plan as an nnx step: ``loss = result.step(model, optimizer, batch)``.
+    tuned plan as an nnx step: ``loss = result.step(model, optimizer, batch)``, the same as
+    ``autoaccum.nnx.build_update(loss_fn, plan=result.plan)``; build it so with ``state_update="once"`` to move
+    BatchNorm's statistics once per update. With BatchNorm in training mode, set a floor on the microbatch
+    (``min_microbatch``): below it the model changes, not just the speed.
     """
     if isinstance(loss_fn, Knobs):
         knobs = loss_fn
