@@ -36,8 +36,8 @@ import optuna
 import autoaccum
 from autoaccum import workloads
 from autoaccum._probe import prepare
-from autoaccum._tune.run import STEPS, WARMUP
 from autoaccum._tune.space import BUILTIN_REMAT, microbatch_candidates, program_key, variants
+from autoaccum._tune.trials import STEPS, WARMUP
 from autoaccum._tune.worker import Request, TimingWorker
 from autoaccum._units import format_bytes
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
+from seams import nnx_tune
 
 import autoaccum
 from autoaccum import Knobs
@@ -151,7 +152,7 @@ def test_scan_mlp_remat_setting_is_bounded_at_the_whole_batch_where_the_default_
     def measure(update: Any, params: Any, batch: Any, state: Any = None) -> Timing:
         return Timing(0.01 * update.accumulation_steps(CAP), 0.1, 3)
 
-    result = autoaccum.nnx.tune(
+    result = nnx_tune(
         Knobs(make_loss, block_remat=(None, "nothing_saveable")), model, optimizer, batch, memory_limit=limit,
         remat=(None,), strategies=["scan"], n_trials=2, storage=":memory:", measure=measure, race_rounds=0,
     )  # fmt: skip

@@ -19,11 +19,12 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from seams import nnx_tune, tune
 from test_strategies import assert_trees_close, copy, full_batch_step
 from test_tune import fake_measure
 
 import autoaccum
-from autoaccum import Knobs, Plan, Update, strategies, tune, workloads
+from autoaccum import Knobs, Plan, Update, strategies, workloads
 from autoaccum._tune.timing import Timing
 
 POLICIES = strategies.REMAT_POLICIES
@@ -423,7 +424,7 @@ def test_nnx_tune_searches_a_knob_of_the_loss() -> None:
         return Timing(0.01 * (2 if "optimization_barrier" in text else 1), 0.1, 3)  # remat: slower here
 
     knobs = Knobs(make_loss, layer_remat=(None, "nothing_saveable"))
-    result = autoaccum.nnx.tune(
+    result = nnx_tune(
         knobs, model, optimizer, batch, max_microbatch=8, strategies=["loop"], n_trials=8, storage=":memory:",
         measure=measure,
     )  # fmt: skip

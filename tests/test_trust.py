@@ -16,9 +16,10 @@ import optax
 import probe_workloads
 import pytest
 from click.testing import CliRunner
+from seams import tune
 
 import autoaccum
-from autoaccum import Update, tune
+from autoaccum import Update
 from autoaccum._isolation import payload
 from autoaccum._probe import prepare
 from autoaccum._tune.timing import Timing

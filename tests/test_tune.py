@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from seams import tune
 
 import autoaccum
-from autoaccum import Plan, Update, tune, workloads
+from autoaccum import Plan, Update, workloads
 from autoaccum._tune.race import quartiles, race
 from autoaccum._tune.space import microbatch_candidates, variants
 from autoaccum._tune.timing import Timing, TrialFailed

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from seams import tune
 
-from autoaccum import tune
 from autoaccum._estimate import estimate
 from autoaccum._probe import prepare
 from autoaccum._tune.timing import Timing

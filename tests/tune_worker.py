@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from seams import tune
 
-from autoaccum import Update, tune
+from autoaccum import Update
 from autoaccum._tune.study import open_storage
 from autoaccum._tune.timing import Timing
 

@@ -24,11 +24,11 @@ from autoaccum._tune.result import TrialRecord, TuneResult, record
 from autoaccum._tune.search import Config, Search
 from autoaccum._tune.space import BUILTIN_REMAT, KnobSpace, check_dtype_values, check_remat_values, program_key
 from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
-from autoaccum._tune.timing import Timing, time_update
-from autoaccum._tune.trials import Trials, config_key, settled_configs, time_here, time_in_worker
+from autoaccum._tune.timing import time_update
+from autoaccum._tune.trials import MEASURE, Trials, config_key, settled_configs, time_here, time_in_worker
 from autoaccum._tune.worker import TimingWorker
 from autoaccum._units import parse_bytes
-from autoaccum._update import Update, build_update
+from autoaccum._update import build_update
 from autoaccum._version import __version__
 from autoaccum.strategies import PyTree
 
@@ -226,7 +226,6 @@ def tune(
     compile_timeout: float | None = 600.0,
     isolate: bool = True,
     race_rounds: int = ROUNDS,
-    measure: Callable[[Update, PyTree, PyTree], Timing] | None = None,
     callbacks: Sequence[Callable[[TrialRecord, int, int], None]] = (),
 ) -> TuneResult:
     """Finds the microbatch size, accumulation strategy and knobs with the highest measured throughput.
@@ -303,9 +302,6 @@ def tune(
       race_rounds: rounds of re-timing the study's best configurations side by side before the pick, while
         all stay in (a budget of this many timings per finalist: those one that is out leaves go to more rounds
         of the others; `autoaccum._tune.race`; 0: pick the study's best as measured).
-      measure: how a configuration is timed in this process, ``measure(update, params, batch) -> Timing``
-        (with ``state`` given: ``measure(update, params, batch, state=state)``), instead of the worker (tests
-        inject a deterministic one); with ``isolate=False`` the default is `autoaccum._tune.timing.time_update`.
       callbacks: called as ``callback(record, done, total)`` after each trial: its `TrialRecord`, the distinct
         configurations settled so far and the number the study aims for (the CLI's progress bar).
 
@@ -327,6 +323,7 @@ def tune(
     # The worker's job and limit: the probe's (checked here, before anything runs). On a mesh, trials are timed
     # in this process for now: the worker's accumulating programs on a mesh are not built from shapes yet.
     setup = None
+    measure = MEASURE.get()  # tests time with a stand-in (`autoaccum._tune.trials.timed_by`)
     if measure is None and isolate and job.layout is None:
         default = job.settings[0]
         setup = prepare(

@@ -2,9 +2,9 @@
 
 The algorithm (`Search.propose`), in the order its steps come:
 
-1. **Breadth.** Every strategy variant at the largest accumulating microbatch of the default knob setting (a
-   variant that runs out of memory there goes on at the next size down), so no strategy is judged at a size
-   another never reached; the whole batch in one step too, where it fits (every strategy runs that same program).
+1. **Breadth.** The whole batch in one step, where it fits (every strategy runs that same program), then every
+   strategy variant at the largest accumulating microbatch of the default knob setting (a variant that runs out
+   of memory there goes on at the next size down), so no strategy is judged at a size another never reached.
 2. **Knobs.** Every other setting of the knobs at its own largest size, with the fastest variant so far.
 3. **Descent.** From the fastest configuration of those, halve the microbatch while each half is *clearly*
    faster than the size above it (`clearly_faster`: by more than the trials' own spread and `MIN_GAIN`): a
@@ -97,7 +97,7 @@ class Search:
         Example:
           >>> search = Search(sizes=[[1, 2, 4, 8]], strategies=["scan", "loop"], effective_batch=8)
           >>> [(c.microbatch_size, c.strategy) for c in search.propose([])]
-          [(4, 'scan'), (4, 'loop'), (8, 'scan')]
+          [(8, 'scan'), (4, 'scan'), (4, 'loop')]
         """
         seen = {t.config: t for t in trials}
         for step in (self._breadth, self._knobs, self._descent, self._coordinates):
@@ -139,7 +139,7 @@ class Search:
     def _breadth(self, seen: Mapping[Config, Trial]) -> list[Config]:
         starts = [self._start(s, 0, seen) for s in self.strategies]
         whole = [Config(self.effective_batch, self.strategies[0])] if self.effective_batch in self.sizes[0] else []
-        return self._wanted([c for c in starts if isinstance(c, Config)] + whole, seen)
+        return self._wanted(whole + [c for c in starts if isinstance(c, Config)], seen)
 
     def _best(self, seen: Mapping[Config, Trial], settings: Sequence[int]) -> Trial | None:
         """The fastest settled trial of ``settings`` at an accumulating size (the whole batch if none)."""

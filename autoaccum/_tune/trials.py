@@ -3,11 +3,13 @@ the loop that runs until the study's budget is settled (`Trials.run`), and the f
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optuna
@@ -37,6 +39,21 @@ _FAIL = optuna.trial.TrialState.FAIL
 _RUNNING = optuna.trial.TrialState.RUNNING
 _WAITING = optuna.trial.TrialState.WAITING
 _PRUNED = optuna.trial.TrialState.PRUNED
+
+MEASURE: contextvars.ContextVar[Callable[..., Timing] | None] = contextvars.ContextVar("measure", default=None)
+"""How `autoaccum.tune` times a configuration in this process, ``measure(update, params, batch[, state=]) ->
+Timing``, instead of in the worker (`timed_by`); None: the worker (or `autoaccum._tune.timing.time_update`)."""
+
+
+@contextlib.contextmanager
+def timed_by(measure: Callable[..., Timing] | None) -> Iterator[None]:
+    """Inside it, `autoaccum.tune` times configurations with ``measure`` (a test's deterministic stand-in)."""
+    token = MEASURE.set(measure)
+    try:
+        yield
+    finally:
+        MEASURE.reset(token)
+
 
 MEASURES = "measures"
 """The user attribute a trial sets before it looks for another that measures its configuration (`Trials.claim`)."""
