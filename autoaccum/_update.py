@@ -210,7 +210,9 @@ def build_update(
       strategy: how to accumulate, one of ``autoaccum.strategies.available()``, or ``"auto"``: ``"scan"`` (the
         whole update in one program), except on XLA:CPU for a ``loss_fn`` with a convolution, ``"loop"``
         (XLA:CPU runs convolutions inside a loop body about 10x slower; see `autoaccum.strategies.Auto`).
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``. Aux is averaged over the microbatches, so each leaf
+        must keep its shape whatever the number of examples (scalar metrics, per-class counts): a leaf with the
+        example axis (per-example logits) is refused at the first call, before compiling.
       has_state: whether ``loss_fn`` takes and returns a model state (then the update does too).
       loss_reduction: ``"mean"`` (``loss_fn`` returns the mean loss) or ``"sum"`` (it returns
         ``(loss_sum, weight)``).
