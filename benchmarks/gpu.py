@@ -469,7 +469,7 @@ def stage_probe(report: Report, args: argparse.Namespace) -> None:
     preset = PRESETS[args.preset]
     out = report.stage("probe")
     rows: list[dict[str, Any]] = out.setdefault("cases", [])
-    clock = Clock(args.budget)
+    clock = Clock(args.stage_budget)
     for case in _selected(preset, args):
         if not clock.allows():
             rows.append({"case": case.name, "skipped": _budget_note(args, case)})
@@ -492,8 +492,8 @@ def _selected(preset: Preset, args: argparse.Namespace) -> list[Case]:
 
 def _budget_note(args: argparse.Namespace, case: Case) -> str:
     return (
-        f"not run: the stage's budget ({args.budget:g} s) would not hold it; run it alone with "
-        f"--preset {args.preset} --stage probe --case {case.name}"
+        f"not run: the stage's budget ({args.stage_budget:.0f} s) would not hold it; run it with "
+        f"--preset {args.preset} --stage probe --stage estimate --case {case.name}"
     )
 
 
@@ -525,23 +525,28 @@ def _probe_rows(report: Report, args: argparse.Namespace) -> list[dict[str, Any]
     return [r for r in rows if r.get("boundary")]
 
 
-def gpu_compiled(w: autoaccum.Workload, row: dict[str, Any], target: str | Path) -> dict[str, Any]:
-    """XLA's GPU compiler's largest microbatch for ``target`` under the probe's limit, compile-only."""
-    limit = row["memory_limit_bytes"]
+def gpu_estimate(w: autoaccum.Workload, limits: Sequence[int], cap: int, target: str | Path) -> dict[str, Any]:
+    """XLA's GPU compiler's estimate for ``target``, compile-only, refined around each of ``limits`` (one estimate
+    answers every limit a model was probed under)."""
     start = time.perf_counter()
     est = autoaccum.estimate(
-        w.loss_fn, shapes(w.params), shapes(w.batch), optimizer=w.optimizer, memory_limit=limit,
-        max_microbatch=row["max_microbatch"], accumulation=False, refine_for=[limit], target=target,
+        w.loss_fn, shapes(w.params), shapes(w.batch), optimizer=w.optimizer, memory_limit=max(limits),
+        max_microbatch=cap, accumulation=False, refine_for=list(limits), target=target,
     )  # fmt: skip
+    return {"estimate": est, "seconds": time.perf_counter() - start}
+
+
+def gpu_compiled(made: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    """The GPU-compiled largest microbatch under the probe's limit (a multiple of its granularity) against M."""
     g = row["granularity"]
-    predicted = est.largest_microbatch(limit, runtime=False) // g * g
+    predicted = made["estimate"].largest_microbatch(row["memory_limit_bytes"], runtime=False) // g * g
     ratio = predicted / row["boundary"]
     return {
-        "compiler": est.compiler,
+        "compiler": made["estimate"].compiler,
         "max_microbatch": predicted,
         "ratio": ratio,
         "within_5%": abs(ratio - 1) <= WITHIN,
-        "seconds": time.perf_counter() - start,
+        "estimate_seconds": made["seconds"],
     }
 
 
@@ -555,7 +560,11 @@ def stage_estimate(report: Report, args: argparse.Namespace) -> None:
     status = compiler_status()
     targets = _targets(report, args) if status is None else []
     out["targets"] = [str(t) for _, t in targets] or f"XLA's GPU compiler unavailable here: {status}"
-    clock = Clock(args.budget)
+    limits: dict[tuple[str, str], set[int]] = {}
+    for r in probed:
+        limits.setdefault((r["model"], r["dtype"]), set()).add(r["memory_limit_bytes"])
+    made: dict[tuple[str, str, str], dict[str, Any]] = {}
+    clock = Clock(args.stage_budget)
     for probe_row in probed:
         case = Case(probe_row["model"], probe_row["dtype"], probe_row["memory_limit"], probe_row["granularity"],
                     probe_row["max_microbatch"])  # fmt: skip
@@ -566,12 +575,16 @@ def stage_estimate(report: Report, args: argparse.Namespace) -> None:
         if status is not None:
             row["gpu_compiled"] = f"XLA's GPU compiler unavailable here: {status}"
             continue
-        if not clock.allows():
-            row["gpu_compiled"] = f"not run: the stage's budget ({args.budget:g} s) would not hold it"
+        model = (case.model, case.dtype)
+        if any((*model, label) not in made for label, _ in targets) and not clock.allows():
+            row["gpu_compiled"] = f"not run: the stage's budget ({args.stage_budget:.0f} s) would not hold it"
             continue
         start = time.perf_counter()
-        w = case_workload(preset, case)
-        row["gpu_compiled"] = {label: gpu_compiled(w, probe_row, target) for label, target in targets}
+        for label, target in targets:
+            if (*model, label) not in made:
+                w = case_workload(preset, case)
+                made[(*model, label)] = gpu_estimate(w, sorted(limits[model]), case.max_microbatch, target)
+        row["gpu_compiled"] = {label: gpu_compiled(made[(*model, label)], probe_row) for label, _ in targets}
         clock.lap(start)
         report.write()
     report.write()
@@ -643,13 +656,13 @@ def stage_tune(report: Report, args: argparse.Namespace) -> None:
     report.write()
     sizes = [m for m in microbatch_candidates(preset.tune_batch, bound) if m >= preset.tune_min_microbatch]
     setup = prepare(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit=preset.tune_limit)
-    clock = Clock(args.budget - tune_seconds)
+    clock = Clock(args.stage_budget - tune_seconds)
     with bench.worker_for(setup) as worker:
         start = time.perf_counter()
         grid, programs = time_grid(worker, labels, sizes, preset.tune_batch, clock)
         grid_seconds = time.perf_counter() - start
         if not grid:
-            out["grid"] = f"not run: no configuration of the grid ran within the stage's budget ({args.budget:g} s)"
+            out["grid"] = f"not run: no configuration of the grid fit in the stage's budget ({args.stage_budget:.0f} s)"
             report.write()
             return
         best = max(grid, key=grid.__getitem__)
@@ -876,7 +889,7 @@ def render(data: dict[str, Any]) -> str:
         "throughput": _md_throughput,
     }  # fmt: skip
     for name, stage in data["stages"].items():
-        lines += ["", f"## {name}", "", *makers[name](stage)]
+        lines += ["", f"## {name}", "", *([stage["skipped"]] if "skipped" in stage else makers[name](stage))]
     return "\n".join(lines) + "\n"
 
 
@@ -886,6 +899,8 @@ def merge(paths: Sequence[Path]) -> dict[str, Any]:
     merged = {**reports[0], "command": "; ".join(r["command"] for r in reports), "stages": {}}
     for r in reports:
         for name, stage in r["stages"].items():
+            if "skipped" in stage and name in merged["stages"]:
+                continue
             if name in ("probe", "estimate") and name in merged["stages"]:
                 merged["stages"][name]["cases"] += stage.get("cases", [])
             else:
@@ -911,6 +926,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--case", action="append", help="probe only this case (repeat), e.g. lm-bfloat16-8GiB")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-report"), help="report folder")
     p.add_argument("--budget", type=float, default=420.0, help="seconds a stage may take before it skips cases")
+    p.add_argument(
+        "--deadline", type=float, default=480.0, help="seconds the whole command may take (each stage's budget shrinks)"
+    )
     p.add_argument("--probe-report", type=Path, action="append", help="estimate: an earlier report's probe")
     p.add_argument("--target-config", type=Path, help="estimate: the card's description [OUT/card.txtpb]")
     p.add_argument("--merge", type=Path, nargs="+", help="join these reports into --out and stop")
@@ -944,9 +962,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = Report(args.out, args.preset, argv)
     cache = use_compile_cache(args.compile_cache)
     report.data["compilation_cache"] = str(cache)
+    deadline = time.perf_counter() + args.deadline
     try:
         for name in [s for s in STAGES if s in (args.stage or STAGES)]:
             start = time.perf_counter()
+            args.stage_budget = min(args.budget, deadline - start)
+            if args.stage_budget <= 0:
+                report.stage(name)["skipped"] = f"not run: the command's --deadline ({args.deadline:g} s) was spent"
+                continue
             print(f"== {name} ({args.preset} preset)", flush=True)
             RUNNERS[name](report, args)
             report.stage(name)["stage_seconds"] = time.perf_counter() - start

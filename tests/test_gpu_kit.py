@@ -49,6 +49,7 @@ kit = load_kit()
 
 def start(out: Path, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
     command = [sys.executable, str(KIT), *args, "--out", str(out), "--compile-cache", str(out / "cache")]
+    command += ["--budget", "3600", "--deadline", "3600"]  # every case, however slow the machine
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
