@@ -185,7 +185,7 @@ PRESETS = {
         probe_isolated=True,
         tune_lm=LM(vocab=32, dim=16, heads=2, layers=1, seq_len=8), tune_batch=16, tune_limit="256MiB",
         tune_min_microbatch=8, tune_strategies=("scan",), tune_probes=False,
-        batch=8, microbatch=2, warmup=1, steps=1, rounds=2, round_ms=0.0,
+        batch=8, microbatch=2, warmup=2, steps=1, rounds=2, round_ms=0.0,
     ),
 }
 # fmt: on
