@@ -81,7 +81,7 @@ def main() -> None:
     # The tuner searches the knob beside the microbatch and the strategy. Without max_microbatch it probes the
     # default setting under memory_limit and bounds the others by their calibrated estimates (slower).
     result = autoaccum.tune(
-        knobs, params, batch, optimizer=tx, max_microbatch=16, strategies=["scan"], n_trials=3, storage=":memory:"
+        knobs, params, batch, optimizer=tx, max_microbatch=16, strategies=["scan"], budget=3, storage=":memory:"
     )
     plan = result.plan
     print(f"tuned: microbatch {plan.microbatch_size} x {plan.accumulation_steps}, knobs {plan.knobs}")

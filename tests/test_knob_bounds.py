@@ -154,7 +154,7 @@ def test_scan_mlp_remat_setting_is_bounded_at_the_whole_batch_where_the_default_
 
     result = nnx_tune(
         Knobs(make_loss, block_remat=(None, "nothing_saveable")), model, optimizer, batch, memory_limit=limit,
-        remat=(None,), strategies=["scan"], n_trials=2, storage=":memory:", measure=measure, race_rounds=0,
+        remat=(None,), strategies=["scan"], budget=2, storage=":memory:", measure=measure, race_rounds=0,
     )  # fmt: skip
     found = result.probe
     assert found is not None and found.max_microbatch == CAP and found.estimate is not None

@@ -226,7 +226,7 @@ def test_tune_searches_a_knob_of_the_loss() -> None:
 
     knobs = Knobs(scaled_loss, scale=(1.0, 0.5))
     result = tune(
-        knobs, w.params, w.batch, optimizer=w.optimizer, max_microbatch=4, strategies=["scan", "loop"], n_trials=32,
+        knobs, w.params, w.batch, optimizer=w.optimizer, max_microbatch=4, strategies=["scan", "loop"], budget=32,
         storage=":memory:", measure=measure, race_rounds=0,  # the grid's timings only: no finalists re-timed
     )  # fmt: skip
     # The whole grid: sizes 1..4 x (scan, scan:unroll=2, scan:unroll=8, loop) x both values of the knob, each timed
@@ -256,7 +256,7 @@ def test_tune_searches_remat_policies_and_the_plan_reproduces_them(tmp_path: Pat
 
     result = tune(
         w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=3, strategies=["loop"],
-        remat=(None, "nothing_saveable", "dots_saveable"), n_trials=9, storage=":memory:", measure=measure,
+        remat=(None, "nothing_saveable", "dots_saveable"), budget=9, storage=":memory:", measure=measure,
         race_rounds=0,
     )  # fmt: skip
     assert sorted(calls, key=str) == sorted(
@@ -300,7 +300,7 @@ def test_tune_searches_the_accumulator_dtype_and_the_plan_records_it(tmp_path: P
 
     result = tune(
         w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=3, strategies=["loop"],
-        accumulator_dtype=(jnp.float32, jnp.bfloat16), n_trials=6, storage=":memory:", measure=measure,
+        accumulator_dtype=(jnp.float32, jnp.bfloat16), budget=6, storage=":memory:", measure=measure,
         race_rounds=0,
     )  # fmt: skip
     assert sorted(calls) == sorted((m, d) for m in (1, 2, 3) for d in ("float32", "bfloat16"))
@@ -382,7 +382,7 @@ def test_each_setting_of_the_knobs_gets_its_own_bound(monkeypatch: pytest.Monkey
     knobs = Knobs(make_loss, block_remat=(None, "nothing_saveable"))
     result = tune(
         knobs, params, batch, optimizer=optax.sgd(0.1), effective_batch=4096, memory_limit="24MiB",
-        strategies=["loop"], remat=(None,), n_trials=8, storage=":memory:", measure=measure,
+        strategies=["loop"], remat=(None,), budget=8, storage=":memory:", measure=measure,
     )  # fmt: skip
     assert result.probe is not None
     probed = result.probe.max_microbatch
@@ -425,7 +425,7 @@ def test_nnx_tune_searches_a_knob_of_the_loss() -> None:
 
     knobs = Knobs(make_loss, layer_remat=(None, "nothing_saveable"))
     result = nnx_tune(
-        knobs, model, optimizer, batch, max_microbatch=8, strategies=["loop"], n_trials=8, storage=":memory:",
+        knobs, model, optimizer, batch, max_microbatch=8, strategies=["loop"], budget=8, storage=":memory:",
         measure=measure,
     )  # fmt: skip
     assert {remat for remat, _ in seen} == {False, True}  # both values reached the compiled program

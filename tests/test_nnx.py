@@ -150,7 +150,7 @@ def test_nnx_probe_estimate_and_tune_leave_the_model_alone() -> None:
     )
     assert found.max_microbatch == 32
     result = autoaccum.nnx.tune(
-        loss_fn, model, optimizer, batch, max_microbatch=8, strategies=["scan", "loop"], storage=":memory:", n_trials=3
+        loss_fn, model, optimizer, batch, max_microbatch=8, strategies=["scan", "loop"], storage=":memory:", budget=3
     )
     assert_states_close(nnx.state(model), before, atol=0.0)
     loss = result.step(model, optimizer, batch)  # the plan, the nnx way

@@ -22,7 +22,7 @@ PYTHON = re.findall(r"```python\n(.*?)```", README, re.S)
 def test_opens_with_two_commands() -> None:
     assert README.index("```bash") < README.index("```python")
     demo, tests = (block.strip() for block in BASH[:2])
-    assert demo == "pip install -e . && autoaccum tune --demo --n-trials 6"
+    assert demo == "pip install -e . && autoaccum tune --demo --budget 6"
     assert tests == 'pip install -e ".[test]" && pytest -q'
 
 

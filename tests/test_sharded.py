@@ -309,7 +309,7 @@ def test_tune_on_a_mesh_searches_global_multiples_of_the_shards_and_the_fsdp_sch
     sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, FSDP)
     result = autoaccum.tune(
         loss_fn, sharded, place(batch, mesh, P("data")), optimizer=optax.adam(1e-2), memory_limit="256MiB",
-        effective_batch=128, max_microbatch=64, strategies=["loop"], n_trials=6, storage=":memory:", seed=0,
+        effective_batch=128, max_microbatch=64, strategies=["loop"], budget=6, storage=":memory:", seed=0,
     )  # fmt: skip
     assert {t.microbatch_size for t in result.trials} <= {8, 16, 32, 64}
     assert any(t.options["gather_params"] == "per_microbatch" for t in result.trials)

@@ -89,7 +89,7 @@ def test_warm_start_enqueues_the_largest_candidate() -> None:
     calls: list[tuple[int, str]] = []
     result = tune(
         lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), params, batch, optimizer=optax.sgd(0.1),
-        max_microbatch=96, strategies=["scan", "loop"], n_trials=3, storage=":memory:",
+        max_microbatch=96, strategies=["scan", "loop"], budget=3, storage=":memory:",
         measure=constant_measure(calls),
     )  # fmt: skip
     first = min(result.trials, key=lambda r: r.number)  # the warm start's ladder begins at the largest
@@ -165,7 +165,7 @@ def test_tune_prints_no_optuna_trial_lines(capfd: pytest.CaptureFixture[str], ca
     with caplog.at_level(logging.INFO):
         result = tune(
             lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), params, batch, optimizer=optax.sgd(0.1),
-            max_microbatch=12, strategies=["scan"], n_trials=2, storage=":memory:", measure=failing_at_12,
+            max_microbatch=12, strategies=["scan"], budget=2, storage=":memory:", measure=failing_at_12,
         )  # fmt: skip
     out, err = capfd.readouterr()
     assert any(t.reason and "a test's" in t.reason for t in result.trials)  # the failure is reported, by the tuner

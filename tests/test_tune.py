@@ -59,7 +59,7 @@ def test_emitted_update_equals_full_batch_step(linear: autoaccum.Workload) -> No
         linear.batch,
         optimizer=optimizer,
         max_microbatch=8,
-        n_trials=4,
+        budget=4,
         storage=":memory:",
         strategies=["scan", "loop"],
     )
@@ -106,7 +106,7 @@ def test_small_space_is_covered_completely(linear: autoaccum.Workload) -> None:
         optimizer=linear.optimizer,
         max_microbatch=4,
         storage=":memory:",
-        n_trials=20,
+        budget=20,
         race_rounds=0,
         measure=fake_measure(calls := []),
     )
@@ -126,7 +126,7 @@ def test_never_times_a_size_above_the_bound(linear: autoaccum.Workload) -> None:
         linear.batch,
         optimizer=linear.optimizer,
         max_microbatch=6,
-        n_trials=10,
+        budget=10,
         storage=":memory:",
         measure=fake_measure(calls),
     )
@@ -142,7 +142,7 @@ def test_same_seed_same_plan(linear: autoaccum.Workload) -> None:
             linear.batch,
             optimizer=linear.optimizer,
             max_microbatch=24,
-            n_trials=10,
+            budget=10,
             storage=":memory:",
             seed=seed,
             measure=fake_measure(calls),
@@ -166,7 +166,7 @@ def test_failed_trials_do_not_stop_the_study(linear: autoaccum.Workload) -> None
         linear.batch,
         optimizer=linear.optimizer,
         max_microbatch=12,
-        n_trials=12,
+        budget=12,
         storage=":memory:",
         measure=fake_measure(fail_from=8),
     )
@@ -201,7 +201,7 @@ def test_interrupted_tune_resumes_without_rerunning(linear: autoaccum.Workload, 
         return inner(update, params, batch)
 
     # n_trials: the whole grid (sizes 1-4 x 5 variants), searched by the GridSampler
-    kwargs: dict[str, Any] = dict(max_microbatch=4, n_trials=20, storage=storage, study_name="resume", race_rounds=0)
+    kwargs: dict[str, Any] = dict(max_microbatch=4, budget=20, storage=storage, study_name="resume", race_rounds=0)
     with pytest.raises(KeyboardInterrupt):
         tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, measure=interrupting, **kwargs)
     assert len(first) == 5
@@ -236,7 +236,7 @@ def test_effective_batch_larger_than_the_example_batch(linear: autoaccum.Workloa
         optimizer=linear.optimizer,
         effective_batch=50,
         max_microbatch=16,
-        n_trials=3,
+        budget=3,
         storage=":memory:",
         measure=measure,
     )
@@ -252,7 +252,7 @@ def test_plan_round_trip_and_build(linear: autoaccum.Workload, tmp_path: Path) -
         linear.batch,
         optimizer=linear.optimizer,
         max_microbatch=8,
-        n_trials=3,
+        budget=3,
         storage=":memory:",
         measure=fake_measure(),
     )
@@ -290,7 +290,7 @@ def test_plan_file_errors(linear: autoaccum.Workload, tmp_path: Path) -> None:
     ("kwargs", "error", "match"),
     [
         ({"effective_batch": 0}, ValueError, r"`effective_batch` must be >= 1, got effective_batch=0"),
-        ({"n_trials": 0}, ValueError, r"`n_trials` must be >= 1, got n_trials=0"),
+        ({"budget": 0}, ValueError, r"`budget` must be >= 1, got budget=0"),
         ({"strategies": ["scan", "fast"]}, ValueError, r"unknown `strategy` 'fast'; choose one of"),
         ({"strategies": []}, ValueError, r"`strategies` is empty"),
         ({"storage": "nosuchdb://x"}, ValueError, r"`storage`='nosuchdb://x' cannot be opened"),
@@ -361,7 +361,7 @@ def test_equivalent_configurations_are_timed_once(linear: autoaccum.Workload) ->
     calls: list[Any] = []
     result = tune(
         linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, effective_batch=8, max_microbatch=8,
-        n_trials=20, storage=":memory:", measure=fake_measure(calls), race_rounds=0,  # the whole grid
+        budget=20, storage=":memory:", measure=fake_measure(calls), race_rounds=0,  # the whole grid
     )  # fmt: skip
     assert [m for m, _, _ in calls].count(8) == 1
     at_full = [r for r in result.trials if r.microbatch_size == 8]
@@ -470,7 +470,7 @@ def test_a_finalist_out_leaves_its_rounds_to_the_close_call() -> None:
 
 def test_the_plan_records_the_accumulator_dtype_it_was_tuned_with(linear: autoaccum.Workload) -> None:
     result = tune(
-        linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, max_microbatch=4, n_trials=2,
+        linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, max_microbatch=4, budget=2,
         strategies=["scan"], accumulator_dtype=jnp.bfloat16, storage=":memory:", measure=fake_measure(),
     )  # fmt: skip
     assert result.plan.accumulator_dtype == "bfloat16"
@@ -493,7 +493,7 @@ def test_an_accumulating_step_out_of_memory_lowers_its_strategys_bound_and_tries
 
     result = tune(
         w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=32, strategies=["scan", "loop"],
-        n_trials=8, storage=":memory:", measure=measure, race_rounds=0,
+        budget=8, storage=":memory:", measure=measure, race_rounds=0,
     )  # fmt: skip
     loop = [m for m, name in calls if name == "loop"]
     assert loop[:4] == [32, 16, 8, 4] and max(loop[4:], default=0) < 8  # down after each failure, never back up
@@ -541,7 +541,7 @@ def test_no_trial_runs_a_microbatch_below_the_floor(linear: autoaccum.Workload) 
         return Timing(1e-3 * update.microbatch_size, 0.1, 5)
 
     result = tune(
-        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=32, min_microbatch=8, n_trials=12,
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=32, min_microbatch=8, budget=12,
         storage=":memory:", measure=measure,
     )  # fmt: skip
     assert min(calls) == 8 and result.plan.microbatch_size == 8
@@ -576,6 +576,52 @@ def test_a_loss_not_finite_at_the_initial_parameters_is_warned_of(linear: autoac
 
     with pytest.warns(autoaccum.NonFiniteLossWarning, match="the loss is nan at the initial parameters"):
         tune(
-            nan_loss, linear.params, linear.batch, optimizer=linear.optimizer, max_microbatch=4, n_trials=2,
+            nan_loss, linear.params, linear.batch, optimizer=linear.optimizer, max_microbatch=4, budget=2,
             storage=":memory:", measure=fake_measure(),
         )  # fmt: skip
+
+
+def test_a_finished_study_answers_again_without_probing_or_timing(
+    linear: autoaccum.Workload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's bounds are stored with the study, whose name is a fingerprint of the inputs alone: re-running
+    the same tune finds the study before anything runs, probes nothing, times nothing and returns the same plan."""
+    import autoaccum._tune.job as job
+
+    probes: list[int] = []
+
+    def probe(*args: Any, **kwargs: Any) -> Any:
+        probes.append(1)
+        return autoaccum.probe(*args, **kwargs, isolate=False)
+
+    monkeypatch.setattr(job, "probe", probe)
+    calls: list[Any] = []
+    kw: dict[str, Any] = dict(memory_limit="256MiB", budget=4, storage=f"sqlite:///{tmp_path / 's.db'}")
+    first = tune(
+        linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, measure=fake_measure(calls), **kw
+    )
+    assert probes == [1] and calls
+    probes.clear()
+    calls.clear()
+    again = tune(
+        linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, measure=fake_measure(calls), **kw
+    )
+    assert probes == [] and calls == []
+    assert again.plan == first.plan and again.probe == first.probe and again.fingerprint == first.fingerprint
+    assert again.message.startswith("resumed: 4 trials from earlier runs, 0 new")
+
+
+def test_the_deprecated_names_still_work_with_a_warning(linear: autoaccum.Workload) -> None:
+    seen: list[int] = []
+    kw: dict[str, Any] = dict(max_microbatch=4, storage=":memory:", measure=fake_measure())
+    with pytest.warns(DeprecationWarning, match="`n_trials` is deprecated: pass `budget`"):
+        result = tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, n_trials=2, **kw)
+    assert result.new_trials == 2
+    with pytest.warns(DeprecationWarning, match="`callbacks` is deprecated: pass `on_trial`"):
+        tune(
+            linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, budget=2,
+            callbacks=[lambda record, done, total: seen.append(done)], **kw,
+        )  # fmt: skip
+    assert seen
+    with pytest.raises(TypeError, match="give `budget` alone"):
+        tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, budget=2, n_trials=2, **kw)

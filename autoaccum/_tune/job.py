@@ -114,8 +114,8 @@ def _check_numbers(kw: dict[str, Any], effective_batch: int) -> None:
         seconds = kw[label]
         if seconds is not None and not (isinstance(seconds, (int, float)) and seconds > 0):
             raise ValueError(f"`{label}` must be a positive number of seconds or None, got {label}={seconds!r}.")
-    if kw["n_trials"] is not None:
-        check_positive_int(kw["n_trials"], "n_trials")
+    if kw["budget"] is not None:
+        check_positive_int(kw["budget"], "budget")
     largest = effective_batch
     if kw["max_microbatch"] is not None:
         largest = min(largest, check_positive_int(kw["max_microbatch"], "max_microbatch"))
@@ -176,6 +176,21 @@ class Space:
     @property
     def sizes(self) -> list[int]:
         return list(dict.fromkeys(m for sizes in self.fitting.values() for m in sizes))
+
+    def to_dict(self, settings: Sequence[Setting]) -> dict[str, Any]:
+        """A JSON-able form, each setting's figures in the order of ``settings`` (stored with the study)."""
+        return {
+            "bounds": [self.bounds[s] for s in settings], "fitting": [self.fitting[s] for s in settings],
+            "predicted_over": self.predicted_over, "probed": None if self.probed is None else self.probed.to_dict(),
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], settings: Sequence[Setting]) -> Space:
+        """The `Space` that `to_dict` made with the same ``settings``."""
+        probed = None if data["probed"] is None else ProbeResult.from_dict(data["probed"])
+        bounds = dict(zip(settings, data["bounds"], strict=True))
+        fitting = dict(zip(settings, [list(f) for f in data["fitting"]], strict=True))
+        return cls(bounds, fitting, dict(data["predicted_over"]), probed)
 
     @classmethod
     def bound(cls, job: Job, max_microbatch: int | None) -> Space:

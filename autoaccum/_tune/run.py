@@ -33,12 +33,12 @@ from autoaccum._version import __version__
 from autoaccum.strategies import PyTree
 
 EXHAUSTIVE_UP_TO = 8
-"""Without ``n_trials``, a space of at most this many configurations is searched whole (``GridSampler``)."""
+"""Without ``budget``, a space of at most this many configurations is searched whole (``GridSampler``)."""
 
 
 def default_budget(grid_points: int, strategies: int) -> int:
-    """The trials a tune runs without ``n_trials``: the whole space when it is small (`EXHAUSTIVE_UP_TO`), else a
-    fifth of it, at least as many as the strategies (variants) and three more: the search's breadth (every
+    """The configurations a tune settles without ``budget``: the whole space when it is small (`EXHAUSTIVE_UP_TO`),
+    else a fifth of it, at least as many as the strategies (variants) and three more: the search's breadth (every
     strategy at the largest size) and a descent of a few sizes (`autoaccum._tune.search`).
 
     Example:
@@ -52,6 +52,23 @@ def default_budget(grid_points: int, strategies: int) -> int:
 
 _WAITING = optuna.trial.TrialState.WAITING
 _PRUNED = optuna.trial.TrialState.PRUNED
+
+
+def _renamed(
+    budget: int | None, n_trials: int | None, on_trial: Sequence[Any], callbacks: Sequence[Any] | None
+) -> tuple[int | None, Sequence[Any]]:
+    """``budget`` and ``on_trial``, given by their deprecated names (a `DeprecationWarning`) or their own."""
+    if n_trials is not None:
+        if budget is not None:
+            raise TypeError("give `budget` alone; `n_trials` is its deprecated name.")
+        warnings.warn("`n_trials` is deprecated: pass `budget` (the study's, all workers').", DeprecationWarning, 3)
+        budget = n_trials
+    if callbacks is not None:
+        if on_trial:
+            raise TypeError("give `on_trial` alone; `callbacks` is its deprecated name.")
+        warnings.warn("`callbacks` is deprecated: pass `on_trial`.", DeprecationWarning, 3)
+        on_trial = callbacks
+    return budget, on_trial
 
 
 def _heartbeats(storage: optuna.storages.BaseStorage) -> bool:
@@ -85,21 +102,11 @@ def _full_batch(job: Job) -> PyTree:
     return jax.tree.map(lambda r, x: jax.device_put(r, x.sharding), resized, batch)
 
 
-def _open_study(
-    job: Job,
-    space: Space,
-    storage: optuna.storages.BaseStorage,
-    study_name: str | None,
-    fresh: bool,
-    seed: int,
-    n_trials: int | None,
-) -> tuple[optuna.Study, int, bool, str]:
-    """The study (created, or resumed: its name is a fingerprint of what determines its timings), its
-    budget, whether it covers the whole grid, and the fingerprint. A trial interrupted earlier is queued again."""
-    labels, default = job.labels, job.settings[0]
-    space_params: dict[str, list[Any]] = {"microbatch_size": space.sizes, "strategy": list(labels)}
-    space_params.update(job.knob_space.params())
-    grid_points = sum(len(sizes) for sizes in space.fitting.values()) * len(labels)
+def _fingerprint(job: Job, limit: int | None, max_microbatch: int | None) -> str:
+    """A hash of what determines a tune's answer: the lowered full-batch update (the loss's body, the optimizer,
+    shapes, dtypes) and the search's inputs (the limit as resolved, the strategies, the knobs, the bounds given),
+    the device and the versions. Nothing measured is in it, so a finished study is found before anything runs."""
+    default = job.settings[0]
     plain = build_update(
         job.loss_for(default), job.optimizer, microbatch_size=job.effective_batch, strategy=job.names[0],
         **default.build, **job.loss_kw,
@@ -108,34 +115,62 @@ def _open_study(
     state_s = () if job.state is None else (abstract(job.state),)
     batch_s = abstract_batch(job.batch, job.effective_batch)
     programs = plain.programs(params_s, jax.eval_shape(plain.init, params_s), batch_s, *state_s)
-    limit = None if job.memory_limit is None else parse_bytes(job.memory_limit, "memory_limit")
-    key = fingerprint(
+    searched = {
+        "strategies": list(job.labels), "knobs": job.knob_space.params(), "max_microbatch": max_microbatch,
+        "min_microbatch": job.min_microbatch,
+    }  # fmt: skip
+    return fingerprint(
         "\n".join(p.lowered.as_text() for p in programs),
         {
-            "effective_batch": job.effective_batch, "space": space_params, "memory_limit": limit,
+            "effective_batch": job.effective_batch, "search": searched, "memory_limit": limit,
             "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "versions": _versions(),
         },
     )  # fmt: skip
-    name = study_name or f"autoaccum-{key}"
+
+
+def _open_study(
+    job: Job,
+    storage: optuna.storages.BaseStorage,
+    name: str,
+    fresh: bool,
+    max_microbatch: int | None,
+) -> tuple[optuna.Study, Space]:
+    """The study ``name`` (created, or resumed) and the sizes each setting may time: stored with the study by the
+    worker that bounded them first (the probe runs once per study), else bounded now (`Space.bound`). A trial
+    interrupted earlier is queued again."""
     if fresh:
         with contextlib.suppress(KeyError):  # no such study yet: nothing to delete
             optuna.delete_study(study_name=name, storage=storage)
-    wanted = default_budget(grid_points, len(labels)) if n_trials is None else n_trials
+    study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
+    stored = study.user_attrs.get("space")
+    if stored is None:
+        space = Space.bound(job, max_microbatch)
+        stored = study.user_attrs.get("space")  # another worker's, if it finished first
+        if stored is None:
+            study.set_user_attr("space", space.to_dict(job.settings))
+    if stored is not None:
+        space = Space.from_dict(stored, job.settings)
+    _resume(study)
+    return study, space
+
+
+def _sample(job: Job, space: Space, study: optuna.Study, seed: int, budget: int | None) -> tuple[int, bool]:
+    """Gives ``study`` its sampler; returns its budget and whether that covers the whole grid (then the grid's
+    sampler alone), else a seeded TPE (constant_liar: other workers' running trials count as bad ones)."""
+    labels = job.labels
+    grid_points = sum(len(sizes) for sizes in space.fitting.values()) * len(labels)
+    wanted = default_budget(grid_points, len(labels)) if budget is None else budget
     exhaustive = wanted >= grid_points
-    sampler: optuna.samplers.BaseSampler
     if exhaustive:
-        sampler = optuna.samplers.GridSampler(space_params, seed=seed)
-    else:  # constant_liar: other workers' running trials count as bad ones, so TPE proposes something else
+        space_params: dict[str, list[Any]] = {"microbatch_size": space.sizes, "strategy": list(labels)}
+        space_params.update(job.knob_space.params())
+        study.sampler = optuna.samplers.GridSampler(space_params, seed=seed)
+    else:
         with warnings.catch_warnings():  # "experimental" in some Optuna releases
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            sampler = optuna.samplers.TPESampler(
-                seed=seed, n_startup_trials=min(len(labels) + 2, 8), constant_liar=True
-            )
-    study = optuna.create_study(
-        storage=storage, sampler=sampler, study_name=name, direction="maximize", load_if_exists=True
-    )
-    _resume(study)
-    return study, min(wanted, grid_points), exhaustive, key
+            startup = min(len(labels) + 2, 8)
+            study.sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, constant_liar=True)
+    return min(wanted, grid_points), exhaustive
 
 
 def _resume(study: optuna.Study) -> None:
@@ -209,7 +244,7 @@ def tune(
     effective_batch: int | None = None,
     strategies: Sequence[str] | None = None,
     memory_limit: int | str | None = None,
-    n_trials: int | None = None,
+    budget: int | None = None,
     timeout: float | None = None,
     storage: str | optuna.storages.BaseStorage | None = None,
     study_name: str | None = None,
@@ -226,7 +261,9 @@ def tune(
     compile_timeout: float | None = 600.0,
     isolate: bool = True,
     race_rounds: int = ROUNDS,
-    callbacks: Sequence[Callable[[TrialRecord, int, int], None]] = (),
+    on_trial: Sequence[Callable[[TrialRecord, int, int], None]] = (),
+    n_trials: int | None = None,
+    callbacks: Sequence[Callable[[TrialRecord, int, int], None]] | None = None,
 ) -> TuneResult:
     """Finds the microbatch size, accumulation strategy and knobs with the highest measured throughput.
 
@@ -265,7 +302,7 @@ def tune(
       strategies: strategy names to consider; default all of ``autoaccum.strategies.available()``.
       memory_limit: bytes (or ``"1.5GiB"``) a step may use, passed to the probe; default: the device's
         (`autoaccum.probe`).
-      n_trials: the study's budget: the configurations it settles (measured, or failed for a reason such as
+      budget: the study's budget: the configurations it settles (measured, or failed for a reason such as
         out of memory), earlier runs' and other workers' included, so a resumed study runs only the trials
         still missing and two workers asked for 6 settle 6 together, not 12. Default `default_budget`: the whole
         space if it has at most `EXHAUSTIVE_UP_TO` points, else a fifth of it (at least the strategies and three).
@@ -302,8 +339,10 @@ def tune(
       race_rounds: rounds of re-timing the study's best configurations side by side before the pick, while
         all stay in (a budget of this many timings per finalist: those one that is out leaves go to more rounds
         of the others; `autoaccum._tune.race`; 0: pick the study's best as measured).
-      callbacks: called as ``callback(record, done, total)`` after each trial: its `TrialRecord`, the distinct
+      on_trial: called as ``callback(record, done, total)`` after each trial: its `TrialRecord`, the distinct
         configurations settled so far and the number the study aims for (the CLI's progress bar).
+      n_trials, callbacks: deprecated names of ``budget`` and ``on_trial`` (in Optuna they mean this worker's
+        trials and ``callback(study, trial)``).
 
     Returns:
       A `TuneResult` whose ``update_fn`` is already compiled.
@@ -312,10 +351,11 @@ def tune(
       ValueError, TypeError: bad arguments or an unopenable storage, before any trial runs.
       RuntimeError: nothing fits (the probe found no microbatch) or every trial failed.
     """
+    budget, on_trial = _renamed(budget, n_trials, on_trial, callbacks)
     knobs = loss_fn if isinstance(loss_fn, Knobs) else None
     job = Job.check(
         loss_fn, params, batch, optimizer=optimizer, effective_batch=effective_batch, strategies=strategies,
-        memory_limit=memory_limit, n_trials=n_trials, timeout=timeout, fresh=fresh, has_aux=has_aux, state=state,
+        memory_limit=memory_limit, budget=budget, timeout=timeout, fresh=fresh, has_aux=has_aux, state=state,
         loss_reduction=loss_reduction, max_microbatch=max_microbatch, min_microbatch=min_microbatch,
         trial_timeout=trial_timeout, compile_timeout=compile_timeout, isolate=isolate, race_rounds=race_rounds,
         knob_space=KnobSpace(check_remat_values(remat), check_dtype_values(accumulator_dtype), knobs),
@@ -332,8 +372,11 @@ def tune(
             options={"accumulator_dtype": default.accumulator_dtype},
         )  # fmt: skip
     opened, storage_label = open_storage(storage)
-    space = Space.bound(job, max_microbatch)
-    study, budget, exhaustive, key = _open_study(job, space, opened, study_name, fresh, seed, n_trials)
+    limit = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
+    limit = limit if setup is None else setup.memory_limit_bytes
+    key = _fingerprint(job, limit, max_microbatch)
+    study, space = _open_study(job, opened, study_name or f"autoaccum-{key}", fresh, max_microbatch)
+    settles, exhaustive = _sample(job, space, study, seed, budget)
     resumed = len(settled_configs(study))
     full_batch = _full_batch(job)
     with contextlib.ExitStack() as stack:
@@ -351,12 +394,11 @@ def tune(
             time_one = time_in_worker(job, stack.enter_context(worker), setup.memory_limit_bytes)
         search = None if exhaustive else Search([space.fitting[s] for s in job.settings], list(job.labels),
                                                  job.effective_batch, functools.partial(_program, job))  # fmt: skip
-        trials = Trials(job, space, study, budget, search, time_one, callbacks)
+        trials = Trials(job, space, study, settles, search, time_one, on_trial)
         trials.run(timeout, _heartbeats(opened))
         runners = trials.race(race_rounds)
-    limit = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
-    if setup is not None or space.probed is not None:
-        limit = (setup or space.probed).memory_limit_bytes  # type: ignore[union-attr]
+    if setup is None and space.probed is not None:
+        limit = space.probed.memory_limit_bytes
     result = _result(job, space, study, runners, full_batch, limit)
     new = len(settled_configs(study)) - resumed
     name = study.study_name

@@ -128,7 +128,7 @@ class Trials:
       budget: the configurations the study settles, all workers together.
       search: what proposes the next configurations (None: the grid's sampler alone).
       time_one: times one configuration ``(microbatch, label, setting, warmup) -> Timing`` (raises `TrialFailed`).
-      callbacks: ``callback(record, done, total)`` after each of this worker's trials.
+      on_trial: ``callback(record, done, total)`` after each of this worker's trials.
     """
 
     job: Job
@@ -137,7 +137,7 @@ class Trials:
     budget: int
     search: Search | None
     time_one: Callable[[int, str, Setting, int], Timing]
-    callbacks: Sequence[Callable[[TrialRecord, int, int], None]] = ()
+    on_trial: Sequence[Callable[[TrialRecord, int, int], None]] = ()
     ceilings: dict[tuple[Setting, str], int] = dataclasses.field(default_factory=dict)
     """Per (setting, strategy label): below a size whose accumulating step ran out of memory."""
 
@@ -231,11 +231,11 @@ class Trials:
         return holder if sorted(holders.values()).index(holder) < self.budget else None
 
     def report(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        """After each trial: the search's next proposals, the callbacks, and a stop once the budget is settled."""
+        """After each trial: the search's next proposals, ``on_trial``, and a stop once the budget is settled."""
         self.steer()
         count = len(settled_configs(study))
         if trial.state != _PRUNED and "duplicate_of" not in trial.user_attrs:
-            for callback in self.callbacks:
+            for callback in self.on_trial:
                 callback(record(trial, self.job.effective_batch, self.job.labels), count, self.budget)
         if count >= self.budget:
             study.stop()

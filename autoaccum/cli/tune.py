@@ -45,7 +45,13 @@ params, opt_state, loss{state} = update(params, opt_state, batch{state})"""
     help="Memory a step may use, e.g. 1.5GiB or 800MB; one above the device's memory is lowered to it, with a "
     "warning [default: the device's].",
 )
-@click.option("--n-trials", type=click.IntRange(min=1), help="Trials to run [default: all if at most 12, else 12].")
+@click.option(
+    "--budget",
+    type=click.IntRange(min=1),
+    help="Configurations the study settles, all workers together [default: the whole space if at most 8, else a "
+    "fifth of it, at least the strategy variants and three more].",
+)
+@click.option("--n-trials", "n_trials", type=click.IntRange(min=1), hidden=True, help="Deprecated: --budget.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Stop starting trials after SECONDS.")
 @click.option(
     "--storage",
@@ -101,6 +107,7 @@ def tune(
     effective_batch: int | None,
     strategy_names: tuple[str, ...],
     memory_limit: str | None,
+    budget: int | None,
     n_trials: int | None,
     timeout: float | None,
     storage: str | None,
@@ -137,6 +144,8 @@ def tune(
 
     if plot is not None:
         _require_matplotlib()
+    if n_trials is not None:
+        click.echo("warning: --n-trials is deprecated: use --budget (the study's, all workers together).", err=True)
     w = resolve_workload(workload, demo)
     console = make_console(stderr=as_json, quiet=as_json)
     console.print(f"[bold]workload[/] {w.name}: effective batch {effective_batch or w.batch_size}")
@@ -162,7 +171,7 @@ def tune(
                     effective_batch=effective_batch,
                     strategies=list(strategy_names) or None,
                     memory_limit=memory_limit,
-                    n_trials=n_trials,
+                    budget=budget if n_trials is None else n_trials,
                     timeout=timeout,
                     storage=storage,
                     study_name=study_name,
@@ -179,7 +188,7 @@ def tune(
                     isolate=not no_isolate,
                     remat=(None, *remat_policies) if remat_policies else BUILTIN_REMAT,
                     accumulator_dtype=accumulator_dtypes or "float32",
-                    callbacks=[on_trial],
+                    on_trial=[on_trial],
                 )
         except (ValueError, TypeError) as e:
             raise click.UsageError(str(e)) from e
