@@ -72,6 +72,7 @@ from autoaccum import workloads
 from autoaccum._catalog import UnknownAcceleratorError, lookup, suggest
 from autoaccum._gpu_compile import compiler_status
 from autoaccum._probe import TrialRunner, prepare
+from autoaccum._trial import is_oom
 from autoaccum._tune.space import microbatch_candidates, program_key, variants
 from autoaccum._units import format_bytes
 
@@ -291,22 +292,28 @@ def _first_line(text: str | None, limit: int = 300) -> str | None:
 # -- workloads --------------------------------------------------------------------------------------------------
 
 
+LM_ROWS = 32
+"""Distinct sequences the LM's batch is drawn from; a larger batch repeats them (as the probe's trials do)."""
+
+
 @functools.cache
-def _lm_float32(shape: LM, batch_size: int) -> autoaccum.Workload:
+def _lm_float32(shape: LM) -> autoaccum.Workload:
     with jax.default_device(jax.devices("cpu")[0]):  # built on the host: the card stays untouched here
         return workloads.transformer(
-            batch_size=batch_size, seq_len=shape.seq_len, vocab=shape.vocab, dim=shape.dim, heads=shape.heads,
+            batch_size=LM_ROWS, seq_len=shape.seq_len, vocab=shape.vocab, dim=shape.dim, heads=shape.heads,
             layers=shape.layers, scan_layers=True,
         )  # fmt: skip
 
 
 def lm(shape: LM, dtype: str, batch_size: int) -> autoaccum.Workload:
-    """The transformer LM with its parameters (and so its arithmetic and AdamW's moments) in ``dtype``."""
-    w = _lm_float32(shape, batch_size)
+    """The transformer LM with its parameters (and so its arithmetic and AdamW's moments) in ``dtype``, on a
+    batch of ``batch_size`` sequences."""
+    w = _lm_float32(shape)
     params = jax.tree.map(lambda x: x.astype(dtype), w.params)
+    tokens = np.resize(np.asarray(w.batch["tokens"]), (batch_size, shape.seq_len + 1))  # rows repeated in order
     n = n_params(params)
     name = f"transformer LM, {n:,} parameters, {dtype}, {shape.layers} x {shape.dim}, seq {shape.seq_len}"
-    return dataclasses.replace(w, params=params, name=name)
+    return dataclasses.replace(w, params=params, batch={"tokens": tokens}, name=name)
 
 
 def convnet(builder: str, batch_size: int) -> autoaccum.Workload:
@@ -441,6 +448,9 @@ def probe_case(preset: Preset, case: Case) -> dict[str, Any]:
     except autoaccum.ProbeError as e:
         row["error"] = str(e)[-2000:]
         row["trials"] = [dataclasses.asdict(t) for t in e.trials]
+        return row
+    except ValueError as e:  # the limit refused before anything ran (e.g. above the memory free on the card)
+        row["error"] = str(e)
         return row
     estimate = None if result.estimate is None else result.estimate.max_microbatch
     m = result.max_microbatch
@@ -734,11 +744,12 @@ def _methods(w: autoaccum.Workload, preset: Preset) -> tuple[list[Any], list[Any
 
 
 def _timing_args(preset: Preset, dtype: str) -> argparse.Namespace:
-    # One step from the same start is checked against the full batch's (benchmarks/strategies.py): bfloat16
-    # parameters round each update to a bfloat16 ulp (2**-8 of 1.0), so its tolerances are an ulp's.
+    # One step from the same start is checked against the reference's (benchmarks/strategies.py): bfloat16
+    # parameters round each update to a bfloat16 ulp (2**-7 at 1.0), and hand-written accumulators sum bfloat16
+    # gradients in bfloat16, so its tolerances are an ulp's.
     low = dtype == "bfloat16"
     return argparse.Namespace(
-        atol=1e-2 if low else 1e-4, grad_atol=1e-3 if low else 1e-6, warmup=preset.warmup, steps=preset.steps,
+        atol=1e-2 if low else 1e-4, grad_atol=5e-3 if low else 1e-6, warmup=preset.warmup, steps=preset.steps,
         rounds=preset.rounds, round_ms=preset.round_ms,
     )  # fmt: skip
 
@@ -759,6 +770,13 @@ def stage_throughput(report: Report, args: argparse.Namespace) -> None:
     out.update(step_flops=flops, catalog=entry or NA_CPU, peak_flops=peak or NA_CPU)
     timing = _timing_args(preset, "bfloat16")
     methods, parts = _methods(w, preset)
+    try:  # the full-batch step alone first: on the card it may not fit where accumulating does
+        bench.check_and_warm(methods[:1], w.params, timing)
+    except (jax.errors.JaxRuntimeError, MemoryError) as e:
+        if not is_oom(e):
+            raise
+        out["full_batch"] = f"does not fit on the card: {_first_line(str(e))}"
+        methods = methods[1:]  # checked against the emitted update instead
     states, first_call, failed, worst = bench.check_and_warm(methods, w.params, timing)
     out["check"] = {"passed": not failed, "failures": failed, "max_param_diff": worst[0], "max_mu_diff": worst[1]}
     for part in parts:
@@ -775,10 +793,11 @@ def stage_throughput(report: Report, args: argparse.Namespace) -> None:
             "mfu": flops / t / peak if peak else NA_CPU,
         })  # fmt: skip
     out["methods"] = rows
-    ours, full = med[methods[1].name], med[methods[0].name]
+    ours = med[bench.DEFAULT]
     alone = k * med[parts[0].name] + med[parts[1].name]
     out["components_ms"] = {part.name: 1e3 * med[part.name] for part in parts}
-    out["accumulating_over_full_batch"] = ours / full
+    full = med.get(methods[0].name) if methods[0].by == "reference" else None
+    out["accumulating_over_full_batch"] = ours / full if full else out["full_batch"]
     out["accumulating_over_parts_alone"] = ours / alone
     hand = min((m for m in methods if m.by == "hand-written"), key=lambda m: med[m.name])
     out["ours_over_best_hand_written"] = med[hand.name] / ours  # throughput ratio (> 1: ours faster)
