@@ -23,17 +23,18 @@ Stages (``--stage``, repeatable; default all of them, in this order):
   step, and over k microbatch forward-backward passes plus one optimizer apply, each timed alone.
 
 Each stage writes ``gpu-report.json`` and ``gpu-report.md`` to ``--out`` (``$OUT`` when set) after every case, so a
-command stopped at its time limit still returns what it finished; ``--budget`` seconds per stage leaves the cases
-that would not fit for another command (the report names them). ``--merge A.json B.json`` joins the reports of
-several commands into one. Where a figure does not exist on the CPU (NVML, XLA's GPU allocator and its
-``RESOURCE_EXHAUSTED``, a catalogued peak FLOP/s, a GPU compiler not installed) the report says why instead.
+command stopped at its time limit still returns what it finished; a stage starts no case that its ``--budget`` (or
+what is left of the command's ``--deadline``) would not hold, and names the command that runs it. ``--merge A.json
+B.json`` joins the reports of several commands into one. Where a figure does not exist on the CPU (NVML, XLA's GPU
+allocator and its ``RESOURCE_EXHAUSTED``, a catalogued peak FLOP/s, a GPU compiler not installed) the report says
+why instead.
 
 Presets: ``full`` (the evidence, on an H100 or H200), ``small`` (the ``gpu``-marked tests: minutes on a card) and
 ``tiny`` (the CPU dry run of ``tests/test_gpu_kit.py``: tiny models, every stage). The commands a session with a
 card runs are in benchmarks/README.md, "GPU evidence".
 
     python benchmarks/gpu.py --stage devices --stage probe --out "$OUT"
-    python benchmarks/gpu.py --preset tiny --out /tmp/kit     # every stage on the CPU, about a minute
+    python benchmarks/gpu.py --preset tiny --out /tmp/kit     # every stage on the CPU (~100 CPU-seconds)
 
 Exit status: 0 when the stages ran (each figure, met or not, is in the report), 2 for bad arguments.
 """
