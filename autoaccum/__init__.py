@@ -27,6 +27,7 @@ from autoaccum._tune.result import TrialRecord, TuneResult
 from autoaccum._tune.run import tune
 from autoaccum._units import format_bytes, parse_bytes
 from autoaccum._update import Update, build_update
+from autoaccum._value_and_grad import value_and_grad
 from autoaccum._version import __version__
 from autoaccum._workload import Workload, WorkloadError, load_workload
 
@@ -61,4 +62,5 @@ __all__ = [
     "probe",
     "strategies",
     "tune",
+    "value_and_grad",
 ]

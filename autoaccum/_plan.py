@@ -14,7 +14,9 @@ import optax
 from autoaccum._json import JsonMixin
 from autoaccum._knobs import Knobs, resolve
 from autoaccum._update import Update, build_update
-from autoaccum.strategies import PyTree, Schedule
+from autoaccum._value_and_grad import value_and_grad
+from autoaccum.strategies import Auto, PyTree, Scan, Schedule
+from autoaccum.strategies import get as get_strategy
 
 
 def params_signature(params: PyTree) -> dict[str, str]:
@@ -144,6 +146,48 @@ class Plan(JsonMixin):
             remat=self.remat,
             **self.options,
         )
+
+    def value_and_grad(
+        self, loss_fn: Callable[..., Any] | Knobs, *, params: PyTree | None = None
+    ) -> Callable[..., Any]:
+        """The `autoaccum.value_and_grad` this plan describes, for a training step of your own.
+
+        ``loss_fn`` is as for `build` (``has_state`` is the plan's); ``params``, if given, are checked first. For
+        an nnx model: ``autoaccum.nnx.value_and_grad(loss_fn, plan=plan)``.
+
+        Raises:
+          ValueError: the plan's strategy runs its microbatches from the host (``loop``, ``multisteps``), which
+            cannot live inside a jit; or ``params`` differ from the plan's.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> plan = Plan(effective_batch=10, microbatch_size=4, accumulation_steps=3, strategy="scan")
+          >>> grad_fn = plan.value_and_grad(lambda w, b: jnp.mean(b @ w))
+          >>> loss, grads = grad_fn(jnp.ones(3), jnp.ones((10, 3)))
+          >>> float(loss)
+          3.0
+        """
+        if params is not None:
+            self.check_params(params)
+        return value_and_grad(resolve(loss_fn, self.knobs), has_state=self.has_state, **self.value_and_grad_options())
+
+    def value_and_grad_options(self) -> dict[str, Any]:
+        """The `autoaccum.value_and_grad` arguments this plan sets, besides the loss and ``has_state``.
+
+        Raises:
+          ValueError: the plan's strategy runs on the host and cannot live inside a jit.
+        """
+        if self.strategy != Auto.name and not issubclass(get_strategy(self.strategy), Scan):
+            raise ValueError(
+                f"this plan's strategy {self.strategy!r} runs its microbatches from a host loop, which cannot live "
+                "inside a jit (value_and_grad runs in your jitted step); use the scan strategy at the plan's "
+                f"microbatch: autoaccum.value_and_grad(loss_fn, microbatch_size={self.microbatch_size}, ...), or "
+                f"dataclasses.replace(plan, strategy='scan').value_and_grad(loss_fn); or build the whole step, "
+                "plan.build(loss_fn, optimizer)."
+            )
+        options = self.update_options()
+        del options["strategy"]
+        return options
 
     def build(
         self,

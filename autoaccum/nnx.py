@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from autoaccum._checks import check_loss_fn
@@ -42,6 +43,7 @@ from autoaccum._probe import probe as _probe
 from autoaccum._tune import run as _run
 from autoaccum._update import Update as _Update
 from autoaccum._update import build_update as _build_update
+from autoaccum._value_and_grad import value_and_grad as _value_and_grad
 from autoaccum._workload import Workload
 from autoaccum.strategies import PyTree
 
@@ -92,8 +94,19 @@ def functional(loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Op
     """
     check_loss_fn(loss_fn)
     _check(model, optimizer)
-    wrt = optimizer.wrt
-    graphdef, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]
+    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)  # type: ignore[misc]
+    return Functional(
+        _pure_loss(loss_fn, graphdef, optimizer.wrt),
+        _as_pure(params),
+        _as_pure(rest),
+        optimizer.tx,
+        _as_pure(optimizer.opt_state),
+        graphdef,
+    )
+
+
+def _pure_loss(loss_fn: Callable[..., Any], graphdef: Any, wrt: Any) -> Callable[..., tuple[Any, PyTree]]:
+    """``loss_fn(model, batch)`` as ``f(params, batch, state) -> (loss, state)`` over the model's pure arrays."""
 
     def pure_loss(params: PyTree, batch: PyTree, state: PyTree) -> tuple[Any, PyTree]:
         local = nnx.merge(graphdef, params, state)
@@ -101,9 +114,7 @@ def functional(loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Op
         _, _, new_state = nnx.split(local, wrt, ...)  # type: ignore[misc]
         return out, _as_pure(new_state)
 
-    return Functional(
-        pure_loss, _as_pure(params), _as_pure(rest), optimizer.tx, _as_pure(optimizer.opt_state), graphdef
-    )
+    return pure_loss
 
 
 class Update:
@@ -129,26 +140,28 @@ class Update:
         if key not in self._cache:
             if self.plan is not None:
                 self.plan.check_params(f.params)
-            self._cache[key] = _build_update(f.loss_fn, f.tx, has_state=True, **self.options)
+            self._cache[key] = _build_update(f.loss_fn, _last_gradient(), has_state=True, **self.options)
         return f, self._cache[key]
 
     @staticmethod
-    def _write_back(model: nnx.Module, optimizer: nnx.Optimizer, out: tuple[Any, ...]) -> Any:
-        params, opt_state, loss, state = out
-        nnx.update(model, params, state)
-        nnx.update(optimizer.opt_state, nnx.state(opt_state))
-        optimizer.step[...] += 1
+    def _apply(model: nnx.Module, optimizer: nnx.Optimizer, out: tuple[Any, ...]) -> Any:
+        """The accumulated gradient applied by ``optimizer.update`` (nnx's own), after the model's new state."""
+        params, grads, loss, state = out
+        nnx.update(model, params, state)  # the arrays the accumulation was given (donated, so returned)
+        grads = jax.tree.unflatten(jax.tree.structure(nnx.state(model, optimizer.wrt)), jax.tree.leaves(grads))
+        _optimizer_update(model, optimizer, grads)
         return loss
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
         """One update on ``batch``; returns the loss (``(loss, aux)`` with ``has_aux``)."""
         f, update = self._prepare(model, optimizer)
-        return self._write_back(model, optimizer, update(f.params, f.opt_state, batch, f.state))
+        return self._apply(model, optimizer, update(f.params, update.init(f.params), batch, f.state))
 
     def stream(self, model: nnx.Module, optimizer: nnx.Optimizer, microbatches: Iterable[PyTree]) -> Any:
         """One update on microbatches that arrive one at a time (`autoaccum.Update.stream`); returns the loss."""
         f, update = self._prepare(model, optimizer)
-        return self._write_back(model, optimizer, update.stream(f.params, f.opt_state, microbatches, f.state))
+        out = update.stream(f.params, update.init(f.params), microbatches, f.state)
+        return self._apply(model, optimizer, out)
 
     def compiled_for(self, model: nnx.Module, optimizer: nnx.Optimizer) -> _Update:
         """The functional `autoaccum.Update` this step runs for ``model`` (e.g. for its ``programs``)."""
@@ -230,6 +243,105 @@ def build_update(
     return Update(loss_fn, options, plan)
 
 
+class ValueAndGrad:
+    """``(loss, grads) = grad_fn(model, batch)``: `autoaccum.value_and_grad` for an nnx model (`value_and_grad`).
+
+    Attributes:
+      loss_fn: ``loss_fn(model, batch)``.
+      wrt: the filter of what is differentiated (``nnx.Param`` by default).
+      options: the `autoaccum.value_and_grad` arguments (``has_state`` aside).
+    """
+
+    def __init__(self, loss_fn: Callable[..., Any], wrt: Any, options: dict[str, Any]) -> None:
+        self.loss_fn = loss_fn
+        self.wrt = wrt
+        self.options = options
+        self._cache: dict[Any, Callable[..., Any]] = {}
+
+    def __call__(self, model: nnx.Module, batch: PyTree) -> tuple[Any, PyTree]:
+        """The whole batch's loss (``(loss, aux)`` with ``has_aux``) and gradient, an ``nnx.State`` like
+        ``nnx.grad``'s; the model's other state (BatchNorm statistics, ``nnx.Rngs`` streams) moves as the
+        microbatches run, in order."""
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"`model` must be an nnx.Module, got {type(model).__name__}: {model!r}.")
+        graphdef, params, rest = nnx.split(model, self.wrt, ...)  # type: ignore[misc]
+        key = jax.tree.structure(graphdef)  # as nnx.jit keys its cache (compared with ==)
+        if key not in self._cache:
+            pure = _pure_loss(self.loss_fn, graphdef, self.wrt)
+            self._cache[key] = _value_and_grad(pure, has_state=True, **self.options)
+        loss, grads, state = self._cache[key](_as_pure(params), batch, _as_pure(rest))
+        nnx.update(model, state)
+        return loss, jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(grads))
+
+
+def value_and_grad(
+    loss_fn: Callable[..., Any] | Knobs,
+    *,
+    microbatch_size: int | None = None,
+    has_aux: bool = False,
+    wrt: Any = nnx.Param,
+    plan: Plan | None = None,
+    **options: Any,
+) -> ValueAndGrad:
+    """``nnx.value_and_grad(loss_fn)`` over the whole batch, accumulated over microbatches, for your own step.
+
+    Use it as nnx's own, inside your ``@nnx.jit`` step: ``(loss, grads) = grad_fn(model, batch)``, then
+    ``optimizer.update(model, grads)`` and your metrics. The gradient equals nnx's on the whole batch for a
+    loss of per-example terms (see `autoaccum.value_and_grad`); what ``wrt`` does not select (``nnx.BatchStat``,
+    the ``nnx.Rngs`` streams) is model state, threaded through the microbatches in order as in `build_update`:
+    each microbatch draws its own dropout mask and BatchNorm's statistics take one step per microbatch.
+
+    Args:
+      loss_fn: ``loss_fn(model, batch) -> loss`` (``(loss, aux)`` with ``has_aux``); with a ``plan`` tuned with
+        knobs of the loss's own, the `autoaccum.Knobs` it was tuned with.
+      microbatch_size: examples per microbatch (a positive int), unless a ``plan`` gives it.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      wrt: the ``nnx`` filter of what is differentiated.
+      plan: a tuned `autoaccum.Plan` in place of ``microbatch_size``, ``has_aux`` and ``options`` (its strategy
+        must run inside a jit: ``scan``).
+      **options: `autoaccum.value_and_grad`'s ``loss_reduction``, ``accumulator_dtype``, ``remat``, ``unroll``.
+
+    Raises:
+      TypeError, ValueError: bad arguments, a ``plan`` beside arguments it sets, or a plan whose strategy runs
+        on the host (``loop``, ``multisteps``).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, autoaccum
+      >>> from flax import nnx
+      >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+      >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> grad_fn = autoaccum.nnx.value_and_grad(lambda m, b: jnp.mean(m(b) ** 2), microbatch_size=4)
+      >>> @nnx.jit
+      ... def train_step(model, optimizer, batch):
+      ...     loss, grads = grad_fn(model, batch)
+      ...     optimizer.update(model, grads)
+      ...     return loss
+      >>> loss = train_step(model, optimizer, jnp.ones((10, 3)))
+      >>> int(optimizer.step[...])
+      1
+    """
+    if plan is not None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"`plan` must be an autoaccum.Plan (e.g. Plan.load(path)), got {type(plan).__name__}.")
+        given = dict(microbatch_size=microbatch_size, has_aux=has_aux, **options)
+        clashing = sorted(n for n, v in given.items() if not (n in _DEFAULTS and v == _DEFAULTS[n]))
+        if clashing:
+            raise ValueError(
+                f"`plan` sets {', '.join(f'`{n}`' for n in clashing)}; pass either the plan or these arguments, "
+                "not both."
+            )
+        loss_fn, options = resolve(loss_fn, plan.knobs), plan.value_and_grad_options()
+    elif isinstance(loss_fn, Knobs):
+        raise TypeError("`loss_fn` is an autoaccum.Knobs: pass the plan tuned with it (plan=...).")
+    elif microbatch_size is None:
+        raise TypeError("`microbatch_size` is required: pass microbatch_size=..., or a tuned plan, plan=...")
+    else:
+        options = dict(microbatch_size=microbatch_size, has_aux=has_aux, **options)
+    check_loss_fn(loss_fn)
+    _value_and_grad(lambda p, b, s: (0.0, s), has_state=True, **options)  # bad arguments raise now
+    return ValueAndGrad(loss_fn, wrt, options)
+
+
 _BESIDE_A_PLAN = ("state_update",)
 _DEFAULTS: dict[str, Any] = dict(
     microbatch_size=None, strategy="auto", has_aux=False, loss_reduction="mean", accumulator_dtype=jnp.float32
@@ -254,6 +366,29 @@ def _from_plan(loss_fn: Any, plan: Any, given: dict[str, Any]) -> tuple[Callable
         )
     options = {**plan.update_options(), **{n: given[n] for n in _BESIDE_A_PLAN if n in given}}
     return resolve(loss_fn, plan.knobs), options
+
+
+@nnx.jit(donate_argnums=(0, 1))
+def _optimizer_update(model: nnx.Module, optimizer: nnx.Optimizer, grads: PyTree) -> None:
+    optimizer.update(model, grads)
+
+
+@jax.jit
+def _zeros_like(params: PyTree) -> PyTree:
+    return jax.tree.map(jnp.zeros_like, params)
+
+
+def _last_gradient() -> optax.GradientTransformation:
+    """An optax transformation whose state is the last gradient it was given, and whose updates are zeros.
+
+    Every strategy runs it as its optimizer (``optax.MultiSteps`` included): the update then hands back the
+    whole batch's gradient, cast like the parameters, as its optimizer state, for ``optimizer.update``.
+    """
+
+    def update(grads: PyTree, state: PyTree, params: PyTree | None = None) -> tuple[PyTree, PyTree]:
+        return jax.tree.map(jnp.zeros_like, grads), grads
+
+    return optax.GradientTransformation(_zeros_like, update)
 
 
 class _NoOptimizer:
@@ -316,4 +451,15 @@ def workload(
     return Workload(f.loss_fn, f.params, batch, f.tx, state=f.state, name=name)
 
 
-__all__ = ["Functional", "Update", "build_update", "estimate", "functional", "probe", "tune", "workload"]
+__all__ = [
+    "Functional",
+    "Update",
+    "ValueAndGrad",
+    "build_update",
+    "estimate",
+    "functional",
+    "probe",
+    "tune",
+    "value_and_grad",
+    "workload",
+]

@@ -29,19 +29,20 @@ from autoaccum.strategies._base import (
     check_params,
     finish_loss,
     leading_size,
+    mean_grads,
     output_dtypes,
     signature,
     take,
     tree_bytes,
     weighted_grad,
 )
-from autoaccum.strategies._layout import Layout, layout_of
+from autoaccum.strategies._layout import Layout, check_microbatch, layout_of
 from autoaccum.strategies._remat import REMAT_POLICIES, check_remat
 from autoaccum.strategies._strategy import Call, Strategy
 from autoaccum.strategies.auto import Auto, has_convolution
 from autoaccum.strategies.loop import Loop
 from autoaccum.strategies.multisteps import MultiSteps
-from autoaccum.strategies.scan import Scan
+from autoaccum.strategies.scan import Scan, accumulate_in_jit
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 
@@ -122,10 +123,12 @@ __all__ = [
     "Schedule",
     "Spec",
     "Strategy",
+    "accumulate_in_jit",
     "accumulate_in_scan",
     "add",
     "apply_optimizer",
     "available",
+    "check_microbatch",
     "check_params",
     "check_remat",
     "finish_loss",
@@ -133,6 +136,7 @@ __all__ = [
     "has_convolution",
     "layout_of",
     "leading_size",
+    "mean_grads",
     "output_dtypes",
     "register",
     "signature",

@@ -534,13 +534,17 @@ def apply_optimizer(
     The sums are divided by the total weight; the gradient is cast back like ``params``, the loss and floating
     aux leaves back to ``dtypes`` (`finish_loss`).
     """
+    updates, opt_state = spec.optimizer.update(mean_grads(params, acc), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, finish_loss(spec, acc, dtypes)
+
+
+def mean_grads(params: PyTree, acc: Accum) -> PyTree:
+    """The whole batch's gradient: the accumulated sums divided by the total weight, cast back like ``params``."""
     # A multiply by one scalar reciprocal, not a divide per element: XLA fuses a cheap multiply into each of the
     # optimizer's fusions that read the gradient; a divide it keeps as a pass of its own over every gradient. The
     # reciprocal in float32 at least (a bfloat16 one would round the scale itself by up to 0.4%).
     scale = 1 / acc.weight.astype(jnp.promote_types(acc.weight.dtype, jnp.float32))
-    grads = optax.tree.cast_like(jax.tree.map(lambda g: g * scale, acc.grads), params)
-    updates, opt_state = spec.optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, finish_loss(spec, acc, dtypes)
+    return optax.tree.cast_like(jax.tree.map(lambda g: g * scale, acc.grads), params)
 
 
 def finish_loss(spec: Spec, acc: Accum, dtypes: OutDtypes) -> Any:

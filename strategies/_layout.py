@@ -23,6 +23,8 @@ def _names(entry: AxisEntry) -> tuple[str, ...]:
 def _named_spec(x: Any) -> tuple[Any, PartitionSpec] | None:
     """``(mesh, spec)`` of an array or ``ShapeDtypeStruct`` laid out by a ``NamedSharding``; else None."""
     sharding = getattr(x, "sharding", None)
+    if sharding is None and isinstance(x, jax.core.Tracer):  # inside jit: explicit mesh axes are in its type
+        sharding = jax.typeof(x).sharding
     if isinstance(sharding, NamedSharding):
         return sharding.mesh, sharding.spec
     return None

@@ -8,6 +8,8 @@ from typing import Any, ClassVar
 
 import jax
 from autoaccum.strategies._base import (
+    Accum,
+    OutDtypes,
     Program,
     PyTree,
     Spec,
@@ -18,6 +20,24 @@ from autoaccum.strategies._base import (
 from autoaccum.strategies._layout import Layout
 from autoaccum.strategies._sharding import OnMesh
 from autoaccum.strategies._strategy import Call, Strategy
+
+
+def accumulate_in_jit(
+    spec: Spec, params: PyTree, batch: PyTree, state: PyTree, *, layout: Layout | None, unroll: int | bool = 1
+) -> tuple[Accum, PyTree, OutDtypes]:
+    """The whole batch's `Accum`, the state after the last microbatch and ``loss_fn``'s output dtypes, traced.
+
+    The in-jit accumulation that the ``scan`` strategy's update and `autoaccum.value_and_grad` share: the
+    microbatches in one ``lax.scan`` (`accumulate_in_scan`); with a ``layout`` (a batch sharded over a mesh), each
+    device accumulates its own rows and the sums are reduced once, after the loop (`OnMesh.accumulate`).
+    """
+    dtypes = output_dtypes(spec, params, batch, state)
+    accumulate_local = functools.partial(accumulate_in_scan, unroll=unroll)
+    if layout is None:
+        acc, state = accumulate_local(spec, params, batch, state)
+    else:  # each device accumulates its own rows; one reduction after the loop
+        acc, state = OnMesh(spec, layout).accumulate(accumulate_local, params, batch, state, dtypes)
+    return acc, state, dtypes
 
 
 class Scan(Strategy):
@@ -56,12 +76,9 @@ class Scan(Strategy):
     def _update(
         self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree, layout: Layout | None = None
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
-        dtypes = output_dtypes(self.spec, params, batch, state)
-        accumulate = functools.partial(accumulate_in_scan, unroll=self.config["unroll"])
-        if layout is None:
-            acc, state = accumulate(self.spec, params, batch, state)
-        else:  # each device accumulates its own rows; one reduction after the loop
-            acc, state = OnMesh(self.spec, layout).accumulate(accumulate, params, batch, state, dtypes)
+        acc, state, dtypes = accumulate_in_jit(
+            self.spec, params, batch, state, layout=layout, unroll=self.config["unroll"]
+        )
         params, opt_state, loss = apply_optimizer(self.spec, params, opt_state, acc, dtypes)
         return params, opt_state, loss, state
 

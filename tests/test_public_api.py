@@ -17,7 +17,7 @@ def test_autoaccum_exports() -> None:
         "Capacity", "DeviceInfo", "Estimate", "Knobs", "MemoryLimitWarning", "NonFiniteLossWarning", "Plan",
         "ProbeError", "ProbeResult", "Target", "Trial", "TrialRecord", "TuneResult", "Update", "Workload",
         "WorkloadError", "__version__", "build_update", "detect_device", "estimate", "format_bytes", "linen",
-        "load_workload", "nnx", "parse_bytes", "probe", "strategies", "tune",
+        "load_workload", "nnx", "parse_bytes", "probe", "strategies", "tune", "value_and_grad",
     }  # fmt: skip
     for name in autoaccum.__all__:
         assert hasattr(autoaccum, name), name
@@ -26,6 +26,7 @@ def test_autoaccum_exports() -> None:
 def test_strategies_exports() -> None:
     assert {"Strategy", "Spec", "Program", "register", "unregister", "available", "get"} <= set(strategies.__all__)
     assert {"Scan", "Loop", "MultiSteps", "weighted_grad", "apply_optimizer", "leading_size"} <= set(strategies.__all__)
+    assert {"accumulate_in_jit", "mean_grads"} <= set(strategies.__all__)  # value_and_grad's pieces
     for name in strategies.__all__:
         assert hasattr(strategies, name), name
 

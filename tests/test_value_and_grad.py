@@ -1,0 +1,339 @@
+"""`autoaccum.value_and_grad` and `autoaccum.nnx.value_and_grad`: the whole batch's loss and gradient in your step.
+
+Every result is compared with a reference computed without the library: ``jax.value_and_grad`` (or nnx's own)
+on the whole batch, or, where the microbatches are meant to differ from the whole batch (a model state that
+moves per microbatch, BatchNorm, dropout), a hand-written loop over the microbatches. float32, atol 1e-6.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import autoaccum
+from autoaccum._hlo import collectives
+
+ATOL = 1e-6  # float32, losses and gradients near 1: a few ulps
+
+
+def assert_close(actual: Any, expected: Any, atol: float = ATOL) -> None:
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, e = jax.random.key_data(a), jax.random.key_data(e)
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32), atol=atol, rtol=0)
+
+
+def mlp(batch_size: int, seed: int = 0) -> tuple[Any, Any]:
+    k = jax.random.split(jax.random.key(seed), 5)
+    params = {
+        "w1": 0.3 * jax.random.normal(k[0], (4, 8)),
+        "b1": 0.1 * jax.random.normal(k[1], (8,)),
+        "w2": 0.3 * jax.random.normal(k[2], (8,)),
+    }
+    batch = {"x": jax.random.normal(k[3], (batch_size, 4)), "y": jax.random.normal(k[4], (batch_size,))}
+    return params, batch
+
+
+def predict(params: Any, x: jax.Array) -> jax.Array:
+    return jnp.tanh(x @ params["w1"] + params["b1"][None, :]) @ params["w2"]
+
+
+def loss_fn(params: Any, batch: Any) -> jax.Array:
+    return jnp.mean((predict(params, batch["x"]) - batch["y"]) ** 2)
+
+
+def loss_with_aux(params: Any, batch: Any) -> tuple[jax.Array, Any]:
+    error = predict(params, batch["x"]) - batch["y"]
+    return jnp.mean(error**2), {"mae": jnp.mean(jnp.abs(error)), "positive": jnp.mean(error > 0)}
+
+
+SPLITS = [(8, 4), (10, 4), (10, 3), (7, 7), (5, 8), (9, 1)]  # even, uneven, one microbatch, m > B, m = 1
+
+
+@pytest.mark.parametrize(("batch_size", "microbatch_size"), SPLITS, ids=lambda v: str(v))
+def test_equals_jax_value_and_grad_on_the_whole_batch(batch_size: int, microbatch_size: int) -> None:
+    params, batch = mlp(batch_size)
+    grad_fn = autoaccum.value_and_grad(loss_fn, microbatch_size=microbatch_size)
+    assert_close(jax.jit(grad_fn)(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+    assert_close(grad_fn(params, batch), jax.value_and_grad(loss_fn)(params, batch))  # outside a jit too
+
+
+def test_tiny_exact_case() -> None:
+    """Gradients 1, 2, 3, 4 of the four examples average to exactly 2.5, split 3 + 1."""
+    grad_fn = autoaccum.value_and_grad(lambda w, b: jnp.mean(w * b), microbatch_size=3)
+    loss, grads = grad_fn(jnp.asarray(1.0), jnp.arange(1.0, 5.0))
+    assert float(grads) == 2.5 and float(loss) == 2.5
+
+
+@pytest.mark.parametrize(("batch_size", "microbatch_size"), [(8, 4), (10, 3)], ids=lambda v: str(v))
+def test_has_aux_is_the_whole_batch_aux(batch_size: int, microbatch_size: int) -> None:
+    params, batch = mlp(batch_size)
+    grad_fn = autoaccum.value_and_grad(loss_with_aux, microbatch_size=microbatch_size, has_aux=True)
+    (loss, aux), grads = jax.jit(grad_fn)(params, batch)
+    (want_loss, want_aux), want_grads = jax.value_and_grad(loss_with_aux, has_aux=True)(params, batch)
+    assert_close((loss, aux, grads), (want_loss, want_aux, want_grads))
+
+
+def padded_lm(batch_size: int = 10, length: int = 6) -> tuple[Any, Any]:
+    k = jax.random.split(jax.random.key(1), 4)
+    lengths = jax.random.randint(k[0], (batch_size,), 1, length + 1)
+    mask = (jnp.arange(length)[None, :] < lengths[:, None]).astype(jnp.float32)
+    batch = {
+        "x": jax.random.normal(k[1], (batch_size, length, 4)),
+        "y": jax.random.normal(k[2], (batch_size, length)),
+        "mask": mask,
+    }
+    return {"w": 0.5 * jax.random.normal(k[3], (4,))}, batch
+
+
+def token_sums(params: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
+    losses = (batch["x"] @ params["w"] - batch["y"]) ** 2
+    return jnp.sum(losses * batch["mask"]), jnp.sum(batch["mask"])
+
+
+@pytest.mark.parametrize("microbatch_size", [3, 4, 10])
+def test_sum_reduction_is_the_token_mean_over_padding(microbatch_size: int) -> None:
+    params, batch = padded_lm()
+
+    def token_mean(params: Any, batch: Any) -> jax.Array:
+        loss_sum, weight = token_sums(params, batch)
+        return loss_sum / weight
+
+    grad_fn = autoaccum.value_and_grad(token_sums, microbatch_size=microbatch_size, loss_reduction="sum")
+    assert_close(jax.jit(grad_fn)(params, batch), jax.value_and_grad(token_mean)(params, batch))
+
+
+def rows(batch: Any, start: int, size: int) -> Any:
+    return jax.tree.map(lambda x: x[start : start + size], batch)
+
+
+def stateful_loss(params: Any, batch: Any, state: Any) -> tuple[jax.Array, Any]:
+    """The loss reads the state; the state moves with each microbatch's statistics (an EMA and a counter)."""
+    hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"][None, :])
+    loss = jnp.mean((hidden @ params["w2"] + state["ema"] - batch["y"]) ** 2)
+    ema = 0.9 * state["ema"] + 0.1 * jnp.mean(jax.lax.stop_gradient(hidden))
+    return loss, {"ema": ema, "count": state["count"] + 1}
+
+
+def microbatch_loop(params: Any, batch: Any, state: Any, microbatch_size: int) -> tuple[Any, Any, Any]:
+    """The reference: ``jax.value_and_grad`` per microbatch, the state threaded, each weighted n_i / B."""
+    total = len(batch["y"])
+    loss, grads = 0.0, jax.tree.map(jnp.zeros_like, params)
+    for start in range(0, total, microbatch_size):
+        micro = rows(batch, start, microbatch_size)
+        n = len(micro["y"])
+        (value, state), g = jax.value_and_grad(stateful_loss, has_aux=True)(params, micro, state)
+        loss += value * n / total
+        grads = jax.tree.map(lambda a, b, w=n / total: a + b * w, grads, g)
+    return loss, grads, state
+
+
+@pytest.mark.parametrize(("batch_size", "microbatch_size"), [(8, 4), (10, 3)], ids=lambda v: str(v))
+def test_state_is_threaded_through_the_microbatches_in_order(batch_size: int, microbatch_size: int) -> None:
+    params, batch = mlp(batch_size)
+    state = {"ema": jnp.asarray(0.5), "count": jnp.asarray(0, jnp.int32)}
+    grad_fn = autoaccum.value_and_grad(stateful_loss, microbatch_size=microbatch_size, has_state=True)
+    loss, grads, new_state = jax.jit(grad_fn)(params, batch, state)
+    want_loss, want_grads, want_state = microbatch_loop(params, batch, state, microbatch_size)
+    assert_close((loss, grads, new_state), (want_loss, want_grads, want_state))
+    assert int(new_state["count"]) == -(-batch_size // microbatch_size)  # one step per microbatch
+
+
+def test_remat_changes_nothing_but_memory() -> None:
+    params, batch = mlp(10)
+    grad_fn = autoaccum.value_and_grad(loss_fn, microbatch_size=4, remat="nothing_saveable")
+    assert_close(jax.jit(grad_fn)(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+
+
+def test_bfloat16_accumulator_within_its_precision() -> None:
+    params, batch = mlp(64)
+    grad_fn = autoaccum.value_and_grad(loss_fn, microbatch_size=8, accumulator_dtype=jnp.bfloat16)
+    loss, grads = jax.jit(grad_fn)(params, batch)
+    want_loss, want_grads = jax.value_and_grad(loss_fn)(params, batch)
+    assert loss.dtype == jnp.float32 and all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))  # cast back
+    # bfloat16 keeps 8 bits: each of the 8 sums rounds by up to 2^-9 of its size (values here below 2).
+    assert_close((loss, grads), (want_loss, want_grads), atol=2e-2)
+
+
+def test_traces_once_inside_the_callers_jit() -> None:
+    params, batch = mlp(10)
+    traces = []
+    grad_fn = autoaccum.value_and_grad(loss_fn, microbatch_size=4)
+
+    @jax.jit
+    def step(params: Any, batch: Any) -> Any:
+        traces.append(1)
+        loss, grads = grad_fn(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    params, _ = step(params, batch)
+    params, _ = step(params, batch)
+    assert len(traces) == 1
+
+
+def test_outside_a_jit_compiles_once() -> None:
+    params, batch = mlp(10)
+    calls = []
+
+    def counted(params: Any, batch: Any) -> jax.Array:
+        calls.append(1)
+        return loss_fn(params, batch)
+
+    grad_fn = autoaccum.value_and_grad(counted, microbatch_size=4)
+    grad_fn(params, batch)
+    traced = len(calls)
+    grad_fn(params, batch)
+    assert traced > 0 and len(calls) == traced
+
+
+def test_bad_input_is_refused_before_compiling() -> None:
+    with pytest.raises(ValueError, match="`microbatch_size`"):
+        autoaccum.value_and_grad(loss_fn, microbatch_size=0)
+    with pytest.raises(TypeError, match="`microbatch_size`"):
+        autoaccum.value_and_grad(loss_fn, microbatch_size=2.0)  # type: ignore[arg-type]
+    params, batch = mlp(8)
+    with pytest.raises(TypeError, match="`state` is missing"):
+        autoaccum.value_and_grad(stateful_loss, microbatch_size=4, has_state=True)(params, batch)
+    with pytest.raises(TypeError, match="has_state=False"):
+        autoaccum.value_and_grad(loss_fn, microbatch_size=4)(params, batch, {})
+    vector = autoaccum.value_and_grad(lambda p, b: predict(p, b["x"]), microbatch_size=4)
+    with pytest.raises(ValueError, match="must return a scalar"):
+        vector(params, batch)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=lambda t: t.name)
+def test_on_a_mesh_reduces_once_per_call(axis_type: AxisType) -> None:
+    params, batch = mlp(256)  # 16 microbatches of 16: XLA keeps the loop
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+    sharded = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))), batch)
+    replicated = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), params)
+    grad_fn = autoaccum.value_and_grad(loss_fn, microbatch_size=16)
+    want = jax.value_and_grad(loss_fn)(params, batch)
+    if axis_type == AxisType.Explicit:  # inside the caller's jit, the batch's sharding is in its type
+        step = jax.jit(grad_fn)
+        assert_close(jax.device_get(step(replicated, sharded)), want)
+        program = collectives(step.lower(replicated, sharded).compile().as_text())
+        assert program.in_loop == 0 and program.outside == {"all-reduce": 1}, program
+    else:  # an Auto mesh's sharding is read from the arrays, outside a jit
+        assert_close(jax.device_get(grad_fn(replicated, sharded)), want)
+
+
+def test_a_plan_gives_the_transform_and_host_strategies_are_refused() -> None:
+    params, batch = mlp(10)
+    plan = autoaccum.Plan(
+        effective_batch=10, microbatch_size=4, accumulation_steps=3, strategy="scan", options={"unroll": 2}
+    )
+    assert_close(jax.jit(plan.value_and_grad(loss_fn))(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+    for strategy in ("loop", "multisteps"):
+        host = dataclasses.replace(plan, strategy=strategy, options={})
+        with pytest.raises(ValueError, match=rf"{strategy}.*cannot live inside a jit.*scan.*microbatch_size=4"):
+            host.value_and_grad(loss_fn)
+        with pytest.raises(ValueError, match="cannot live inside a jit"):
+            autoaccum.nnx.value_and_grad(lambda m, b: 0.0, plan=host)
+
+
+# -- nnx ------------------------------------------------------------------------------------------------------
+
+
+class Net(nnx.Module):
+    def __init__(self, dropout: float, *, rngs: nnx.Rngs) -> None:
+        self.hidden = nnx.Linear(4, 16, use_bias=False, rngs=rngs)  # a bias before BatchNorm has no gradient
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+        self.out = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(self.drop(nnx.relu(self.norm(self.hidden(x)))))[:, 0]
+
+
+def nnx_loss(model: Net, batch: Any) -> jax.Array:
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def nnx_microbatch_loop(model: Net, batch: Any, microbatch_size: int) -> tuple[Any, Any]:
+    """The reference: nnx's own value_and_grad per microbatch (the model's state moving), each weighted n_i / B."""
+    total = len(batch["y"])
+    loss, grads = 0.0, None
+    for start in range(0, total, microbatch_size):
+        micro = rows(batch, start, microbatch_size)
+        n = len(micro["y"])
+        value, g = nnx.value_and_grad(nnx_loss)(model, micro)
+        loss += value * n / total
+        scaled = jax.tree.map(lambda x, w=n / total: x * w, g)
+        grads = scaled if grads is None else jax.tree.map(jnp.add, grads, scaled)
+    return loss, grads
+
+
+def net_and_batch(dropout: float, batch_size: int = 24) -> tuple[Net, Any]:
+    k = jax.random.split(jax.random.key(2), 2)
+    batch = {"x": jax.random.normal(k[0], (batch_size, 4)), "y": jax.random.normal(k[1], (batch_size,))}
+    return Net(dropout, rngs=nnx.Rngs(0, dropout=1)), batch
+
+
+def test_nnx_one_microbatch_equals_nnx_value_and_grad() -> None:
+    model, batch = net_and_batch(dropout=0.0)
+    reference = nnx.clone(model)
+    got = autoaccum.nnx.value_and_grad(nnx_loss, microbatch_size=24)(model, batch)
+    assert_close(got, nnx.value_and_grad(nnx_loss)(reference, batch))
+    assert_close(nnx.state(model), nnx.state(reference))  # BatchNorm's statistics moved alike
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5], ids=["dropout_off", "dropout_on"])
+def test_nnx_microbatches_move_batchnorm_and_rngs_in_order(dropout: float) -> None:
+    """Against a hand-written loop over the microbatches: BatchNorm's statistics and the dropout stream advance
+    per microbatch, in order (the same masks as the loop draws)."""
+    model, batch = net_and_batch(dropout)
+    reference = nnx.clone(model)
+    grad_fn = autoaccum.nnx.value_and_grad(nnx_loss, microbatch_size=8)
+    got = nnx.jit(lambda m, b: grad_fn(m, b))(model, batch)
+    assert_close(got, nnx_microbatch_loop(reference, batch, 8))
+    assert_close(nnx.state(model), nnx.state(reference))
+    assert int(model.drop.rngs.count[...]) == (3 if dropout else 0)  # 24 = 3 x 8
+
+
+def test_nnx_in_the_users_step_with_optimizer_and_metrics() -> None:
+    """flax's MNIST tutorial's step, with nnx.value_and_grad swapped for autoaccum's."""
+    model, batch = net_and_batch(dropout=0.5)
+    reference = nnx.clone(model)
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    want_optimizer = nnx.Optimizer(reference, optax.adamw(1e-2), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    grad_fn = autoaccum.nnx.value_and_grad(nnx_loss, microbatch_size=8)
+    traces = []
+
+    @nnx.jit
+    def train_step(model: Net, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, batch: Any) -> None:
+        traces.append(1)
+        loss, grads = grad_fn(model, batch)
+        metrics.update(loss=loss)
+        optimizer.update(model, grads)
+
+    want_losses = []
+    for _ in range(2):
+        train_step(model, optimizer, metrics, batch)
+        want_loss, grads = nnx_microbatch_loop(reference, batch, 8)
+        want_optimizer.update(reference, grads)
+        want_losses.append(want_loss)
+    assert len(traces) == 1 and int(optimizer.step[...]) == 2
+    assert_close(nnx.state(model), nnx.state(reference))
+    np.testing.assert_allclose(metrics.compute()["loss"], np.mean(want_losses), atol=ATOL)
+
+
+def test_nnx_plan_gives_the_transform() -> None:
+    model, batch = net_and_batch(dropout=0.0)
+    reference = nnx.clone(model)
+    plan = autoaccum.Plan(effective_batch=24, microbatch_size=8, accumulation_steps=3, strategy="scan")
+    got = autoaccum.nnx.value_and_grad(nnx_loss, plan=plan)(model, batch)
+    assert_close(got, nnx_microbatch_loop(reference, batch, 8))
+    with pytest.raises(ValueError, match="`microbatch_size`"):
+        autoaccum.nnx.value_and_grad(nnx_loss, plan=plan, microbatch_size=4)
