@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -625,3 +626,21 @@ def test_the_deprecated_names_still_work_with_a_warning(linear: autoaccum.Worklo
     assert seen
     with pytest.raises(TypeError, match="give `budget` alone"):
         tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, budget=2, n_trials=2, **kw)
+
+
+def test_where_no_child_can_have_the_device_tune_says_so_and_runs_here(
+    linear: autoaccum.Workload, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a TPU one process owns the chip: with its defaults tune warns once and probes and times in this process,
+    where isolating (the default elsewhere) would refuse."""
+    import autoaccum._tune.run as run
+
+    real = autoaccum.detect_device()
+    monkeypatch.setattr(run, "detect_device", lambda: dataclasses.replace(real, platform="tpu", name="TPU v5e"))
+    with pytest.warns(UserWarning, match="trials run in this process, not isolated: a child process cannot have TPU"):
+        result = autoaccum.tune(
+            linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, memory_limit="256MiB", budget=2,
+            storage=":memory:",
+        )  # fmt: skip
+    assert result.probe is not None and result.probe.isolate is False
+    assert result.plan.microbatch_size >= 1

@@ -37,6 +37,8 @@ class Job:
     memory_limit: int | str | None
     min_microbatch: int
     loss_kw: dict[str, Any]
+    children: bool
+    """Whether the probe runs its trials in child processes (not on a TPU, unless asked)."""
     _losses: dict[Setting, Callable[..., Any]] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
@@ -88,7 +90,7 @@ class Job:
         loss_kw = dict(has_aux=kw["has_aux"], has_state=state is not None, loss_reduction=kw["loss_reduction"])
         job = cls(
             loss_fn, params, batch, optimizer, state, effective_batch, names, knob_space, layout, kw["memory_limit"],
-            kw["min_microbatch"], loss_kw,
+            kw["min_microbatch"], loss_kw, kw["children"],
         )  # fmt: skip
         default = job.settings[0]
         check_loss_fn(job.loss_for(default))
@@ -211,6 +213,7 @@ class Space:
                 has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"],
                 options=None if default.remat is None else {"remat": default.remat},
                 sizes=[m for m in probe_sizes(eb) if m >= job.min_microbatch],
+                **({} if job.children else {"isolate": False}),
             )  # fmt: skip
             max_microbatch = probed.max_microbatch
         bounds = dict.fromkeys(settings, max_microbatch)

@@ -15,6 +15,7 @@ import optax
 import optuna
 
 from autoaccum._batch import abstract, abstract_batch, resize_batch
+from autoaccum._device import detect_device
 from autoaccum._knobs import Knobs
 from autoaccum._plan import Plan, params_signature
 from autoaccum._probe import prepare
@@ -69,6 +70,20 @@ def _renamed(
         warnings.warn("`callbacks` is deprecated: pass `on_trial`.", DeprecationWarning, 3)
         on_trial = callbacks
     return budget, on_trial
+
+
+def _isolatable() -> bool:
+    """Whether trials can run in a child process here: not on a TPU, which one process owns (a warning says so)."""
+    info = detect_device()
+    if info.platform != "tpu":
+        return True
+    warnings.warn(
+        f"trials run in this process, not isolated: a child process cannot have {info.name} (one process owns a "
+        "TPU); a trial that does not fit fails here. Pass isolate=False to say so and silence this.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return False
 
 
 def _heartbeats(storage: optuna.storages.BaseStorage) -> bool:
@@ -259,7 +274,7 @@ def tune(
     remat: Sequence[str | None] = BUILTIN_REMAT,
     trial_timeout: float | None = 120.0,
     compile_timeout: float | None = 600.0,
-    isolate: bool = True,
+    isolate: bool | None = None,
     race_rounds: int = ROUNDS,
     on_trial: Sequence[Callable[[TrialRecord, int, int], None]] = (),
     n_trials: int | None = None,
@@ -332,10 +347,11 @@ def tune(
       trial_timeout: seconds a trial's steps (warm-up and timed) may take before the trial is recorded as failed
         (a hang: the worker is killed and restarted).
       compile_timeout: seconds a trial's compiling may take, likewise.
-      isolate: time each configuration in a worker process under the probe's memory limit (the default; see
+      isolate: probe and time each configuration in a worker process under the memory limit (see
         `autoaccum._tune.worker`): an out-of-memory, a crash or a hang is recorded as the trial's failure, the
-        worker restarts, and the caller's process never runs a trial. ``False``: time in this process, with no
-        cap (faster to start; a trial that does not fit fails here).
+        worker restarts, and the caller's process never runs a trial. ``False``: in this process, with no cap
+        (faster to start; a trial that does not fit fails here). Default: isolated wherever a child process can
+        have the device (not a TPU, which one process owns: there a warning says so and trials run here).
       race_rounds: rounds of re-timing the study's best configurations side by side before the pick, while
         all stay in (a budget of this many timings per finalist: those one that is out leaves go to more rounds
         of the others; `autoaccum._tune.race`; 0: pick the study's best as measured).
@@ -352,12 +368,15 @@ def tune(
       RuntimeError: nothing fits (the probe found no microbatch) or every trial failed.
     """
     budget, on_trial = _renamed(budget, n_trials, on_trial, callbacks)
+    children = _isolatable() if isolate is None else bool(isolate) or detect_device().platform != "tpu"
+    isolate = children if isolate is None else isolate
     knobs = loss_fn if isinstance(loss_fn, Knobs) else None
     job = Job.check(
         loss_fn, params, batch, optimizer=optimizer, effective_batch=effective_batch, strategies=strategies,
         memory_limit=memory_limit, budget=budget, timeout=timeout, fresh=fresh, has_aux=has_aux, state=state,
         loss_reduction=loss_reduction, max_microbatch=max_microbatch, min_microbatch=min_microbatch,
-        trial_timeout=trial_timeout, compile_timeout=compile_timeout, isolate=isolate, race_rounds=race_rounds,
+        trial_timeout=trial_timeout, compile_timeout=compile_timeout, isolate=isolate, children=children,
+        race_rounds=race_rounds,
         knob_space=KnobSpace(check_remat_values(remat), check_dtype_values(accumulator_dtype), knobs),
     )  # fmt: skip
     # The worker's job and limit: the probe's (checked here, before anything runs). On a mesh, trials are timed
