@@ -123,7 +123,8 @@ class Update:
     The result equals one ``optimizer.update(model, grads)`` with the gradient of the whole batch (see
     `autoaccum.build_update` for the exact semantics, ``loss_reduction`` included); the model's other state
     (batch statistics, RNG counters) is threaded through the microbatches in order. ``optimizer.step`` advances
-    by one per call. Programs are built per model structure and cached.
+    by one per call. The strategy accumulates the gradient, then ``optimizer.update(model, grads)`` (nnx's own)
+    applies it in one ``nnx.jit`` program. Programs are built per model structure and cached.
     """
 
     def __init__(self, loss_fn: Callable[..., Any], options: dict[str, Any], plan: Plan | None = None) -> None:
@@ -164,7 +165,10 @@ class Update:
         return self._apply(model, optimizer, out)
 
     def compiled_for(self, model: nnx.Module, optimizer: nnx.Optimizer) -> _Update:
-        """The functional `autoaccum.Update` this step runs for ``model`` (e.g. for its ``programs``)."""
+        """The functional `autoaccum.Update` this step accumulates with for ``model`` (its spec, its ``programs``).
+
+        Its optimizer hands the whole batch's gradient back for ``optimizer.update``, which runs in a program of
+        its own; `estimate`, `probe` and `tune` measure the step with the optimizer's own transformation."""
         return self._prepare(model, optimizer)[1]
 
 

@@ -102,6 +102,34 @@ def test_nnx_step_equals_the_explicit_reference_after_two_updates(strategy: str)
     assert int(model.drop.rngs.count[...]) == 8  # one draw per microbatch, 4 per update
 
 
+class CountingOptimizer(nnx.Optimizer):
+    """An ``nnx.Optimizer`` that counts its ``update`` calls (each traced once under ``nnx.jit``)."""
+
+    updates: list[int] = []  # noqa: RUF012
+
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
+        CountingOptimizer.updates.append(1)
+        return super().update(model, grads, **kwargs)
+
+
+@pytest.mark.parametrize("strategy", ["scan", "loop", "multisteps"])
+def test_the_step_goes_through_optimizer_update(strategy: str) -> None:
+    """nnx's own ``optimizer.update`` applies the gradient: a subclass's override runs, and the result still
+    equals the reference (which calls ``optimizer.update`` with the whole batch's gradient)."""
+    model = Net(rngs=nnx.Rngs(0, dropout=1))
+    optimizer = CountingOptimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    ref_model, ref_optimizer = make()
+    CountingOptimizer.updates.clear()
+    step = autoaccum.nnx.build_update(loss_fn, microbatch_size=3, strategy=strategy)
+    for batch in batches():
+        step(model, optimizer, batch)
+        reference_update(ref_model, ref_optimizer, batch, 3)
+    assert CountingOptimizer.updates == [1]  # traced once, run twice
+    assert int(optimizer.step[...]) == 2
+    assert_states_close(nnx.state(model), nnx.state(ref_model), atol=1e-6)
+    assert_states_close(nnx.state(optimizer), nnx.state(ref_optimizer), atol=1e-6)
+
+
 def test_nnx_dropout_differs_per_microbatch_and_per_update() -> None:
     model, optimizer = make()
     masks: list[Any] = []
