@@ -10,6 +10,7 @@ linen's mutable collections and dropout keys as model state), `autoaccum.strateg
 
 from __future__ import annotations
 
+import autoaccum._driver_noise  # noqa: F401  (first: imports jax without the CUDA plugin's driver-less start-up lines)
 from autoaccum import (
     linen,
     nnx,

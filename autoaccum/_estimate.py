@@ -534,8 +534,10 @@ class _Measurer:
         compiler_options: dict[str, Any],
         workers: int,
         platform: str | None = None,
+        on_compile: Callable[[Point | None, float], None] | None = None,
     ) -> None:
         self.platform = platform or jax.default_backend()
+        self.on_compile = on_compile
         self.params = abstract(params)
         self.batch = batch
         self.state = () if state is None else (abstract(state),)
@@ -564,10 +566,24 @@ class _Measurer:
         """Lowers the step for each ``(microbatch, batch_size)`` not measured yet and queues its compilation."""
         for m, total in sizes:
             if (m, total) not in self.points and (m, total) not in self._pending:
+                start = time.perf_counter()
                 batch = abstract_batch(self.batch, total)
                 programs = self._build(m).programs(self.params, self.opt_state, batch, *self.state)
                 options = self.single_step_options if m == total else self.compiler_options
-                self._pending[m, total] = self._pool.submit(_analyse, programs, options, self.platform)
+                lowering = time.perf_counter() - start
+                self._pending[m, total] = self._pool.submit(self._timed, (m, total), lowering, programs, options)
+
+    def _timed(
+        self, size: tuple[int, int] | None, lowering: float, programs: Sequence[Program], options: dict[str, Any]
+    ) -> _Analysis:
+        """`_analyse`, then ``on_compile`` with the size's `Point` (``None``: the optimizer step) and the seconds
+        taken, ``lowering`` included (the wait for a worker is not)."""
+        start = time.perf_counter()
+        r = _analyse(programs, options, self.platform)
+        if self.on_compile is not None:
+            point = None if size is None else Point(*size, r.peak_bytes, r.flops, r.bytes_accessed, r.runtime_bytes)
+            self.on_compile(point, lowering + time.perf_counter() - start)
+        return r
 
     def measure(self, sizes: Iterable[tuple[int, int]]) -> list[Point]:
         """`Point` for each ``(microbatch, batch_size)``, compiling those not measured yet."""
@@ -586,8 +602,10 @@ class _Measurer:
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
 
+        start = time.perf_counter()
         lowered = jax.jit(step, donate_argnums=(0, 1)).lower(self.params, self.opt_state, self.params)
-        return self._pool.submit(_analyse, [Program(lowered, 0)], self.compiler_options, self.platform)
+        lowering = time.perf_counter() - start
+        return self._pool.submit(self._timed, None, lowering, [Program(lowered, 0)], self.compiler_options)
 
 
 def _affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -614,6 +632,7 @@ def estimate(
     compiler_options: dict[str, Any] | None = None,
     workers: int = 2,
     target: str | Path | None = None,
+    on_compile: Callable[[Point | None, float], None] | None = None,
     **options: Any,
 ) -> Estimate:
     """Predicts, by compiling only, the peak memory of the update step at every microbatch size.
@@ -659,6 +678,8 @@ def estimate(
         as many GPUs). ``memory_limit`` then defaults to the card's (`autoaccum.Target.gpu`). Without the
         extra, the CPU compiler's figures stand in, labelled ``Estimate.compiler == "XLA:CPU (proxy)"``
         (`autoaccum._gpu_compile.compiler_status` says why and what to install).
+      on_compile: called as each compilation finishes (in the thread that compiled it), with its `Point`
+        (``None`` for the optimizer step alone) and the seconds it took to lower and compile: for progress.
       **options: the strategy's options (e.g. ``unroll=2``).
 
     Returns:
@@ -735,6 +756,7 @@ def estimate(
         compile_options,
         workers,
         COMPILE_ONLY_GPU if platform == "gpu" and target is not None else platform,
+        on_compile,
     ) as measurer:
         s1 = units(min(max(FIRST_SIZE, 2 * g), cap))
         sizes = [(s1, s1)]

@@ -48,6 +48,7 @@ import jax
 import numpy as np
 
 from autoaccum._catalog import UnknownAcceleratorError, lookup, suggest
+from autoaccum._driver_noise import has_driver, without_driver_noise
 from autoaccum.strategies import PyTree
 
 PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
@@ -98,7 +99,7 @@ class _QuietWithoutDriver(logging.Filter):
 def quiet_plugin_start() -> None:
     """Installs `_QuietWithoutDriver` on jax's backend logger when this machine has no NVIDIA driver (no
     ``/proc/driver/nvidia``); called when autoaccum is imported, before jax starts its backends."""
-    if not Path("/proc/driver/nvidia").exists():
+    if not has_driver():
         logger = logging.getLogger("jax._src.xla_bridge")
         if not any(isinstance(f, _QuietWithoutDriver) for f in logger.filters):
             logger.addFilter(_QuietWithoutDriver())
@@ -250,16 +251,18 @@ def _devices(config: str, count: int) -> tuple[Any, ...]:
 
     require_compiler()
     topology = f"1x1x{count}"
-    try:
-        return tuple(topologies.get_topology_desc(platform="cuda", topology=topology, target_config=config).devices)
-    except NotImplementedError:
-        # jax registers the plugin only after checking the CUDA libraries it would run with, which a machine
-        # without a GPU lacks (unless JAX_PLATFORMS leaves cuda out): load its compiler directly.
-        c_api = _c_api()
-        from jax._src.lib import xla_client
+    with without_driver_noise():  # the plugin's "Could not find cuda drivers" when it loads
+        try:
+            described = topologies.get_topology_desc(platform="cuda", topology=topology, target_config=config)
+            return tuple(described.devices)
+        except NotImplementedError:
+            # jax registers the plugin only after checking the CUDA libraries it would run with, which a machine
+            # without a GPU lacks (unless JAX_PLATFORMS leaves cuda out): load its compiler directly.
+            c_api = _c_api()
+            from jax._src.lib import xla_client
 
-        described = xla_client.make_c_api_device_topology(c_api, "", topology=topology, target_config=config)
-        return tuple(described._make_compile_only_devices())  # type: ignore[attr-defined]
+            made = xla_client.make_c_api_device_topology(c_api, "", topology=topology, target_config=config)
+            return tuple(made._make_compile_only_devices())  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=1)

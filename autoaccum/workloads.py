@@ -284,19 +284,20 @@ def sized_transformer(
     return Workload(loss_fn, params, {"tokens": tokens}, optax.adamw(3e-4), name=name)
 
 
-def planning_demos() -> tuple[Workload, ...]:
+def planning_demos(large: bool = False) -> tuple[Workload, ...]:
     """What ``autoaccum plan --demo`` plans: models people size, from shapes only, at an effective batch of 512
     sequences of 1024 tokens (about half a million tokens per update, GPT-2's).
 
     * ``gpt2-small``: GPT-2 small's shape (vocabulary 50257, width 768, 12 heads, 12 layers: 124M parameters
       with its own head, here untied: 163M);
-    * ``transformer-1b``: width 2048, 16 heads, 18 layers, the same vocabulary (about 1.1B parameters).
+    * with ``large`` (``plan --demo --large``), ``transformer-1b``: width 2048, 16 heads, 18 layers, the same
+      vocabulary (about 1.1B parameters).
     """
     common = dict(vocab=50257, seq_len=1024, batch_size=512)
-    return (
-        sized_transformer("gpt2-small", dim=768, heads=12, layers=12, **common),
-        sized_transformer("transformer-1b", dim=2048, heads=16, layers=18, **common),
-    )
+    small = sized_transformer("gpt2-small", dim=768, heads=12, layers=12, **common)
+    if not large:
+        return (small,)
+    return small, sized_transformer("transformer-1b", dim=2048, heads=16, layers=18, **common)
 
 
 BUILTIN: dict[str, Callable[..., Workload]] = {

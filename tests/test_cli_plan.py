@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -89,10 +90,66 @@ def test_a_missing_workload_is_a_usage_error() -> None:
     check(run("no_such_module:fn", "--gpu", "L4"), 2)
 
 
-def test_nothing_fits_exits_1() -> None:
-    result = run(WORKLOAD, "--memory-limit", "1MiB", "--gpu", "L4")
-    check(result, 1)
+def test_nothing_fits_is_that_targets_answer_and_exits_0() -> None:
+    result = run(WORKLOAD, "--memory-limit", "1MiB", "--gpu", "L4", "--json")
+    check(result, 0)
+    l4, tiny = json.loads(result.stdout)["targets"]
+    assert l4["fits"] and not tiny["fits"] and tiny["accumulation_steps"] == 0
+    result = run(WORKLOAD, "--memory-limit", "1MiB")  # the only target: still an answer
+    check(result, 0)
     assert "nothing fits" in result.output
+
+
+def test_exits_1_only_when_no_target_could_be_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target XLA cannot compile for is shown as not planned, with XLA's error; exit 1 when that is every one."""
+    from autoaccum import _estimate
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise jax.errors.JaxRuntimeError("INTERNAL: Couldn't find output tile sizes")
+
+    monkeypatch.setattr(_estimate, "estimate", failing)
+    result = run(WORKLOAD, "--memory-limit", "1GiB", "--memory-limit", "64MiB")
+    check(result, 1)
+    assert result.output.count("not planned") == 4  # each target's row, and its line saying why
+    assert "Couldn't find output tile sizes" in result.output
+    data = json.loads(run(WORKLOAD, "--memory-limit", "1GiB", "--json").stdout)
+    assert data["targets"][0]["error"] == "INTERNAL: Couldn't find output tile sizes"
+
+
+def test_a_progress_line_for_each_compilation() -> None:
+    """While it compiles, each compilation is a line naming the target, the size and the seconds it took."""
+    result = run(CNN, "--effective-batch", "1024", "--gpu", "L4", "--memory-limit", "64MiB")
+    check(result, 0)
+    lines = [line for line in result.output.splitlines() if ": compiled " in line]
+    count = int(re.search(r"^(\d+) compilations in [\d.]+ s\.$", result.output, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    assert len(lines) == count >= 6
+    pattern = re.compile(
+        r"^  (.+): compiled (microbatch \d+( accumulating a batch of \d+)?|the optimizer step) in \d+\.\d s$"
+    )
+    matches = [pattern.match(line) for line in lines]
+    assert all(matches), lines
+    labels = {m.group(1) for m in matches if m}
+    assert labels <= {"L4", "64.00 MiB", "L4, 64.00 MiB"} and any("64.00 MiB" in label for label in labels)
+    assert sum("accumulating" in line for line in lines) >= 3
+    assert result.output.index(lines[-1]) < result.output.index("predicted capacity")  # before the table
+
+
+def test_demo_plans_the_large_model_only_with_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autoaccum import workloads
+
+    assert [w.name for w in workloads.planning_demos()] == ["gpt2-small"]
+    assert [w.name for w in workloads.planning_demos(large=True)] == ["gpt2-small", "transformer-1b"]
+    tiny = workloads.sized_transformer("tiny", vocab=64, dim=16, heads=2, layers=1, seq_len=8, batch_size=64)
+    asked: list[bool] = []
+
+    def demos(large: bool = False) -> tuple[autoaccum.Workload, ...]:
+        asked.append(large)
+        return (tiny,)
+
+    monkeypatch.setattr(workloads, "planning_demos", demos)
+    check(run("--demo", "--memory-limit", "64MiB"), 0)
+    check(run("--demo", "--large", "--memory-limit", "64MiB"), 0)
+    assert asked == [False, True]
 
 
 def test_plot(tmp_path: Path) -> None:

@@ -245,6 +245,49 @@ def test_plan_compiles_each_gpu_target(gpu_compiler: None) -> None:
     assert h100["compiler"] == "XLA:GPU sm_90 (compile-only)" and a100["compiler"] == "XLA:GPU sm_80 (compile-only)"
     assert budget["compiler"] == "XLA:CPU"
     assert h100["step_seconds"] > 0 and h100["flops"] > 0
+    # the targets compile at once, each to the figures of its own estimate made alone
+    w = workloads.linear()
+    for row, name in ((h100, "H100"), (a100, "A100-40GB")):
+        target = autoaccum.Target.gpu(name)
+        alone = autoaccum.estimate(
+            w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit=target.memory_limit_bytes,
+            refine_for=[target.memory_limit_bytes], effective_batch=w.batch_size, target=name,
+        ).capacity(w.batch_size, target)  # fmt: skip
+        assert row == {**alone.to_dict(), "accelerator": target.accelerator}
+
+
+def test_a_target_xla_cannot_compile_for_is_shown_and_the_others_planned(
+    gpu_compiler: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from autoaccum import _estimate
+
+    real = _estimate.estimate
+
+    def estimate(*args, target=None, **kwargs):  # type: ignore[no-untyped-def]
+        if target == "L4":
+            raise jax.errors.JaxRuntimeError("INTERNAL: Couldn't find output tile sizes")
+        return real(*args, target=target, **kwargs)
+
+    monkeypatch.setattr(_estimate, "estimate", estimate)
+    result = run("autoaccum.workloads:linear", "--gpu", "H100", "--gpu", "L4")
+    assert result.exit_code == 0, result.output
+    assert "L4: not planned" in result.output and "Couldn't find output tile sizes" in result.output
+    assert "XLA:GPU sm_90 (compile-only)" in result.output
+
+
+def test_no_driver_lines_on_the_terminal(gpu_compiler: None) -> None:
+    """Without an NVIDIA driver the CUDA plugin's C++ prints absl's preamble and "Could not find cuda drivers"
+    on file descriptor 2 (at ``import jax`` and when its compiler loads); ``autoaccum plan`` shows neither."""
+    import subprocess
+    import sys
+
+    command = "from autoaccum.cli import main; main()"
+    args = ["plan", "autoaccum.workloads:linear", "--gpu", "H100"]
+    done = subprocess.run([sys.executable, "-c", command, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "XLA:GPU sm_90 (compile-only)" in done.stdout
+    if not Path("/proc/driver/nvidia").exists():
+        assert "absl" not in done.stderr + done.stdout and "cuda drivers" not in done.stderr + done.stdout
 
 
 # -- a real card's description (`autoaccum devices --target-config`) ------------------------------------------------
@@ -325,10 +368,10 @@ def test_plan_compiles_for_a_cards_own_description_file(gpu_compiler: None, tmp_
 
 
 def test_plan_demo_plans_each_model(gpu_compiler: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``autoaccum plan --demo``'s path, with its models shrunk (the real ones, GPT-2 small and a 1B transformer at
-    sequence 1024, take minutes to compile on a CPU; here one tiny one) and one card, compiled for the card."""
+    """``autoaccum plan --demo``'s path, with its model shrunk (the real one, GPT-2 small at sequence 1024, takes
+    minutes to compile on a CPU; here a tiny one) and one card, compiled for the card."""
     tiny = workloads.sized_transformer("tiny", vocab=64, dim=16, heads=2, layers=1, seq_len=8, batch_size=64)
-    monkeypatch.setattr(workloads, "planning_demos", lambda: (tiny,))
+    monkeypatch.setattr(workloads, "planning_demos", lambda large=False: (tiny,))
     result = run("--demo", "--gpu", "H100")
     assert result.exit_code == 0, result.output
     assert "workload tiny" in result.output and "XLA:GPU sm_90 (compile-only)" in result.output

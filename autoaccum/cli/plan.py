@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import click
 
@@ -60,6 +62,11 @@ GPU_NOTE = (
 )
 @click.option("--list-gpus", is_flag=True, help="List the catalogued accelerators and exit.")
 @click.option(
+    "--large",
+    is_flag=True,
+    help="With --demo, also plan a ~1B-parameter transformer (its compilations take minutes more).",
+)
+@click.option(
     "--strategy",
     type=click.Choice(strategies_lib.available()),
     default="scan",
@@ -93,6 +100,7 @@ def plan(
     memory_limits: tuple[str, ...],
     devices: int,
     list_gpus: bool,
+    large: bool,
     strategy: str,
     mem_fraction: float | None,
     safety_margin: float,
@@ -103,14 +111,16 @@ def plan(
     """Predict microbatch, accumulation steps, peak memory and step time on each target, before any run.
 
     WORKLOAD is path/to/file.py:function or package.module:function returning an autoaccum.Workload;
-    --demo plans two models people size (GPT-2 small at sequence 1024, and a ~1B transformer), built from
-    shapes only. Targets are catalogued accelerators (--gpu) and bare memory limits (--memory-limit); with
+    --demo plans a model people size (GPT-2 small at sequence 1024, built from shapes only; --large adds a ~1B
+    transformer). Targets are catalogued accelerators (--gpu) and bare memory limits (--memory-limit); with
     neither, this machine's default device. With the gpu-plan extra (pip install "autoaccum[gpu-plan]",
     jax-cuda12-plugin at jax's version) each catalogued GPU is compiled for by XLA's GPU compiler itself,
-    without a GPU; otherwise the CPU compiler's figures stand in (labelled "XLA:CPU (proxy)").
+    without a GPU; otherwise the CPU compiler's figures stand in (labelled "XLA:CPU (proxy)"). The targets are
+    compiled for at once, a line for each compilation.
 
     \b
-    Exit codes: 0 a capacity for every target; 1 nothing fits on some target; 2 bad usage or bad input.
+    Exit codes: 0 planned (on a target where not even one example fits, "nothing fits" is its answer);
+    1 no target could be planned (XLA could not compile the step for any); 2 bad usage or bad input.
     """
     from autoaccum._capacity import Target
 
@@ -145,7 +155,7 @@ def plan(
         if not targets:  # the cards people plan for
             targets = [Target.gpu(name, mem_fraction, safety_margin) for name in ("H100", "A100-40GB", "L4")]
         code = 0
-        for i, w in enumerate(planning_demos()):
+        for i, w in enumerate(planning_demos(large=large)):
             total = w.batch_size if effective_batch is None else effective_batch
             code = _plan_one(console, w, total, targets, mesh, devices, strategy, mem_fraction, safety_margin,
                              None if i else out, as_json, None if plot is None else _nth(plot, i)) or code  # fmt: skip
@@ -162,6 +172,84 @@ def _nth(path: Path, i: int) -> Path:
     return path if i == 0 else path.with_name(f"{path.stem}-{i + 1}{path.suffix}")
 
 
+class _Job(NamedTuple):
+    """One estimate: for a GPU target compiled for by XLA's GPU compiler, or the proxy for every other target."""
+
+    targets: list[Any]
+    compile_for: str | Path | None
+    label: str
+
+
+def _jobs(targets: list[Any], status: str | None) -> list[_Job]:
+    """One job per target XLA's GPU compiler compiles for, one for the rest (the CPU compiler's figures)."""
+    from autoaccum._gpu_compile import known_targets
+
+    jobs, rest = [], []
+    for t in targets:
+        if status is None and (t.description or t.accelerator in known_targets()):
+            jobs.append(_Job([t], Path(t.description) if t.description else t.accelerator, t.name))
+        else:
+            rest.append(t)
+    if rest:
+        jobs.append(_Job(rest, None, ", ".join(t.name for t in rest)))
+    return jobs
+
+
+def _progress(console: Any, label: str) -> Any:
+    """``estimate``'s ``on_compile``: one line per compilation, naming the target, the size and the seconds."""
+
+    def report(point: Any, seconds: float) -> None:
+        if point is None:
+            what = "the optimizer step"
+        elif point.batch_size == point.microbatch_size:
+            what = f"microbatch {point.microbatch_size}"
+        else:
+            what = f"microbatch {point.microbatch_size} accumulating a batch of {point.batch_size}"
+        console.print(f"  {label}: compiled {what} in {seconds:.1f} s", highlight=False)
+
+    return report
+
+
+def _estimate_all(console: Any, w: Any, trees: tuple[Any, Any, Any], total: int, strategy: str, jobs: list[_Job],
+                  devices: int) -> list[Any]:  # fmt: skip
+    """Every job's estimate, the jobs at once (each job's serial steps leave a core idle that another job's
+    compilations fill); a job XLA could not compile has its error instead. Bad input is a usage error (exit 2)."""
+    import jax
+
+    from autoaccum._estimate import estimate
+    from autoaccum._gpu_compile import gpu_mesh
+
+    for job in jobs:  # the compile-only devices made here, one thread at a time (the plugin loads once)
+        if job.compile_for is not None:
+            gpu_mesh(job.compile_for, (devices,))
+    params, batch, state = trees
+
+    def run(job: _Job) -> Any:
+        try:
+            return estimate(
+                w.loss_fn,
+                params,
+                batch,
+                optimizer=w.optimizer,
+                strategy=strategy,
+                memory_limit=job.targets[0].memory_limit_bytes,
+                has_aux=w.has_aux,
+                state=state,
+                loss_reduction=w.loss_reduction,
+                refine_for=[t.memory_limit_bytes for t in job.targets],
+                effective_batch=total,
+                target=job.compile_for,
+                on_compile=_progress(console, job.label),
+            )
+        except (ValueError, TypeError) as e:
+            raise click.UsageError(str(e)) from e
+        except jax.errors.JaxRuntimeError as e:  # XLA could not compile it: this job's answer, not the others'
+            return e
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(run, jobs))
+
+
 def _plan_one(
     console: Any,
     w: Any,
@@ -176,14 +264,14 @@ def _plan_one(
     as_json: bool,
     plot: Path | None,
 ) -> int:
-    """Plans ``w`` on every target, prints the result; the exit code (0, or 1 when nothing fits somewhere)."""
+    """Plans ``w`` on every target and prints the result; the exit code: 0 when some target was planned (its
+    answer may be "nothing fits"), 1 when none could be (each failed to compile)."""
     from autoaccum._capacity import Target
     from autoaccum._device import detect_device, resolve_memory_limit
-    from autoaccum._estimate import estimate
     from autoaccum._gpu_compile import compiler_status, known_targets
 
     targets = list(targets)
-    params, batch, state = w.params, w.batch, w.state
+    trees = w.params, w.batch, w.state
     if mesh is not None:
         if total % devices:
             raise click.BadParameter(
@@ -191,70 +279,54 @@ def _plan_one(
                 "share of every microbatch.",
                 param_hint="'--effective-batch'",
             )
-        params, batch, state = _on_mesh(mesh, w)
+        trees = _on_mesh(mesh, w)
     if not targets:
         targets.append(Target("this machine", resolve_memory_limit(detect_device(), None)[0]))
     status = compiler_status()
-    compiled_for = [t for t in targets if status is None and (t.description or t.accelerator in known_targets())]
     on = f" on {devices} devices (data parallel; microbatch global, memory per device)" if devices > 1 else ""
     console.print(
         f"[bold]workload[/] {w.name}: effective batch {total}, strategy {strategy}{on}; compiling (not running)..."
     )
     if status is not None and any(t.description or t.accelerator in known_targets() for t in targets):
         console.print(f"[yellow]CPU proxy for the GPUs[/]: {status}", highlight=False)
-
-    def run(target: str | Path | None, budgets: list[int]) -> Any:
-        try:
-            return estimate(
-                w.loss_fn,
-                params,
-                batch,
-                optimizer=w.optimizer,
-                strategy=strategy,
-                memory_limit=budgets[0],
-                has_aux=w.has_aux,
-                state=state,
-                loss_reduction=w.loss_reduction,
-                refine_for=budgets,
-                effective_batch=total,
-                target=target,
-            )
-        except (ValueError, TypeError) as e:
-            raise click.UsageError(str(e)) from e
-
-    by_target = {
-        t.name: run(Path(t.description) if t.description else t.accelerator, [t.memory_limit_bytes])
-        for t in compiled_for
-    }
-    rest = [t for t in targets if t.name not in by_target]
-    if rest:
-        proxy = run(None, [t.memory_limit_bytes for t in rest])
-        by_target.update({t.name: proxy for t in rest})
-    ests = [by_target[t.name] for t in targets]
-    est = ests[0]
-    plans = [e.capacity(total, t) for e, t in zip(ests, targets, strict=True)]
-    if out is not None and plans[0].fits:
-        _predicted_plan(w, est, plans[0]).save(out)
-    if plot is not None:
-        _plot(ests, plans, total, plot, w.name)
+    start = time.perf_counter()
+    jobs = _jobs(targets, status)
+    answers = _estimate_all(console, w, trees, total, strategy, jobs, devices)
+    by_target = {t.name: answer for job, answer in zip(jobs, answers, strict=True) for t in job.targets}
+    results = [by_target[t.name] for t in targets]
+    plans = [None if isinstance(r, Exception) else r.capacity(total, t) for r, t in zip(results, targets, strict=True)]
+    ests = [r for r in results if not isinstance(r, Exception)]
+    if out is not None and plans[0] is not None and plans[0].fits:
+        _predicted_plan(w, ests[0], plans[0]).save(out)
+    if plot is not None and ests:
+        _plot(ests, [p for p in plans if p is not None], total, plot, w.name)
     if as_json:
-        data = _as_dict(w.name, total, est, plans, targets)
+        data = _as_dict(w.name, total, ests[0] if ests else None, plans, results, targets)
         data["gpu_compiler"] = status
         click.echo(json.dumps(data, indent=2))
     else:
-        _print_table(console, plans, total)
-        fraction = "default" if mem_fraction is None else f"{mem_fraction:g}"
-        compilers = ", ".join(dict.fromkeys(p.compiler for p in plans))
-        console.print(NOTE.format(compilers=compilers, fraction=fraction, margin=safety_margin), highlight=False)
-        console.print(GPU_NOTE, highlight=False)
-        unique = list({id(e): e for e in ests}.values())
-        seconds = sum(e.seconds for e in unique)
-        console.print(f"{sum(len(e.points) for e in unique)} compilations in {seconds:.1f} s.", highlight=False)
-        if plot is not None:
+        _report(console, plans, results, targets, total, mem_fraction, safety_margin, time.perf_counter() - start)
+        if plot is not None and ests:
             console.print(f"plot saved to {plot}")
-        if out is not None and plans[0].fits:
+        if out is not None and plans[0] is not None and plans[0].fits:
             console.print(f"plan for {plans[0].target} (predicted) saved to {out}")
-    return 0 if all(p.fits for p in plans) else 1
+    return 0 if ests else 1
+
+
+def _report(console: Any, plans: list[Any], results: list[Any], targets: list[Any], total: int,
+            mem_fraction: float | None, safety_margin: float, seconds: float) -> None:  # fmt: skip
+    """The table, the notes, what could not be planned and why, and the compilations' count and wall time."""
+    _print_table(console, plans, targets, total)
+    fraction = "default" if mem_fraction is None else f"{mem_fraction:g}"
+    compilers = ", ".join(dict.fromkeys(p.compiler for p in plans if p is not None))
+    console.print(NOTE.format(compilers=compilers, fraction=fraction, margin=safety_margin), highlight=False)
+    console.print(GPU_NOTE, highlight=False)
+    for r, t in zip(results, targets, strict=True):
+        if isinstance(r, Exception):
+            console.print(f"[red]{t.name}: not planned[/], XLA could not compile the step: {r}", highlight=False)
+    unique = list({id(r): r for r in results if not isinstance(r, Exception)}.values())
+    count = sum(len(e.points) + 1 for e in unique)  # and one optimizer step each
+    console.print(f"{count} compilations in {seconds:.1f} s.", highlight=False)
 
 
 def _mesh(devices: int) -> Any:
@@ -344,12 +416,13 @@ def _print_catalog(as_json: bool) -> None:
     console.print(fit_table(console, "catalogued accelerators (datasheet figures)", columns, cells))
 
 
-def _print_table(console: Any, plans: list[Any], total: int) -> None:
+def _print_table(console: Any, plans: list[Any], targets: list[Any], total: int) -> None:
+    """One row per target: its plan, "nothing fits" where not one example does, "not planned" where XLA failed."""
     from rich.text import Text
 
     from autoaccum._units import format_bytes
 
-    devices = plans[0].devices if plans else 1
+    devices = next((p.devices for p in plans if p is not None), 1)
     per = f" on {devices} devices each (microbatch global, memory per device)" if devices > 1 else ""
     title = f"predicted capacity for an effective batch of {total}{per} (estimates, nothing was run)"
     headers = (
@@ -363,7 +436,12 @@ def _print_table(console: Any, plans: list[Any], total: int) -> None:
     )
     columns = [(header, "left" if header == "target" else "right") for header in headers]
     rows: list[tuple[str | Text, ...]] = []
-    for p in plans:
+    for p, t in zip(plans, targets, strict=True):
+        if p is None:
+            rows.append(
+                (t.name, format_bytes(t.memory_limit_bytes), "-", "-", Text("not planned", style="red"), "-", "-")
+            )
+            continue
         split: str | Text = Text("nothing fits", style="red")
         if p.fits:
             split = f"{p.microbatch_size} x {p.accumulation_steps}"
@@ -388,11 +466,19 @@ def _seconds(s: float) -> str:
     return f"{s * 1e6:.1f} us"
 
 
-def _as_dict(name: str, total: int, est: Any, plans: list[Any], targets: list[Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"workload": name, "effective_batch": total, "strategy": est.strategy, "targets": []}
-    for p, t in zip(plans, targets, strict=True):
-        out["targets"].append({**p.to_dict(), "accelerator": t.accelerator})
-    out["estimate"] = est.to_dict()
+def _as_dict(
+    name: str, total: int, est: Any, plans: list[Any], results: list[Any], targets: list[Any]
+) -> dict[str, Any]:
+    """The JSON: each target's capacity (or, not planned, its ``error``) and the first estimate."""
+    strategy = None if est is None else est.strategy
+    out: dict[str, Any] = {"workload": name, "effective_batch": total, "strategy": strategy, "targets": []}
+    for p, r, t in zip(plans, results, targets, strict=True):
+        if p is None:
+            row = {"target": t.name, "memory_limit_bytes": t.memory_limit_bytes, "error": str(r)}
+            out["targets"].append({**row, "accelerator": t.accelerator})
+        else:
+            out["targets"].append({**p.to_dict(), "accelerator": t.accelerator})
+    out["estimate"] = None if est is None else est.to_dict()
     out["note"] = (
         "predictions from XLA compile-only analysis (see each target's compiler); step_seconds is a roofline estimate"
     )
