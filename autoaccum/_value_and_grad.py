@@ -6,11 +6,13 @@ the optimizer step: the caller's own training step clips, logs and applies the g
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from autoaccum._checks import check_bool, check_loss_fn, check_positive_int, floating_dtype
@@ -54,8 +56,9 @@ def value_and_grad(
     ``has_state``, ``grad_fn(params, batch, state) -> (loss, grads, state)``. Call it inside your own
     ``jax.jit`` step (it traces once per shape) or outside one (it then compiles itself). The result equals
     ``jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)`` on the whole batch: every example weighs
-    ``1 / B``, also where ``microbatch_size`` does not divide ``B`` (the last microbatch is smaller), and aux is
-    the example-weighted mean. ``has_state``, ``loss_reduction="sum"`` and ``remat`` are as for
+    ``1 / B``, also where ``microbatch_size`` does not divide ``B`` (the last microbatch is smaller). Aux leaves
+    with the example axis (per-example logits) are the microbatches' rows in order, as on the whole batch; the
+    others (scalar metrics) are the example-weighted mean. ``has_state``, ``loss_reduction="sum"`` and ``remat`` are as for
     `autoaccum.build_update`: the state is threaded through the microbatches in order and never differentiated;
     with ``"sum"``, ``loss_fn`` returns ``(loss_sum, weight)`` and the result is the gradient of the summed
     ``loss_sum`` over the summed weights (the loss returned is that ratio). With the batch sharded over a mesh
@@ -67,7 +70,8 @@ def value_and_grad(
       loss_fn: ``loss_fn(params, batch) -> loss`` (the mean over the batch's examples), or as ``has_aux``,
         ``has_state`` and ``loss_reduction`` say.
       microbatch_size: examples per microbatch (a positive int).
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; a leaf whose leading size follows the batch's (found by
+        tracing ``loss_fn`` abstractly at two sizes) is per-example, on one device.
       has_state: whether ``loss_fn(params, batch, state)`` returns ``(loss, state)``.
       loss_reduction: ``"mean"`` or ``"sum"`` (``loss_fn`` returns ``(loss_sum, weight)``).
       accumulator_dtype: floating dtype of the sums (float32 by default); the gradient is cast back like
@@ -104,11 +108,22 @@ def value_and_grad(
         loss_fn, optax.identity(), microbatch_size, has_aux, dtype, False, has_state, loss_reduction, remat=remat
     )
 
-    def run(params: PyTree, batch: PyTree, state: PyTree, layout: Layout | None) -> tuple[Any, PyTree, PyTree]:
-        acc, state, dtypes = accumulate_in_jit(spec, params, batch, state, layout=layout, unroll=unroll)
-        return finish_loss(spec, acc, dtypes), mean_grads(params, acc), state
+    def run(
+        params: PyTree, batch: PyTree, state: PyTree, layout: Layout | None, rows: _Rows | None
+    ) -> tuple[Any, PyTree, PyTree]:
+        if rows is None:
+            acc, state, dtypes = accumulate_in_jit(spec, params, batch, state, layout=layout, unroll=unroll)
+            return finish_loss(spec, acc, dtypes), mean_grads(params, acc), state
+        # Per-example aux rows travel with the state, each microbatch writing its own rows.
+        row_spec = dataclasses.replace(spec, loss_fn=_rows_loss(loss_fn, has_state, rows.mask), has_state=True)
+        carried = (state, rows.buffers(leading_size(batch)), jnp.zeros((), jnp.int32))
+        acc, (state, filled, _), dtypes = accumulate_in_jit(
+            row_spec, params, batch, carried, layout=None, unroll=unroll
+        )
+        loss, kept = finish_loss(row_spec, acc, dtypes)
+        return (loss, rows.merge(kept, filled)), mean_grads(params, acc), state
 
-    jitted = jax.jit(run, static_argnames=("layout",))
+    jitted = jax.jit(run, static_argnames=("layout", "rows"))
 
     def grad_fn(params: PyTree, batch: PyTree, state: PyTree = _MISSING) -> tuple[Any, ...]:
         if has_state and state is _MISSING:
@@ -123,10 +138,98 @@ def value_and_grad(
             )
         size = leading_size(batch)
         check_params(params)
-        layout = layout_of(params, batch, state if has_state else ())
+        state = state if has_state else ()
+        layout = layout_of(params, batch, state)
         if layout is not None:
             check_microbatch(microbatch_size, layout, size)
-        loss, grads, new_state = jitted(params, batch, state if has_state else (), layout=layout)
+        rows = _example_rows(loss_fn, has_state, params, batch, state, min(size, microbatch_size)) if has_aux else None
+        if rows is not None and layout is not None:
+            raise ValueError(
+                "`loss_fn`'s aux has per-example leaves (their leading size follows the batch's), which value_and_grad "
+                "concatenates on one device only; on a mesh, reduce them in loss_fn (e.g. jnp.mean(correct)) or "
+                "compute per-example outputs such as logits in a forward pass of their own."
+            )
+        loss, grads, new_state = jitted(params, batch, state, layout=layout, rows=rows)
         return (loss, grads, new_state) if has_state else (loss, grads)
 
     return grad_fn
+
+
+def _abstract(x: Any, size: int | None = None) -> jax.ShapeDtypeStruct:
+    dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+    return jax.ShapeDtypeStruct(np.shape(x) if size is None else (size, *np.shape(x)[1:]), dtype)
+
+
+class _Rows(NamedTuple):
+    """Which leaves of ``loss_fn``'s aux are per-example (hashable: a static argument).
+
+    Attributes:
+      mask: for each aux leaf (flattened order), whether its leading axis is the examples'.
+      treedef: the aux's structure.
+      rows: ``(trailing shape, dtype)`` of each per-example leaf.
+    """
+
+    mask: tuple[bool, ...]
+    treedef: Any
+    rows: tuple[tuple[tuple[int, ...], Any], ...]
+
+    def buffers(self, size: int) -> tuple[jax.Array, ...]:
+        """The whole batch's rows, zeros, for the microbatches to fill in."""
+        return tuple(jnp.zeros((size, *shape), dtype) for shape, dtype in self.rows)
+
+    def merge(self, kept: list[Any], filled: tuple[jax.Array, ...]) -> PyTree:
+        """The aux: the averaged leaves (``kept``) and the per-example ones (``filled``), in their places."""
+        averaged, rows = iter(kept), iter(filled)
+        return jax.tree.unflatten(self.treedef, [next(rows) if r else next(averaged) for r in self.mask])
+
+
+def _example_rows(
+    loss_fn: Callable[..., Any], has_state: bool, params: PyTree, batch: PyTree, state: PyTree, size: int
+) -> _Rows | None:
+    """The per-example leaves of ``loss_fn``'s aux (per-example logits, say), or None without any.
+
+    A leaf is per-example when its leading size follows the microbatch's: ``loss_fn`` is traced abstractly at
+    ``size`` and ``2 * size`` examples (nothing runs). A malformed output is left to `checked_loss` to report.
+    """
+
+    def aux(n: int) -> PyTree:
+        def f(p: PyTree, b: PyTree, s: PyTree) -> PyTree:
+            out = loss_fn(p, b, s) if has_state else loss_fn(p, b)
+            out = out[0] if has_state and isinstance(out, tuple) and len(out) == 2 else out
+            return out[1] if isinstance(out, tuple) and len(out) == 2 else ()
+
+        micro = jax.tree.map(lambda x: _abstract(x, n), batch)
+        return jax.eval_shape(f, jax.tree.map(_abstract, params), micro, jax.tree.map(_abstract, state))
+
+    one, treedef = jax.tree.flatten(aux(size))
+    two = jax.tree.leaves(aux(2 * size))
+    if len(one) != len(two):
+        return None
+    mask = tuple(a.ndim >= 1 and a.shape[0] == size and b.shape[0] == 2 * size for a, b in zip(one, two, strict=True))
+    if not any(mask):
+        return None
+    rows = tuple((tuple(a.shape[1:]), a.dtype) for a, r in zip(one, mask, strict=True) if r)
+    return _Rows(mask, treedef, rows)
+
+
+def _rows_loss(loss_fn: Callable[..., Any], has_state: bool, mask: tuple[bool, ...]) -> Callable[..., Any]:
+    """``loss_fn`` whose per-example aux leaves (``mask``) are written into the carried rows, at the microbatch's
+    offset, instead of being averaged: ``f(params, batch, (state, rows, offset)) -> ((loss, kept), carried)``."""
+
+    def wrapped(params: PyTree, batch: PyTree, carried: Any) -> tuple[Any, Any]:
+        state, rows, offset = carried
+        if has_state:
+            out, state = loss_fn(params, batch, state)
+        else:
+            out = loss_fn(params, batch)
+        value, aux = out
+        leaves = jax.tree.leaves(aux)
+        per_example = [x for x, r in zip(leaves, mask, strict=True) if r]
+        rows = tuple(
+            jax.lax.dynamic_update_slice_in_dim(buffer, x.astype(buffer.dtype), offset, axis=0)
+            for buffer, x in zip(rows, per_example, strict=True)
+        )
+        kept = [x for x, r in zip(leaves, mask, strict=True) if not r]
+        return (value, kept), (state, rows, offset + leading_size(batch))
+
+    return wrapped

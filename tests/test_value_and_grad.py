@@ -8,6 +8,7 @@ moves per microbatch, BatchNorm, dropout), a hand-written loop over the microbat
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -82,6 +83,29 @@ def test_has_aux_is_the_whole_batch_aux(batch_size: int, microbatch_size: int) -
     (loss, aux), grads = jax.jit(grad_fn)(params, batch)
     (want_loss, want_aux), want_grads = jax.value_and_grad(loss_with_aux, has_aux=True)(params, batch)
     assert_close((loss, aux, grads), (want_loss, want_aux, want_grads))
+
+
+def loss_with_logits(params: Any, batch: Any) -> tuple[jax.Array, Any]:
+    """flax's MNIST tutorial's shape: the per-example predictions as aux, beside a scalar metric."""
+    prediction = predict(params, batch["x"])
+    return jnp.mean((prediction - batch["y"]) ** 2), {"prediction": prediction, "positive": jnp.mean(prediction > 0)}
+
+
+@pytest.mark.parametrize(("batch_size", "microbatch_size"), [(8, 4), (10, 3), (5, 8)], ids=lambda v: str(v))
+def test_per_example_aux_is_the_whole_batch_rows(batch_size: int, microbatch_size: int) -> None:
+    params, batch = mlp(batch_size)
+    grad_fn = autoaccum.value_and_grad(loss_with_logits, microbatch_size=microbatch_size, has_aux=True)
+    got = jax.jit(grad_fn)(params, batch)
+    assert_close(got, jax.value_and_grad(loss_with_logits, has_aux=True)(params, batch))
+
+
+def test_per_example_aux_is_refused_on_a_mesh() -> None:
+    params, batch = mlp(16)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    sharded = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))), batch)
+    grad_fn = autoaccum.value_and_grad(loss_with_logits, microbatch_size=8, has_aux=True)
+    with pytest.raises(ValueError, match=r"per-example leaves.*on a mesh"):
+        grad_fn(params, sharded)
 
 
 def padded_lm(batch_size: int = 10, length: int = 6) -> tuple[Any, Any]:
@@ -260,6 +284,13 @@ def nnx_loss(model: Net, batch: Any) -> jax.Array:
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
+def nnx_classifier_loss(model: Net, batch: Any) -> tuple[jax.Array, jax.Array]:
+    """flax's MNIST tutorial's loss: the mean cross-entropy, and the logits as aux."""
+    logits = jnp.stack([model(batch["x"]), -model(batch["x"])], axis=-1)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits=logits, labels=batch["label"]).mean()
+    return loss, logits
+
+
 def nnx_microbatch_loop(model: Net, batch: Any, microbatch_size: int) -> tuple[Any, Any]:
     """The reference: nnx's own value_and_grad per microbatch (the model's state moving), each weighted n_i / B."""
     total = len(batch["y"])
@@ -337,3 +368,34 @@ def test_nnx_plan_gives_the_transform() -> None:
     assert_close(got, nnx_microbatch_loop(reference, batch, 8))
     with pytest.raises(ValueError, match="`microbatch_size`"):
         autoaccum.nnx.value_and_grad(nnx_loss, plan=plan, microbatch_size=4)
+
+
+def test_nnx_mnist_tutorial_step_with_one_line_changed() -> None:
+    """The tutorial's step, logits as aux into an Accuracy metric: equal to nnx's own on one microbatch."""
+    model, batch = net_and_batch(dropout=0.0)
+    batch["label"] = (batch["y"] > 0).astype(jnp.int32)
+    reference = nnx.clone(model)
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    want_optimizer = nnx.Optimizer(reference, optax.adamw(1e-2), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+    want_metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+
+    def train_step(value_and_grad: Any) -> Any:
+        @nnx.jit
+        def step(model: Net, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, batch: Any) -> None:
+            grad_fn = value_and_grad(nnx_classifier_loss, has_aux=True)  # the one line
+            (loss, logits), grads = grad_fn(model, batch)
+            metrics.update(loss=loss, logits=logits, labels=batch["label"])
+            optimizer.update(model, grads)
+
+        return step
+
+    ours = train_step(functools.partial(autoaccum.nnx.value_and_grad, microbatch_size=24))
+    ours(model, optimizer, metrics, batch)
+    train_step(nnx.value_and_grad)(reference, want_optimizer, want_metrics, batch)
+    assert_close(metrics.compute(), want_metrics.compute())
+    assert_close(nnx.state(model), nnx.state(reference))
+    # Split in three microbatches, the logits are still the whole batch's rows (BatchNorm per microbatch aside).
+    grad_fn = autoaccum.nnx.value_and_grad(nnx_classifier_loss, microbatch_size=8, has_aux=True)
+    (_, logits), _ = grad_fn(nnx.clone(model), batch)
+    assert logits.shape == (24, 2)
