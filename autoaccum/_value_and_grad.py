@@ -53,18 +53,19 @@ def value_and_grad(
     """``jax.value_and_grad(loss_fn)`` over the whole batch, accumulated over microbatches of ``microbatch_size``.
 
     Returns ``grad_fn(params, batch) -> (loss, grads)``; with ``has_aux`` the loss is ``(loss, aux)``; with
-    ``has_state``, ``grad_fn(params, batch, state) -> (loss, grads, state)``. Call it inside your own
-    ``jax.jit`` step (it traces once per shape) or outside one (it then compiles itself). The result equals
+    ``has_state``, ``grad_fn(params, batch, state) -> (loss, grads, state)``. Call it inside your own ``jax.jit``
+    step (it traces once per shape) or outside one (it then compiles itself). The result equals
     ``jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)`` on the whole batch: every example weighs
-    ``1 / B``, also where ``microbatch_size`` does not divide ``B`` (the last microbatch is smaller). Aux leaves
-    with the example axis (per-example logits) are the microbatches' rows in order, as on the whole batch; the
-    others (scalar metrics) are the example-weighted mean. ``has_state``, ``loss_reduction="sum"`` and ``remat`` are as for
-    `autoaccum.build_update`: the state is threaded through the microbatches in order and never differentiated;
-    with ``"sum"``, ``loss_fn`` returns ``(loss_sum, weight)`` and the result is the gradient of the summed
-    ``loss_sum`` over the summed weights (the loss returned is that ratio). With the batch sharded over a mesh
-    along its example axis (a concrete array's ``NamedSharding``, or inside jit an explicit mesh axis in its
-    type, ``jax.make_mesh``'s default), each device accumulates its own rows and the gradients are reduced once
-    per call.
+    ``1 / B``, also where ``microbatch_size`` does not divide ``B`` (the last microbatch is smaller). Aux leaves with the
+    example axis (per-example logits) are the microbatches' rows in order, as on the whole batch; the others (scalar
+    metrics) are the example-weighted mean. ``has_state``, ``loss_reduction="sum"`` and ``remat`` are as for
+    `autoaccum.build_update`: the state is threaded through the microbatches in order and never differentiated; with
+    ``"sum"``, ``loss_fn`` returns ``(loss_sum, weight)`` and the result is the gradient of the summed ``loss_sum``
+    over the summed weights (the loss returned is that ratio). With the batch sharded over a mesh along its example
+    axis (a concrete array's ``NamedSharding``, or inside jit an explicit mesh axis in its type, ``jax.make_mesh``'s
+    default), each device accumulates its own rows and the gradients are reduced once per call. An ``AxisType.Auto``
+    mesh's sharding is not in the type: inside a jit XLA then partitions the loop itself (the result is the same; it
+    gathers the batch).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (the mean over the batch's examples), or as ``has_aux``,

@@ -248,8 +248,9 @@ def test_on_a_mesh_reduces_once_per_call(axis_type: AxisType) -> None:
         assert_close(jax.device_get(step(replicated, sharded)), want)
         program = collectives(step.lower(replicated, sharded).compile().as_text())
         assert program.in_loop == 0 and program.outside == {"all-reduce": 1}, program
-    else:  # an Auto mesh's sharding is read from the arrays, outside a jit
+    else:  # an Auto mesh's sharding is read from the arrays, outside a jit; inside one XLA partitions the loop
         assert_close(jax.device_get(grad_fn(replicated, sharded)), want)
+        assert_close(jax.device_get(jax.jit(grad_fn)(replicated, sharded)), want)
 
 
 def test_a_plan_gives_the_transform_and_host_strategies_are_refused() -> None:
