@@ -56,9 +56,9 @@ def value_and_grad(
     ``has_state``, ``grad_fn(params, batch, state) -> (loss, grads, state)``. Call it inside your own ``jax.jit``
     step (it traces once per shape) or outside one (it then compiles itself). The result equals
     ``jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)`` on the whole batch: every example weighs
-    ``1 / B``, also where ``microbatch_size`` does not divide ``B`` (the last microbatch is smaller). Aux leaves with the
-    example axis (per-example logits) are the microbatches' rows in order, as on the whole batch; the others (scalar
-    metrics) are the example-weighted mean. ``has_state``, ``loss_reduction="sum"`` and ``remat`` are as for
+    ``1/B``, also where ``microbatch_size`` does not divide ``B`` (the last microbatch is smaller). Aux leaves with
+    the example axis (per-example logits) are the microbatches' rows in order, as on the whole batch; the others
+    (scalar metrics) are the example-weighted mean. ``has_state``, ``loss_reduction="sum"`` and ``remat`` are as for
     `autoaccum.build_update`: the state is threaded through the microbatches in order and never differentiated; with
     ``"sum"``, ``loss_fn`` returns ``(loss_sum, weight)`` and the result is the gradient of the summed ``loss_sum``
     over the summed weights (the loss returned is that ratio). With the batch sharded over a mesh along its example
