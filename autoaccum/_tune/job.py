@@ -213,7 +213,7 @@ class Space:
                 has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"],
                 options=None if default.remat is None else {"remat": default.remat},
                 sizes=[m for m in probe_sizes(eb) if m >= job.min_microbatch],
-                **({} if job.children else {"isolate": False}),
+                **({} if job.children else {"isolate": False}),  # type: ignore[arg-type]
             )  # fmt: skip
             max_microbatch = probed.max_microbatch
         bounds = dict.fromkeys(settings, max_microbatch)
