@@ -41,7 +41,7 @@ def trace_loss(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state
 
     Example:
       >>> import jax.numpy as jnp
-      >>> trace_loss(lambda p, b: (p * b["x"]).mean(), jnp.ones(3), {"x": jnp.ones((4, 3))})
+      >>> trace_loss(lambda p, b: (b["x"] @ p).mean(), jnp.ones(3), {"x": jnp.ones((4, 3))})
       >>> try:
       ...     trace_loss(lambda p, b: b["nope"].mean(), jnp.ones(3), {"x": jnp.ones((4, 3))})
       ... except KeyError as e:

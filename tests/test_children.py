@@ -100,7 +100,7 @@ import autoaccum
 
 
 def criterion(predicted, batch):
-    if "autoaccum._child" in sys.modules:  # (only where a child traces it)
+    if predicted.shape[0] > 1:  # (not on the one example the caller traces first: only in a child's trials)
         return jnp.mean((predicted - batch["nope"]) ** 2)
     return jnp.mean((predicted - batch["y"]) ** 2)
 
