@@ -372,9 +372,26 @@ def _from_plan(loss_fn: Any, plan: Any, given: dict[str, Any]) -> tuple[Callable
     return resolve(loss_fn, plan.knobs), options
 
 
-@nnx.jit(donate_argnums=(0, 1))
+_APPLY: dict[Any, Callable[..., Any]] = {}
+
+
 def _optimizer_update(model: nnx.Module, optimizer: nnx.Optimizer, grads: PyTree) -> None:
-    optimizer.update(model, grads)
+    """nnx's own ``optimizer.update(model, grads)``, in one program compiled per structure (keyed as nnx.jit keys
+    its cache, by the treedef of the GraphDef), through ``jax.jit`` on the split state: nnx.jit itself does not run
+    at every jax release autoaccum supports."""
+    graphdef, state = nnx.split((model, optimizer))
+    key = jax.tree.structure(graphdef)
+    if key not in _APPLY:
+
+        def apply(state: Any, grads: PyTree) -> tuple[Any, Any]:
+            model, optimizer = nnx.merge(graphdef, state)
+            optimizer.update(model, grads)
+            return nnx.state(model), nnx.state(optimizer)
+
+        _APPLY[key] = jax.jit(apply, donate_argnums=0)
+    model_state, optimizer_state = _APPLY[key](state, grads)
+    nnx.update(model, model_state)
+    nnx.update(optimizer, optimizer_state)
 
 
 @jax.jit
