@@ -17,11 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_trees_close, copy, fake_measure, full_batch_step
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from seams import nnx_tune, tune
-from test_strategies import assert_trees_close, copy, full_batch_step
-from test_tune import fake_measure
 
 import autoaccum
 from autoaccum import Knobs, Plan, Update, strategies, workloads

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_strategies import assert_trees_close
+from helpers import assert_trees_close
 
 import autoaccum
 

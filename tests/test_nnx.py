@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_strategies import count_backend_compiles
+from helpers import count_backend_compiles
 
 import autoaccum
 from autoaccum._plan import params_signature

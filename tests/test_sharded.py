@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_trees_close
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_strategies import assert_trees_close
 
 import autoaccum
 from autoaccum._hlo import collectives

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_strategies import assert_trees_close, copy, count_backend_compiles
+from helpers import assert_trees_close, copy, count_backend_compiles
 
 import autoaccum
 

@@ -6,8 +6,6 @@ one optimizer step.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -15,25 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_trees_close, copy, count_backend_compiles, full_batch_step
 
 import autoaccum
 from autoaccum import strategies, workloads
-
-
-def full_batch_step(loss_fn: Any, optimizer: Any, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-
-def assert_trees_close(actual: Any, expected: Any, atol: float, rtol: float = 0.0) -> None:
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), atol=atol, rtol=rtol)
-
-
-def copy(tree: Any) -> Any:
-    return jax.tree.map(jnp.array, tree)
 
 
 def test_registry() -> None:
@@ -358,22 +341,6 @@ def test_an_aux_leaf_as_long_as_the_microbatch_by_chance_is_averaged(strategy: s
     batch = {"x": jnp.ones((10, 3)), "label": labels}
     _, _, (_, share) = update(jnp.ones(3), update.init(jnp.ones(3)), batch)
     np.testing.assert_allclose(share, np.bincount(np.asarray(labels), minlength=4) / 10, atol=1e-6)
-
-
-@contextlib.contextmanager
-def count_backend_compiles() -> Iterator[list[str]]:
-    """Every XLA backend compilation while the block runs (`jax.monitoring`'s compile-time events)."""
-    seen: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_bad_loss_is_reported_before_compiling(strategy: str) -> None:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import fake_measure
 from seams import tune
 
 import autoaccum
@@ -19,24 +20,6 @@ from autoaccum import Plan, Update, workloads
 from autoaccum._tune.race import quartiles, race
 from autoaccum._tune.space import microbatch_candidates, variants
 from autoaccum._tune.timing import Timing, TrialFailed
-
-
-def fake_measure(calls: list[tuple[int, str, tuple[Any, ...]]] | None = None, fail_from: int | None = None) -> Any:
-    """A deterministic stand-in for timing: cost = per-microbatch overhead + per-example work by strategy."""
-    per_example = {"scan": 1.0, "loop": 1.1, "multisteps": 1.3}
-
-    def measure(update: Update, params: Any, batch: Any) -> Timing:
-        m, name = update.microbatch_size, update.strategy
-        if calls is not None:
-            calls.append((m, name, tuple(sorted(update.options.items()))))
-        if fail_from is not None and m >= fail_from:
-            raise TrialFailed(f"out of memory: RESOURCE_EXHAUSTED (fake) at microbatch {m}")
-        steps = update.accumulation_steps(jax.tree.leaves(batch)[0].shape[0])
-        unroll = update.options.get("unroll", 1)
-        seconds = steps * (0.004 / unroll + 0.001 * (m - 6) ** 2) + 0.01 * per_example[name]
-        return Timing(seconds_per_step=seconds, compile_seconds=0.5, steps=5)
-
-    return measure
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,79 @@
+"""Helpers the test modules share: a full-batch reference step, tree comparison, compile counting, and a
+deterministic stand-in for the tuner's timing (``measure=``, see `seams`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from autoaccum import Update
+from autoaccum._tune.timing import Timing, TrialFailed
+
+
+def full_batch_step(loss_fn: Any, optimizer: Any, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+    """One optimizer step on the whole batch, without accumulation: the reference every strategy must equal."""
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def assert_trees_close(actual: Any, expected: Any, atol: float, rtol: float = 0.0) -> None:
+    """Same structure, and every leaf within ``atol + rtol * |expected|`` (compared in float64)."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), atol=atol, rtol=rtol)
+
+
+def copy(tree: Any) -> Any:
+    """Fresh arrays for ``tree`` (an update donates its inputs)."""
+    return jax.tree.map(jnp.array, tree)
+
+
+@contextlib.contextmanager
+def count_backend_compiles() -> Iterator[list[str]]:
+    """Every XLA backend compilation while the block runs (`jax.monitoring`'s compile-time events)."""
+    seen: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def fake_measure(calls: list[tuple[int, str, tuple[Any, ...]]] | None = None, fail_from: int | None = None) -> Any:
+    """A deterministic stand-in for timing: cost = per-microbatch overhead + per-example work by strategy."""
+    per_example = {"scan": 1.0, "loop": 1.1, "multisteps": 1.3}
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        m, name = update.microbatch_size, update.strategy
+        if calls is not None:
+            calls.append((m, name, tuple(sorted(update.options.items()))))
+        if fail_from is not None and m >= fail_from:
+            raise TrialFailed(f"out of memory: RESOURCE_EXHAUSTED (fake) at microbatch {m}")
+        steps = update.accumulation_steps(jax.tree.leaves(batch)[0].shape[0])
+        unroll = update.options.get("unroll", 1)
+        seconds = steps * (0.004 / unroll + 0.001 * (m - 6) ** 2) + 0.01 * per_example[name]
+        return Timing(seconds_per_step=seconds, compile_seconds=0.5, steps=5)
+
+    return measure
+
+
+def constant_measure(calls: list[tuple[int, str]]) -> Any:
+    """A stand-in for timing whose step time grows as the square root of the microbatch; records each call."""
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        calls.append((update.microbatch_size, update.strategy))
+        return Timing(seconds_per_step=0.01 * update.microbatch_size**0.5, compile_seconds=0.1, steps=5)
+
+    return measure
