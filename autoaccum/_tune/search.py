@@ -6,9 +6,9 @@ The algorithm (`Search.propose`), in the order its steps come:
    strategy variant at the largest accumulating microbatch of the default knob setting (a variant that runs out
    of memory there goes on at the next size down), so no strategy is judged at a size another never reached.
 2. **Knobs.** Every other setting of the knobs at its own largest size, with the fastest variant so far.
-3. **Descent.** From the fastest configuration of those, halve the microbatch while each half is *clearly*
-   faster than the size above it (`clearly_faster`: by more than the trials' own spread and `MIN_GAIN`): a
-   halving that "improves" by noise stops instead of running down to 1.
+3. **Descent.** From the fastest configuration of those, halve the microbatch; stop after two halvings in a row
+   that are not *clearly* faster than the best so far (`clearly_faster`), or at one that is slower by more than
+   two readings' drift (`DRIFT`): noise neither stops the descent at its first step nor walks it down to 1.
 4. **Coordinates.** Where the descent went down, the other variants at the size it stopped at.
 
 Then it proposes nothing more: the sampler spends what is left of the budget, and the race settles the
@@ -24,6 +24,10 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 MIN_GAIN = 0.03
 """The least gain in throughput that one trial's reading can show against another's: two trials seconds apart
 differ by the machine's drift, whatever their step times' spread."""
+
+DRIFT = 0.10
+"""How far one trial's reading may be off from the machine's drift: a half is only judged slower when it reads
+slower by more than two readings' drift."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,24 +158,27 @@ class Search:
         return self._wanted([c for c in starts if isinstance(c, Config)], seen)
 
     def _walk(self, seen: Mapping[Config, Trial]) -> tuple[Trial | None, Config | None]:
-        """The descent from the fastest first trial: the trial it stopped at, and the next size to time (None: it
+        """The descent from the fastest first trial: the best trial it found, and the next size to time (None: it
         has stopped)."""
         tops = {s: self._top(s) for s in range(len(self.sizes))}
         firsts = [t for t in seen.values() if t.config.microbatch_size == tops[t.config.setting]]
-        here = max((t for t in firsts if t.throughput is not None), key=lambda t: t.throughput or 0.0, default=None)
-        while here is not None:
+        best = max((t for t in firsts if t.throughput is not None), key=lambda t: t.throughput or 0.0, default=None)
+        here, flat = best, 0
+        while here is not None and best is not None and best.throughput is not None:
             m, strategy, setting = dataclasses.astuple(here.config)
             half = [c for c in self.sizes[setting] if c <= m // 2]
-            if not half:
-                return here, None
-            below = Config(max(half), strategy, setting)
-            trial = seen.get(below) or self._same_program(below, seen)
-            if trial is None:
-                return here, below
-            if not clearly_faster(trial, here):
-                return here, None
+            below = Config(max(half), strategy, setting) if half else None
+            trial = None if below is None else seen.get(below) or self._same_program(below, seen)
+            if below is None or trial is None:
+                return best, below
+            if trial.throughput is None or trial.throughput * (1 + 2 * DRIFT) < best.throughput:
+                return best, None
+            flat = 0 if clearly_faster(trial, best) else flat + 1
+            if flat >= 2:
+                return best, None
+            best = max(best, trial, key=lambda t: t.throughput or 0.0)
             here = trial
-        return None, None
+        return best, None
 
     def _descent(self, seen: Mapping[Config, Trial]) -> list[Config]:
         _, below = self._walk(seen)
