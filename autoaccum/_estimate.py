@@ -55,6 +55,7 @@ from autoaccum._batch import abstract, abstract_batch
 from autoaccum._capacity import Capacity, Target, capacity
 from autoaccum._catalog import DEFAULT_SAFETY_MARGIN, Accelerator, usable_bytes
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
+from autoaccum._deprecated import renamed
 from autoaccum._json import JsonMixin
 from autoaccum._memory import analyse
 from autoaccum._step_time import StepCost
@@ -63,7 +64,7 @@ from autoaccum._update import Update, build_update
 from autoaccum.strategies import Program, PyTree, check_params, layout_of, leading_size, tree_bytes
 
 DEFAULT_MAX_MICROBATCH = 16384
-"""The largest microbatch the estimate and the probe consider when the caller gives no ``max_microbatch``."""
+"""The largest microbatch the estimate and the probe consider when the caller gives no ``microbatch_cap``."""
 
 COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
 """Options for the analysis compilations: no LLVM optimisation (about 2x faster to compile). Buffer
@@ -79,7 +80,7 @@ measured over the built-in workloads, every strategy, sizes 1 to 6615, YNNPACK f
 one skips a copy of the batch that the default makes (41% of the MLP's peak at 256 x 4 examples)."""
 
 FIRST_SIZE = 32
-"""The microbatch size measured first (``max_microbatch`` when smaller); the second is where it predicts the
+"""The microbatch size measured first (``microbatch_cap`` when smaller); the second is where it predicts the
 answer (`_second_size`)."""
 
 NEAR = 0.1
@@ -131,7 +132,7 @@ class Estimate(JsonMixin):
         above are XLA's figures alone). On the CPU the convolutions inside the accumulation loop get layouts
         YNNPACK does not take and run on Eigen, with its patches, where a one-microbatch step's run on YNNPACK.
       cost: XLA's cost analysis fitted per example, for roofline step times (`StepCost`).
-      microbatch_cap: microbatch sizes considered are at most this (the ``max_microbatch`` it was given).
+      microbatch_cap: microbatch sizes considered are at most this (the ``microbatch_cap`` it was given).
       platform: the backend the step was compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
       seconds: how long the estimate took.
       shards: on a mesh, the number of pieces the batch is sharded into: microbatch sizes are global and
@@ -625,7 +626,7 @@ def estimate(
     has_aux: bool = False,
     state: PyTree | None = None,
     loss_reduction: str = "mean",
-    max_microbatch: int | None = None,
+    microbatch_cap: int | None = None,
     accumulation: bool = True,
     effective_batch: int | None = None,
     refine_for: Sequence[int | str] = (),
@@ -633,6 +634,7 @@ def estimate(
     workers: int = 2,
     target: str | Path | None = None,
     on_compile: Callable[[Point | None, float], None] | None = None,
+    max_microbatch: int | None = None,
     **options: Any,
 ) -> Estimate:
     """Predicts, by compiling only, the peak memory of the update step at every microbatch size.
@@ -662,8 +664,8 @@ def estimate(
       state: the model state, when ``loss_fn(params, batch, state) -> (loss, state)`` takes one (arrays or
         ``jax.ShapeDtypeStruct``), as `autoaccum.build_update`'s ``has_state``.
       loss_reduction: ``"mean"`` or ``"sum"``, as for `autoaccum.build_update`.
-      max_microbatch: `Estimate.max_microbatch` is at most this (default `DEFAULT_MAX_MICROBATCH`, as the
-        probe's).
+      microbatch_cap: `Estimate.max_microbatch` is at most this (default `DEFAULT_MAX_MICROBATCH`, as the
+        probe's ``microbatch_cap``).
       accumulation: also measure accumulating steps (needed by `Estimate.capacity` and by ``bytes_at`` with a
         ``batch_size``); ``False`` saves three compilations when only `max_microbatch` is wanted.
       effective_batch: refine the fit for plans of this many examples per update (around the largest microbatch
@@ -680,6 +682,7 @@ def estimate(
         (`autoaccum._gpu_compile.compiler_status` says why and what to install).
       on_compile: called as each compilation finishes (in the thread that compiled it), with its `Point`
         (``None`` for the optimizer step alone) and the seconds it took to lower and compile: for progress.
+      max_microbatch: deprecated name of ``microbatch_cap``.
       **options: the strategy's options (e.g. ``unroll=2``).
 
     Returns:
@@ -703,7 +706,8 @@ def estimate(
     check_optimizer(optimizer)
     check_params(params)
     leading_size(batch)
-    cap = DEFAULT_MAX_MICROBATCH if max_microbatch is None else check_positive_int(max_microbatch, "max_microbatch")
+    microbatch_cap = renamed("microbatch_cap", microbatch_cap, "max_microbatch", max_microbatch)
+    cap = DEFAULT_MAX_MICROBATCH if microbatch_cap is None else check_positive_int(microbatch_cap, "microbatch_cap")
     if effective_batch is not None:
         check_positive_int(effective_batch, "effective_batch")
     check_positive_int(workers, "workers")
@@ -739,8 +743,8 @@ def estimate(
     g = 1 if layout is None else layout.shards  # on a mesh: global sizes, multiples of the batch's shards
     if cap < g:
         raise ValueError(
-            f"`max_microbatch`={cap} is below the {g} shards the batch is split into; microbatch sizes are global "
-            f"and multiples of {g}: pass max_microbatch >= {g}."
+            f"`microbatch_cap`={cap} is below the {g} shards the batch is split into; microbatch sizes are global "
+            f"and multiples of {g}: pass microbatch_cap >= {g}."
         )
 
     def units(m: int) -> int:  # m rounded down to a multiple of g (at least g)

@@ -47,6 +47,7 @@ import optax
 
 from autoaccum._batch import abstract, host_copy
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
+from autoaccum._deprecated import renamed
 from autoaccum._device import DeviceInfo, detect_device, resolve_memory_limit
 from autoaccum._estimate import DEFAULT_MAX_MICROBATCH, Estimate
 from autoaccum._isolation import ChildRunner, Outcome
@@ -102,7 +103,7 @@ class ProbeResult(JsonMixin):
       memory_limit_bytes: the memory a trial could use.
       limit_source: where that limit came from.
       granularity: trial sizes are multiples of it.
-      microbatch_cap: the largest size the probe would try (the ``max_microbatch`` it was given).
+      microbatch_cap: the largest size the probe would try (the ``microbatch_cap`` it was given).
       strategy: the accumulation strategy whose step was run.
       options: its options.
       state_bytes: parameters plus optimizer state.
@@ -162,7 +163,7 @@ class ProbeResult(JsonMixin):
           >>> from autoaccum._estimate import estimate
           >>> w = workloads.mlp()
           >>> found = probe(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="64MiB",
-          ...               max_microbatch=256, isolate=False)
+          ...               microbatch_cap=256, isolate=False)
           >>> 0 < found.bound_for(found.estimate) <= found.microbatch_cap
           True
         """
@@ -204,9 +205,9 @@ class ProbeResult(JsonMixin):
           >>> from autoaccum._estimate import estimate
           >>> w = workloads.linear()
           >>> found = probe(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="64MiB",
-          ...               max_microbatch=64, isolate=False)
+          ...               microbatch_cap=64, isolate=False)
           >>> acc = estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="64MiB",
-          ...                max_microbatch=64)
+          ...                microbatch_cap=64)
           >>> found.predicted_peak(acc, 16, 64) > found.predicted_peak(acc, 16)
           True
         """
@@ -253,7 +254,7 @@ def prepare(
     optimizer: optax.GradientTransformation,
     strategy: str = "scan",
     memory_limit: int | float | str | None = None,
-    max_microbatch: int | None = None,
+    microbatch_cap: int | None = None,
     granularity: int = 1,
     has_aux: bool = False,
     state: PyTree | None = None,
@@ -268,11 +269,11 @@ def prepare(
     check_optimizer(optimizer)
     check_params(params)
     granularity = check_positive_int(granularity, "granularity")
-    cap = DEFAULT_MAX_MICROBATCH if max_microbatch is None else check_positive_int(max_microbatch, "max_microbatch")
+    cap = DEFAULT_MAX_MICROBATCH if microbatch_cap is None else check_positive_int(microbatch_cap, "microbatch_cap")
     if cap < granularity:
         raise ValueError(
-            f"`max_microbatch`={cap} is below `granularity`={granularity}, so no size can be tried; raise "
-            "max_microbatch or lower granularity."
+            f"`microbatch_cap`={cap} is below `granularity`={granularity}, so no size can be tried; raise "
+            "microbatch_cap or lower granularity."
         )
     check_bool(isolate, "isolate")
     if trial_timeout is not None and not (isinstance(trial_timeout, (int, float)) and trial_timeout > 0):
@@ -284,8 +285,8 @@ def prepare(
         granularity = math.lcm(granularity, mesh.shards)
         if cap < granularity:
             raise ValueError(
-                f"`max_microbatch`={cap} is below {granularity}, the least common multiple of `granularity` and the "
-                f"{mesh.shards} shards the batch is split into (microbatch sizes are global); raise max_microbatch."
+                f"`microbatch_cap`={cap} is below {granularity}, the least common multiple of `granularity` and the "
+                f"{mesh.shards} shards the batch is split into (microbatch sizes are global); raise microbatch_cap."
             )
     plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)  # no devices: it pickles
     job = Job(loss_fn, optimizer, plain, host_copy(batch), None if state is None else host_copy(state), build, mesh)
@@ -492,7 +493,7 @@ def probe(
     optimizer: optax.GradientTransformation,
     strategy: str = "scan",
     memory_limit: int | float | str | None = None,
-    max_microbatch: int | None = None,
+    microbatch_cap: int | None = None,
     granularity: int = 1,
     has_aux: bool = False,
     state: PyTree | None = None,
@@ -503,6 +504,7 @@ def probe(
     trial_timeout: float | None = DEFAULT_TRIAL_TIMEOUT,
     progress: Callable[[Trial], None] | None = None,
     sizes: Sequence[int] | None = None,
+    max_microbatch: int | None = None,
 ) -> ProbeResult:
     """Finds the largest microbatch whose full update step really runs here, in few real runs.
 
@@ -518,7 +520,7 @@ def probe(
         trial's address space is capped at its size before the trial plus the limit (``RLIMIT_AS``). Default:
         `autoaccum._device.resolve_memory_limit` (50% of the available RAM on the CPU; JAX's allocator share
         of a GPU, at most what is free now).
-      max_microbatch: the largest microbatch to try (default 16384).
+      microbatch_cap: the largest microbatch to try (default 16384); the result's ``microbatch_cap``.
       granularity: trial sizes are multiples of it (e.g. 8 for tensor cores).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       state: the model state, when ``loss_fn(params, batch, state) -> (loss, state)`` takes one (BatchNorm
@@ -535,12 +537,13 @@ def probe(
         reported as hung (a `ProbeError` naming the time-out); None: no limit.
       progress: called with each `Trial` as it finishes.
       sizes: try only these microbatch sizes (those that are multiples of ``granularity``, up to
-        ``max_microbatch``); the answer is then the largest of them that fits. `autoaccum.tune` passes its
+        ``microbatch_cap``); the answer is then the largest of them that fits. `autoaccum.tune` passes its
         candidate sizes: the exact boundary between two of them costs real runs and changes nothing it times.
+      max_microbatch: deprecated name of ``microbatch_cap`` (the result's ``max_microbatch`` is the answer).
 
     Returns:
       A `ProbeResult`; ``max_microbatch`` fits and ``max_microbatch + granularity`` (with ``sizes``: the next of
-      them) does not, or is above the ``max_microbatch`` given; 0 when not even the least size fits.
+      them) does not, or is above ``microbatch_cap``; 0 when not even the least size fits.
 
     Raises:
       ValueError, TypeError: bad arguments, a limit that does not parse or is below the parameters' and
@@ -552,14 +555,15 @@ def probe(
       >>> loss_fn = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
       >>> batch = {"x": jnp.ones((4, 8)), "y": jnp.zeros(4)}
       >>> result = autoaccum.probe(loss_fn, jnp.zeros(8), batch, optimizer=optax.sgd(0.1),
-      ...                          memory_limit="256MiB", max_microbatch=64, isolate=False)
+      ...                          memory_limit="256MiB", microbatch_cap=64, isolate=False)
       >>> result.max_microbatch
       64
     """
     start = time.perf_counter()
+    microbatch_cap = renamed("microbatch_cap", microbatch_cap, "max_microbatch", max_microbatch)
     setup = prepare(
         loss_fn, params, batch, optimizer=optimizer, strategy=strategy, memory_limit=memory_limit,
-        max_microbatch=max_microbatch, granularity=granularity, has_aux=has_aux, state=state,
+        microbatch_cap=microbatch_cap, granularity=granularity, has_aux=has_aux, state=state,
         loss_reduction=loss_reduction, isolate=isolate, device=device, options=options, trial_timeout=trial_timeout,
     )  # fmt: skip
     if sizes is not None:
@@ -616,7 +620,7 @@ def _check_sizes(sizes: Sequence[int], setup: Setup) -> tuple[int, ...]:
     kept = tuple(sorted({s for s in sizes if s > 0 and s % g == 0 and s <= cap}))
     if not kept:
         raise ValueError(
-            f"`sizes`={list(sizes)!r} has no positive multiple of the granularity {g} up to max_microbatch={cap}, "
+            f"`sizes`={list(sizes)!r} has no positive multiple of the granularity {g} up to microbatch_cap={cap}, "
             "so nothing could be tried; give such sizes, or sizes=None to search every multiple."
         )
     return kept

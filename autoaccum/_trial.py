@@ -525,7 +525,7 @@ def estimate_for_search(job: Job, *, limit: int, max_microbatch: int) -> Estimat
         params, batch, state = job.inputs()
         return estimate(
             job.loss_fn, params, batch, optimizer=job.optimizer, state=state, memory_limit=limit,
-            max_microbatch=max_microbatch, accumulation=False, **dict(job.build),
+            microbatch_cap=max_microbatch, accumulation=False, **dict(job.build),
         )  # fmt: skip
     except jax.errors.JaxRuntimeError as e:
         if is_oom(e):

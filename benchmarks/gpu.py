@@ -410,7 +410,7 @@ def stage_devices(report: Report, args: argparse.Namespace) -> None:
 def _probe_kwargs(w: autoaccum.Workload, case: Case) -> dict[str, Any]:
     return dict(
         optimizer=w.optimizer, memory_limit=case.memory_limit, granularity=case.granularity,
-        max_microbatch=case.max_microbatch,
+        microbatch_cap=case.max_microbatch,
     )  # fmt: skip
 
 
@@ -542,7 +542,7 @@ def gpu_estimate(w: autoaccum.Workload, limits: Sequence[int], cap: int, target:
     start = time.perf_counter()
     est = autoaccum.estimate(
         w.loss_fn, shapes(w.params), shapes(w.batch), optimizer=w.optimizer, memory_limit=max(limits),
-        max_microbatch=cap, accumulation=False, refine_for=list(limits), target=target,
+        microbatch_cap=cap, accumulation=False, refine_for=list(limits), target=target,
     )  # fmt: skip
     return {"estimate": est, "seconds": time.perf_counter() - start}
 
@@ -648,7 +648,7 @@ def stage_tune(report: Report, args: argparse.Namespace) -> None:
     result = autoaccum.tune(
         w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit=preset.tune_limit, storage=":memory:",
         strategies=preset.tune_strategies, min_microbatch=preset.tune_min_microbatch,
-        max_microbatch=None if preset.tune_probes else preset.tune_batch,
+        microbatch_bound=None if preset.tune_probes else preset.tune_batch,
     )  # fmt: skip
     tune_seconds = time.perf_counter() - start
     pick, timed = _pick(result)

@@ -64,7 +64,7 @@ def main() -> None:
         w.batch,
         optimizer=w.optimizer,
         memory_limit=args.memory_limit,
-        max_microbatch=args.max_microbatch,
+        microbatch_cap=args.max_microbatch,
     )
     info = setup.device
     ram = autoaccum.format_bytes(info.total_bytes or 0)
@@ -79,7 +79,7 @@ def main() -> None:
         w.batch,
         optimizer=w.optimizer,
         memory_limit=args.memory_limit,
-        max_microbatch=args.max_microbatch,
+        microbatch_cap=args.max_microbatch,
     )
     rows.append(("autoaccum.probe", ours.runs, time.perf_counter() - start, ours.max_microbatch))
     print("autoaccum.probe: " + ", ".join(_describe(t) for t in ours.trials))

@@ -110,7 +110,7 @@ def part_a(w: autoaccum.Workload, args: argparse.Namespace) -> None:
     for run in range(1, args.runs + 1):
         start = time.perf_counter()
         result = autoaccum.tune(
-            w.loss_fn, w.params, w.batch, optimizer=w.optimizer, storage=":memory:", max_microbatch=batch,
+            w.loss_fn, w.params, w.batch, optimizer=w.optimizer, storage=":memory:", microbatch_bound=batch,
             memory_limit=args.memory_limit, seed=run,
         )  # fmt: skip
         tune_seconds = time.perf_counter() - start

@@ -42,7 +42,7 @@ def main(steps: int = 5) -> None:
     batch = {"image": jax.random.normal(kx, (128, 16, 16, 1)), "label": jax.random.randint(ky, (128,), 0, 10)}
 
     result = autoaccum.nnx.tune(
-        loss_fn, model, optimizer, batch, memory_limit="512MiB", min_microbatch=16, max_microbatch=64, budget=4,
+        loss_fn, model, optimizer, batch, memory_limit="512MiB", min_microbatch=16, microbatch_bound=64, budget=4,
         strategies=["scan", "loop"], storage=":memory:",
     )  # fmt: skip
     plan = result.plan

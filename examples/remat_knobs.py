@@ -78,10 +78,10 @@ def main() -> None:
         print(f"block_remat={value!s:>16}: {est.per_example_bytes / 2**10:7.1f} KiB per example, "
               f"microbatch <= {est.max_microbatch} under 96 MiB")  # fmt: skip
 
-    # The tuner searches the knob beside the microbatch and the strategy. Without max_microbatch it probes the
+    # The tuner searches the knob beside the microbatch and the strategy. Without microbatch_bound it probes the
     # default setting under memory_limit and bounds the others by their calibrated estimates (slower).
     result = autoaccum.tune(
-        knobs, params, batch, optimizer=tx, max_microbatch=16, strategies=["scan"], budget=3, storage=":memory:"
+        knobs, params, batch, optimizer=tx, microbatch_bound=16, strategies=["scan"], budget=3, storage=":memory:"
     )
     plan = result.plan
     print(f"tuned: microbatch {plan.microbatch_size} x {plan.accumulation_steps}, knobs {plan.knobs}")

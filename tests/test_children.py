@@ -34,7 +34,7 @@ def test_children_run_the_parents_autoaccum_from_any_folder(tmp_path: Path, monk
     (decoy / "__init__.py").write_text("raise ImportError('the working folder`s autoaccum was imported')\n")
     monkeypatch.chdir(tmp_path)
     loss_fn, params, batch = probe_workloads.linear(features=8)
-    result = autoaccum.probe(loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="64MiB", max_microbatch=8)
+    result = autoaccum.probe(loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="64MiB", microbatch_cap=8)
     assert result.max_microbatch == 8 and all(t.error is None for t in result.trials), result.trials
     setup = prepare(loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="64MiB")
     with TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:

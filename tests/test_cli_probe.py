@@ -36,7 +36,7 @@ def test_devices_json_and_table() -> None:
 
 
 def test_probe_json_in_process() -> None:
-    result = invoke("probe", WORKLOAD, "--memory-limit", "256MiB", "--max-microbatch", "48", "--no-isolate", "--json")
+    result = invoke("probe", WORKLOAD, "--memory-limit", "256MiB", "--microbatch-cap", "48", "--no-isolate", "--json")
     assert result.exit_code == 0
     data = json.loads(result.output)
     assert data["max_microbatch"] == 48 and data["runs"] == len(data["trials"]) <= 3
@@ -44,7 +44,7 @@ def test_probe_json_in_process() -> None:
 
 
 def test_probe_human_output_and_nothing_fits_exits_1() -> None:
-    result = invoke("probe", WORKLOAD, "--memory-limit", "4MiB", "--granularity", "1024", "--max-microbatch", "4096")
+    result = invoke("probe", WORKLOAD, "--memory-limit", "4MiB", "--granularity", "1024", "--microbatch-cap", "4096")
     assert result.exit_code == 1
     assert "device:" in result.output and "out of memory" in result.output and "nothing fits" in result.output
 
@@ -58,7 +58,7 @@ def test_probe_human_output_and_nothing_fits_exits_1() -> None:
         (["missing/file.py:f"], "does not exist"),
         ([WORKLOAD, "--memory-limit", "lots"], "does not parse"),
         ([WORKLOAD, "--memory-limit", "1KB"], "alone need"),
-        ([WORKLOAD, "--max-microbatch", "0"], "--max-microbatch"),
+        ([WORKLOAD, "--microbatch-cap", "0"], "--microbatch-cap"),
         ([WORKLOAD, "--granularity", "0"], "--granularity"),
         ([WORKLOAD, "--demo"], "not both"),
         ([], "give a WORKLOAD"),
@@ -80,13 +80,13 @@ def test_workload_from_a_file(tmp_path: Path) -> None:
         "def make():\n"
         "    return autoaccum.Workload(loss, jnp.ones(4), {'x': jnp.ones((2, 4))}, optax.sgd(0.1))\n"
     )
-    result = invoke("probe", f"{path}:make", "--memory-limit", "64MiB", "--max-microbatch", "16", "--json")
+    result = invoke("probe", f"{path}:make", "--memory-limit", "64MiB", "--microbatch-cap", "16", "--json")
     assert result.exit_code == 0  # the child unpickles `loss` by value: its module is not importable there
     assert json.loads(result.output)["max_microbatch"] == 16
 
 
 def test_a_limit_above_the_ram_is_one_warning_line_and_the_ram_is_used() -> None:
-    result = invoke("probe", WORKLOAD, "--memory-limit", "10TiB", "--max-microbatch", "8", "--no-isolate")
+    result = invoke("probe", WORKLOAD, "--memory-limit", "10TiB", "--microbatch-cap", "8", "--no-isolate")
     assert result.exit_code == 0
     (line,) = [line for line in result.output.splitlines() if "warning" in line.lower()]
     assert line.startswith("warning: `memory_limit`=10.00 TiB is above this machine's RAM"), line
@@ -116,7 +116,7 @@ def test_trial_timeout_ends_a_hanging_trial_and_the_running_trial_shows_its_time
     path.write_text(HANGING)
     start = time.monotonic()
     result = CliRunner(env={"TTY_COMPATIBLE": "1", "COLUMNS": "100"}).invoke(
-        main, ["probe", f"{path}:make", "--memory-limit", "256MiB", "--max-microbatch", "4", "--trial-timeout", "4"]
+        main, ["probe", f"{path}:make", "--memory-limit", "256MiB", "--microbatch-cap", "4", "--trial-timeout", "4"]
     )
     print(result.output)
     assert result.exit_code == 1

@@ -25,7 +25,9 @@ def explain(result: Result) -> str:
 
 def test_tune_prints_table_and_saves_plan(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    result = run("tune", LINEAR, "--max-microbatch", "16", "--budget", "2", "--storage", ":memory:", "--out", str(out))
+    result = run(
+        "tune", LINEAR, "--microbatch-bound", "16", "--budget", "2", "--storage", ":memory:", "--out", str(out)
+    )
     assert result.exit_code == 0, explain(result)
     assert "trials (best first" in result.stdout and "race: the finalists" in result.stdout
     words = " ".join(result.stdout.split())  # (rich wraps long lines at the terminal's width, at any space)
@@ -41,7 +43,7 @@ def test_plot_of_peak_memory_against_throughput(tmp_path: Path) -> None:
 
     path = tmp_path / "tune.png"
     result = run(
-        "tune", LINEAR, "--max-microbatch", "16", "--budget", "3", "--storage", ":memory:", "--race-rounds", "1",
+        "tune", LINEAR, "--microbatch-bound", "16", "--budget", "3", "--storage", ":memory:", "--race-rounds", "1",
         "--memory-limit", "512MiB", "--plot", str(path),
     )  # fmt: skip
     assert result.exit_code == 0, explain(result)
@@ -51,18 +53,18 @@ def test_plot_of_peak_memory_against_throughput(tmp_path: Path) -> None:
 
 def test_remat_policies_searched_from_the_command_line() -> None:
     result = run(
-        "tune", LINEAR, "--max-microbatch", "8", "--strategy", "loop", "--remat", "dots_saveable", "--storage",
+        "tune", LINEAR, "--microbatch-bound", "8", "--strategy", "loop", "--remat", "dots_saveable", "--storage",
         ":memory:", "--race-rounds", "0", "--json",
     )  # fmt: skip
     assert result.exit_code == 0, explain(result)
     trials = json.loads(result.stdout)["trials"]
     assert {t["remat"] for t in trials} == {None, "dots_saveable"}
-    bad = run("tune", LINEAR, "--max-microbatch", "8", "--remat", "most_saveable", "--storage", ":memory:")
+    bad = run("tune", LINEAR, "--microbatch-bound", "8", "--remat", "most_saveable", "--storage", ":memory:")
     assert bad.exit_code == 2 and "remat" in bad.output
 
 
 def test_tune_json(tmp_path: Path) -> None:
-    result = run("tune", LINEAR, "--max-microbatch", "8", "--budget", "2", "--storage", ":memory:", "--json")
+    result = run("tune", LINEAR, "--microbatch-bound", "8", "--budget", "2", "--storage", ":memory:", "--json")
     assert result.exit_code == 0, explain(result)
     data = json.loads(result.stdout)
     assert data["plan"]["effective_batch"] == 64
@@ -76,7 +78,7 @@ def test_tune_bad_input_exits_2(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "does not exist" in result.stderr, explain(result)
     result = run("tune", "autoaccum.workloads:nope")
     assert result.exit_code == 2 and "has no function 'nope'" in result.stderr, explain(result)
-    result = run("tune", LINEAR, "--storage", "nosuchdb://x", "--max-microbatch", "4")
+    result = run("tune", LINEAR, "--storage", "nosuchdb://x", "--microbatch-bound", "4")
     assert result.exit_code == 2 and "cannot be opened" in result.stderr, explain(result)
     result = run("tune", LINEAR, "--effective-batch", "0")
     assert result.exit_code == 2, explain(result)
@@ -87,13 +89,13 @@ def test_tune_bad_input_exits_2(tmp_path: Path) -> None:
 def test_workload_returning_the_wrong_thing(tmp_path: Path) -> None:
     script = tmp_path / "bad.py"
     script.write_text("def workload():\n    return 42\n")
-    result = run("tune", f"{script}:workload", "--max-microbatch", "4")
+    result = run("tune", f"{script}:workload", "--microbatch-bound", "4")
     assert result.exit_code == 2 and "returned int, not an autoaccum.Workload" in result.stderr, explain(result)
 
 
 def test_an_unusable_cache_folder_is_bad_input_naming_the_variable(tmp_path: Path) -> None:
     result = CliRunner(env={"AUTOACCUM_CACHE": "/proc/nope"}).invoke(
-        main, ["tune", LINEAR, "--max-microbatch", "4", "--budget", "1"], catch_exceptions=False
+        main, ["tune", LINEAR, "--microbatch-bound", "4", "--budget", "1"], catch_exceptions=False
     )
     assert result.exit_code == 2, explain(result)
     assert "`AUTOACCUM_CACHE`='/proc/nope' cannot hold the study database" in result.stderr, explain(result)
@@ -120,7 +122,7 @@ def test_the_printed_snippet_runs_on_a_workload_with_model_state(tmp_path: Path)
     path, out = tmp_path / "stateful.py", tmp_path / "plan.json"
     path.write_text(STATEFUL)
     result = run(
-        "tune", f"{path}:workload", "--max-microbatch", "4", "--budget", "1", "--race-rounds", "0", "--storage",
+        "tune", f"{path}:workload", "--microbatch-bound", "4", "--budget", "1", "--race-rounds", "0", "--storage",
         ":memory:", "--no-isolate", "--out", str(out),
     )  # fmt: skip
     assert result.exit_code == 0, explain(result)
@@ -133,7 +135,7 @@ def test_the_printed_snippet_runs_on_a_workload_with_model_state(tmp_path: Path)
 
 def test_off_a_terminal_nothing_is_cut_or_wrapped(tmp_path: Path) -> None:
     result = CliRunner(env={"COLUMNS": "80"}).invoke(  # a terminal's width (pytest-xdist sets it): not this output's
-        main, ["tune", LINEAR, "--max-microbatch", "16", "--budget", "3", "--storage", ":memory:",
+        main, ["tune", LINEAR, "--microbatch-bound", "16", "--budget", "3", "--storage", ":memory:",
                "--race-rounds", "2", "--no-isolate"], catch_exceptions=False,
     )  # fmt: skip
     assert result.exit_code == 0, explain(result)
@@ -148,7 +150,7 @@ def test_off_a_terminal_nothing_is_cut_or_wrapped(tmp_path: Path) -> None:
 
 def test_on_a_narrow_terminal_lines_fit_and_words_are_whole() -> None:
     result = CliRunner(env={"TTY_COMPATIBLE": "1", "COLUMNS": "60"}).invoke(  # rich takes this for a terminal
-        main, ["tune", LINEAR, "--max-microbatch", "16", "--budget", "3", "--storage", ":memory:",
+        main, ["tune", LINEAR, "--microbatch-bound", "16", "--budget", "3", "--storage", ":memory:",
                "--race-rounds", "2", "--no-isolate"], catch_exceptions=False,
     )  # fmt: skip
     assert result.exit_code == 0, explain(result)

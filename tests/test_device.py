@@ -208,7 +208,7 @@ def test_the_library_probe_gets_the_policy_too() -> None:
     with pytest.warns(MemoryLimitWarning, match="above this machine's RAM"):
         result = autoaccum.probe(
             lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2), jnp.zeros(8), batch, optimizer=optax.sgd(0.1),
-            memory_limit="10TiB", max_microbatch=8, isolate=False,
+            memory_limit="10TiB", microbatch_cap=8, isolate=False,
         )  # fmt: skip
     assert result.memory_limit_bytes == autoaccum.detect_device().total_bytes
     assert "10.00 TiB" not in result.message

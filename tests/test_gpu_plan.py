@@ -115,7 +115,7 @@ def test_sharded_batch_compiles_for_as_many_gpus(gpu_compiler: None) -> None:
     batch = jax.device_put(w.batch, NamedSharding(mesh, P("data")))
     params = jax.device_put(w.params, NamedSharding(mesh, P()))
     est = autoaccum.estimate(
-        w.loss_fn, params, batch, optimizer=w.optimizer, target="A100-40GB", accumulation=False, max_microbatch=256
+        w.loss_fn, params, batch, optimizer=w.optimizer, target="A100-40GB", accumulation=False, microbatch_cap=256
     )
     assert est.shards == 8 and est.compiler == "XLA:GPU sm_80 (compile-only)"
     assert all(p.microbatch_size % 8 == 0 for p in est.points)

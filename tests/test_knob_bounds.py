@@ -160,7 +160,7 @@ def test_scan_mlp_remat_setting_is_bounded_at_the_whole_batch_where_the_default_
     assert found is not None and found.max_microbatch == CAP and found.estimate is not None
     remat = autoaccum.nnx.estimate(
         make_loss("nothing_saveable"), model, optimizer, batch, strategy="scan", memory_limit=found.memory_limit_bytes,
-        max_microbatch=CAP, accumulation=False,
+        microbatch_cap=CAP, accumulation=False,
     )  # fmt: skip
     assert all(remat.bytes_at(m) <= found.estimate.bytes_at(m) for m in (1, 16, 64, CAP))
     assert result.bounds["remat=None, block_remat=None"] == CAP

@@ -153,7 +153,7 @@ def test_bad_policy_names_raise_before_compiling(bad: Any) -> None:
     with pytest.raises(ValueError, match=r"unknown `remat`"):
         autoaccum.nnx.build_update(lambda m, b: jnp.mean(m(b)), microbatch_size=2, remat=bad)
     with pytest.raises((TypeError, ValueError), match=r"`remat`"):
-        tune(loss_fn, jnp.ones(3), jnp.ones((4, 3)), optimizer=optax.sgd(0.1), max_microbatch=2, remat=(None, bad))
+        tune(loss_fn, jnp.ones(3), jnp.ones((4, 3)), optimizer=optax.sgd(0.1), microbatch_bound=2, remat=(None, bad))
     assert traced == []
 
 
@@ -225,7 +225,7 @@ def test_tune_searches_a_knob_of_the_loss() -> None:
 
     knobs = Knobs(scaled_loss, scale=(1.0, 0.5))
     result = tune(
-        knobs, w.params, w.batch, optimizer=w.optimizer, max_microbatch=4, strategies=["scan", "loop"], budget=32,
+        knobs, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=4, strategies=["scan", "loop"], budget=32,
         storage=":memory:", measure=measure, race_rounds=0,  # the grid's timings only: no finalists re-timed
     )  # fmt: skip
     # The whole grid: sizes 1..4 x (scan, scan:unroll=2, scan:unroll=8, loop) x both values of the knob, each timed
@@ -254,7 +254,7 @@ def test_tune_searches_remat_policies_and_the_plan_reproduces_them(tmp_path: Pat
         return Timing(timing.seconds_per_step * factor, timing.compile_seconds, timing.steps)
 
     result = tune(
-        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=3, strategies=["loop"],
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=3, strategies=["loop"],
         remat=(None, "nothing_saveable", "dots_saveable"), budget=9, storage=":memory:", measure=measure,
         race_rounds=0,
     )  # fmt: skip
@@ -298,7 +298,7 @@ def test_tune_searches_the_accumulator_dtype_and_the_plan_records_it(tmp_path: P
         return Timing(timing.seconds_per_step * factor, timing.compile_seconds, timing.steps)
 
     result = tune(
-        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=3, strategies=["loop"],
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=3, strategies=["loop"],
         accumulator_dtype=(jnp.float32, jnp.bfloat16), budget=6, storage=":memory:", measure=measure,
         race_rounds=0,
     )  # fmt: skip
@@ -424,7 +424,7 @@ def test_nnx_tune_searches_a_knob_of_the_loss() -> None:
 
     knobs = Knobs(make_loss, layer_remat=(None, "nothing_saveable"))
     result = nnx_tune(
-        knobs, model, optimizer, batch, max_microbatch=8, strategies=["loop"], budget=8, storage=":memory:",
+        knobs, model, optimizer, batch, microbatch_bound=8, strategies=["loop"], budget=8, storage=":memory:",
         measure=measure,
     )  # fmt: skip
     assert {remat for remat, _ in seen} == {False, True}  # both values reached the compiled program

@@ -174,11 +174,11 @@ def test_nnx_probe_estimate_and_tune_leave_the_model_alone() -> None:
     est = autoaccum.nnx.estimate(loss_fn, model, optimizer, batch, memory_limit="64MiB", accumulation=False)
     assert est.max_microbatch > 16
     found = autoaccum.nnx.probe(
-        loss_fn, model, optimizer, batch, memory_limit="256MiB", max_microbatch=32, isolate=False
+        loss_fn, model, optimizer, batch, memory_limit="256MiB", microbatch_cap=32, isolate=False
     )
     assert found.max_microbatch == 32
     result = autoaccum.nnx.tune(
-        loss_fn, model, optimizer, batch, max_microbatch=8, strategies=["scan", "loop"], storage=":memory:", budget=3
+        loss_fn, model, optimizer, batch, microbatch_bound=8, strategies=["scan", "loop"], storage=":memory:", budget=3
     )
     assert_states_close(nnx.state(model), before, atol=0.0)
     loss = result.step(model, optimizer, batch)  # the plan, the nnx way
@@ -189,7 +189,7 @@ def test_nnx_probe_in_child_processes() -> None:
     """The model's state (BatchNorm statistics, the dropout stream's typed key) crosses to the trials."""
     model, optimizer = make()
     result = autoaccum.nnx.probe(
-        loss_fn, model, optimizer, batches(1, 8)[0], memory_limit="256MiB", max_microbatch=64, granularity=32
+        loss_fn, model, optimizer, batches(1, 8)[0], memory_limit="256MiB", microbatch_cap=64, granularity=32
     )
     assert result.max_microbatch == 64 and all(t.fits for t in result.trials)
 

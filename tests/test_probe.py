@@ -138,7 +138,7 @@ def test_probe_at_listed_sizes_reports_the_next_size_that_failed() -> None:
     # when its heap has the room free.)
     loss_fn, params, batch = probe_workloads.linear(features=4096)
     result = autoaccum.probe(
-        loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="40MiB", max_microbatch=4096,
+        loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="40MiB", microbatch_cap=4096,
         sizes=[8, 64, 512, 4096],
     )  # fmt: skip
     assert {t.microbatch_size for t in result.trials} <= {8, 64, 512, 4096}
@@ -153,9 +153,9 @@ def test_probe_at_listed_sizes_reports_the_next_size_that_failed() -> None:
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_microbatch=0), "`max_microbatch` must be >= 1"),
+        (dict(microbatch_cap=0), "`microbatch_cap` must be >= 1"),
         (dict(granularity=0), "`granularity` must be >= 1"),
-        (dict(granularity=64, max_microbatch=8), "below `granularity`"),
+        (dict(granularity=64, microbatch_cap=8), "below `granularity`"),
         (dict(memory_limit="lots"), "`memory_limit`='lots' does not parse"),
         (dict(memory_limit=-5), "`memory_limit` must be positive"),
         (dict(memory_limit=1000), r"alone need: .*\(16388 bytes\)"),
@@ -214,7 +214,7 @@ def test_in_process_probe_leaves_the_callers_arrays_alone() -> None:
     loss_fn, params, batch = probe_workloads.linear(features=8)
     before = jax.tree.map(np.array, (params, batch))
     result = autoaccum.probe(
-        loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="512MiB", max_microbatch=48, isolate=False
+        loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="512MiB", microbatch_cap=48, isolate=False
     )
     assert result.max_microbatch == 48 and result.reached_cap
     assert result.runs <= 3 and all(t.fits for t in result.trials)
@@ -239,7 +239,7 @@ def test_probe_finds_the_exact_boundary_under_a_real_cap() -> None:
     # Separate runs still varied by a few KiB under CI's load (twice in ~6 runs the boundary + 1 fit on its own),
     # so they are checked one example (16 KiB) clear of the boundary on each side.
     limit = 100 * 2**20 + 12 * 2**10
-    kwargs = dict(optimizer=optax.sgd(0.1), memory_limit=limit, max_microbatch=16384)
+    kwargs = dict(optimizer=optax.sgd(0.1), memory_limit=limit, microbatch_cap=16384)
     result = autoaccum.probe(loss_fn, params, batch, progress=seen.append, **kwargs)
     m = result.max_microbatch
     assert 5000 < m < 6500, result  # 16 KiB of input per example under 100 MiB (plus slack already mapped)
@@ -257,7 +257,7 @@ def test_probe_with_granularity_and_the_loop_strategy() -> None:
     # when run uncapped and still fit under it, by a hair, so a separate run could land either side.
     limit = 48 * 2**20 + 2**16
     loss_fn, params, batch = probe_workloads.linear()
-    kwargs = dict(optimizer=optax.adam(1e-3), memory_limit=limit, max_microbatch=8192, granularity=8, strategy="loop")
+    kwargs = dict(optimizer=optax.adam(1e-3), memory_limit=limit, microbatch_cap=8192, granularity=8, strategy="loop")
     result = autoaccum.probe(loss_fn, params, batch, **kwargs)
     m = result.max_microbatch
     assert m > 0 and m % 8 == 0 and result.runs <= 8, result.trials
@@ -273,7 +273,7 @@ def test_the_caller_survives_a_child_that_aborts() -> None:
     with pytest.raises(ProbeError, match="SIGABRT") as info:
         autoaccum.probe(
             probe_workloads.abort_past_64, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB",
-            max_microbatch=128, granularity=32,
+            microbatch_cap=128, granularity=32,
         )  # fmt: skip
     crash = info.value.trial
     assert crash.microbatch_size > 64 and not crash.fits and crash.error is not None
@@ -285,7 +285,7 @@ def test_a_trial_error_is_reported_not_taken_for_too_big() -> None:
     with pytest.raises(ProbeError, match="refuses batches above 64"):
         autoaccum.probe(
             probe_workloads.raise_past_64, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB",
-            max_microbatch=128, granularity=32,
+            microbatch_cap=128, granularity=32,
         )  # fmt: skip
 
 
@@ -299,7 +299,7 @@ def test_nothing_fits_returns_zero() -> None:
 @pytest.mark.gpu
 def test_probe_on_a_gpu_under_a_cap() -> None:
     loss_fn, params, batch = probe_workloads.linear()
-    kwargs = dict(optimizer=optax.sgd(0.1), memory_limit="1GiB", max_microbatch=1 << 17)
+    kwargs = dict(optimizer=optax.sgd(0.1), memory_limit="1GiB", microbatch_cap=1 << 17)
     result = autoaccum.probe(loss_fn, params, batch, **kwargs)
     m = result.max_microbatch
     assert result.device.platform == "gpu" and 0 < m < 1 << 17 and result.runs <= 8
@@ -312,7 +312,7 @@ def test_isolated_probe_with_typed_keys_in_the_batch_and_the_state() -> None:
     state = {"key": jax.random.key(0), "count": jnp.zeros((), jnp.int32)}
     result = autoaccum.probe(
         probe_workloads.keyed_loss, params, batch, optimizer=optax.adam(1e-3), state=state, memory_limit="64MiB",
-        max_microbatch=256, granularity=64,
+        microbatch_cap=256, granularity=64,
     )  # fmt: skip
     assert result.max_microbatch == 256 and all(t.fits for t in result.trials)
     assert int(state["count"]) == 0  # the caller's state is untouched

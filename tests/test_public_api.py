@@ -5,6 +5,11 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import types
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+import pytest
 
 import autoaccum
 from autoaccum import strategies
@@ -56,3 +61,64 @@ def test_nothing_outside_strategies_reaches_into_its_private_base() -> None:
         str(p) for p in root.rglob("*.py") if "strategies._base" in p.read_text() and "strategies" not in p.parts
     ]
     assert offenders == []
+
+
+# -- renamed names: the old one warns (DeprecationWarning) and still works ------------------------------------------
+
+
+def _linear() -> tuple[Any, Any, Any]:
+    loss_fn = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)  # noqa: E731
+    return loss_fn, jnp.zeros(8), {"x": jnp.ones((16, 8)), "y": jnp.zeros(16)}
+
+
+def test_the_search_cap_of_probe_and_estimate_was_max_microbatch() -> None:
+    loss_fn, params, batch = _linear()
+    kw: dict[str, Any] = dict(optimizer=optax.sgd(0.1), memory_limit="256MiB")
+    with pytest.warns(DeprecationWarning, match="`max_microbatch` is deprecated: pass `microbatch_cap`"):
+        probed = autoaccum.probe(loss_fn, params, batch, max_microbatch=8, isolate=False, **kw)
+    assert probed.microbatch_cap == 8 and probed.max_microbatch == 8  # the cap given; the answer under it
+    with pytest.warns(DeprecationWarning, match="`max_microbatch` is deprecated: pass `microbatch_cap`"):
+        est = autoaccum.estimate(loss_fn, params, batch, max_microbatch=8, accumulation=False, **kw)
+    assert est.microbatch_cap == 8 and 0 < est.max_microbatch <= 8
+    with pytest.raises(TypeError, match="give `microbatch_cap` alone"):
+        autoaccum.probe(loss_fn, params, batch, microbatch_cap=8, max_microbatch=8, isolate=False, **kw)
+
+
+def test_the_bound_tune_is_given_was_max_microbatch() -> None:
+    loss_fn, params, batch = _linear()
+    with pytest.warns(DeprecationWarning, match="`max_microbatch` is deprecated: pass `microbatch_bound`"):
+        result = autoaccum.tune(
+            loss_fn, params, batch, optimizer=optax.sgd(0.1), max_microbatch=4, strategies=["loop"], remat=(None,),
+            budget=1, race_rounds=0, storage=":memory:", isolate=False,
+        )  # fmt: skip
+    assert result.probe is None and set(result.bounds.values()) == {4}  # not probed: bounded by the value given
+    assert all(r.microbatch_size <= 4 for r in result.trials)
+
+
+@pytest.mark.parametrize(
+    ("command", "old", "new"),
+    [("probe", "--max-microbatch", "--microbatch-cap"), ("tune", "--max-microbatch", "--microbatch-bound")],
+)
+def test_renamed_cli_options_are_hidden_aliases(command: str, old: str, new: str) -> None:
+    from click.testing import CliRunner
+
+    from autoaccum.cli import main
+
+    help_text = CliRunner().invoke(main, [command, "--help"]).output
+    assert new in help_text and old not in help_text
+    both = CliRunner().invoke(main, [command, "autoaccum.workloads:linear", old, "4", new, "4"])
+    assert both.exit_code == 2 and f"give {new} alone" in both.output, both.output
+
+
+def test_the_old_probe_option_still_works_saying_so() -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from autoaccum.cli import main
+
+    args = ["probe", "autoaccum.workloads:linear", "--memory-limit", "256MiB", "--max-microbatch", "8", "--no-isolate"]
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    assert "warning: --max-microbatch is deprecated: use --microbatch-cap." in result.stderr
+    assert json.loads(result.stdout)["microbatch_cap"] == 8

@@ -309,7 +309,7 @@ def test_tune_on_a_mesh_searches_global_multiples_of_the_shards_and_the_fsdp_sch
     sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, FSDP)
     result = autoaccum.tune(
         loss_fn, sharded, place(batch, mesh, P("data")), optimizer=optax.adam(1e-2), memory_limit="256MiB",
-        effective_batch=128, max_microbatch=64, strategies=["loop"], budget=6, storage=":memory:", seed=0,
+        effective_batch=128, microbatch_bound=64, strategies=["loop"], budget=6, storage=":memory:", seed=0,
     )  # fmt: skip
     assert {t.microbatch_size for t in result.trials} <= {8, 16, 32, 64}
     assert any(t.options["gather_params"] == "per_microbatch" for t in result.trials)
@@ -325,4 +325,4 @@ def test_tune_on_a_mesh_searches_global_multiples_of_the_shards_and_the_fsdp_sch
     assert_trees_close(jax.device_get(got), want, atol=ATOL)
     with pytest.raises(ValueError, match=r"`strategies` \['multisteps'\] do not run with these inputs on a mesh"):
         autoaccum.tune(loss_fn, sharded, place(batch, mesh, P("data")), optimizer=optax.sgd(0.1),
-                       strategies=["multisteps"], max_microbatch=8, storage=":memory:")  # fmt: skip
+                       strategies=["multisteps"], microbatch_bound=8, storage=":memory:")  # fmt: skip

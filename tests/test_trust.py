@@ -52,7 +52,7 @@ def test_changed_loss_and_optimizer_never_resume_the_old_study(tmp_path: Path, m
 
     calls: list[tuple[int, str]] = []
     kw: dict[str, Any] = dict(
-        max_microbatch=12, strategies=["scan", "loop"], measure=constant_measure(calls), race_rounds=0
+        microbatch_bound=12, strategies=["scan", "loop"], measure=constant_measure(calls), race_rounds=0
     )
     first = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1), **kw)
     assert first.resumed_trials == 0 and first.new_trials >= len(calls) > 0  # one-step configurations: timed once
@@ -76,7 +76,9 @@ def test_changed_loss_and_optimizer_never_resume_the_old_study(tmp_path: Path, m
 def test_the_fingerprint_sees_the_optimizers_hyperparameters_and_the_memory_limit() -> None:
     params, batch = linear_problem()
     loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)  # noqa: E731
-    kw: dict[str, Any] = dict(max_microbatch=12, strategies=["scan"], storage=":memory:", measure=constant_measure([]))
+    kw: dict[str, Any] = dict(
+        microbatch_bound=12, strategies=["scan"], storage=":memory:", measure=constant_measure([])
+    )
     a = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1), **kw).fingerprint
     b = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1, momentum=0.9), **kw).fingerprint
     c = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="1GiB", **kw).fingerprint
@@ -89,7 +91,7 @@ def test_warm_start_enqueues_the_largest_candidate() -> None:
     calls: list[tuple[int, str]] = []
     result = tune(
         lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), params, batch, optimizer=optax.sgd(0.1),
-        max_microbatch=96, strategies=["scan", "loop"], budget=3, storage=":memory:",
+        microbatch_bound=96, strategies=["scan", "loop"], budget=3, storage=":memory:",
         measure=constant_measure(calls),
     )  # fmt: skip
     first = min(result.trials, key=lambda r: r.number)  # the warm start's ladder begins at the largest
@@ -116,7 +118,7 @@ def test_a_hung_trial_is_killed_and_reported() -> None:
     with pytest.raises(autoaccum.ProbeError, match=r"timed out: the trial ran over 15 s") as caught:
         autoaccum.probe(
             probe_workloads.hang_past_64, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB",
-            max_microbatch=128, granularity=32, trial_timeout=15,
+            microbatch_cap=128, granularity=32, trial_timeout=15,
         )  # fmt: skip
     assert caught.value.trial.microbatch_size > 64 and not caught.value.trial.fits
 
@@ -165,7 +167,7 @@ def test_tune_prints_no_optuna_trial_lines(capfd: pytest.CaptureFixture[str], ca
     with caplog.at_level(logging.INFO):
         result = tune(
             lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), params, batch, optimizer=optax.sgd(0.1),
-            max_microbatch=12, strategies=["scan"], budget=2, storage=":memory:", measure=failing_at_12,
+            microbatch_bound=12, strategies=["scan"], budget=2, storage=":memory:", measure=failing_at_12,
         )  # fmt: skip
     out, err = capfd.readouterr()
     assert any(t.reason and "a test's" in t.reason for t in result.trials)  # the failure is reported, by the tuner

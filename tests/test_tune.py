@@ -42,7 +42,7 @@ def test_emitted_update_equals_full_batch_step(linear: autoaccum.Workload) -> No
         linear.params,
         linear.batch,
         optimizer=optimizer,
-        max_microbatch=8,
+        microbatch_bound=8,
         budget=4,
         storage=":memory:",
         strategies=["scan", "loop"],
@@ -76,7 +76,7 @@ def test_small_space_is_covered_completely(linear: autoaccum.Workload) -> None:
         linear.params,
         linear.batch,
         optimizer=linear.optimizer,
-        max_microbatch=4,
+        microbatch_bound=4,
         storage=":memory:",
         race_rounds=0,
         measure=fake_measure(calls),
@@ -88,7 +88,7 @@ def test_small_space_is_covered_completely(linear: autoaccum.Workload) -> None:
         linear.params,
         linear.batch,
         optimizer=linear.optimizer,
-        max_microbatch=4,
+        microbatch_bound=4,
         storage=":memory:",
         budget=20,
         race_rounds=0,
@@ -109,7 +109,7 @@ def test_never_times_a_size_above_the_bound(linear: autoaccum.Workload) -> None:
         linear.params,
         linear.batch,
         optimizer=linear.optimizer,
-        max_microbatch=6,
+        microbatch_bound=6,
         budget=10,
         storage=":memory:",
         measure=fake_measure(calls),
@@ -125,7 +125,7 @@ def test_same_seed_same_plan(linear: autoaccum.Workload) -> None:
             linear.params,
             linear.batch,
             optimizer=linear.optimizer,
-            max_microbatch=24,
+            microbatch_bound=24,
             budget=10,
             storage=":memory:",
             seed=seed,
@@ -149,7 +149,7 @@ def test_failed_trials_do_not_stop_the_study(linear: autoaccum.Workload) -> None
         linear.params,
         linear.batch,
         optimizer=linear.optimizer,
-        max_microbatch=12,
+        microbatch_bound=12,
         budget=12,
         storage=":memory:",
         measure=fake_measure(fail_from=8),
@@ -168,7 +168,7 @@ def test_every_trial_failing_is_an_error(linear: autoaccum.Workload) -> None:
             linear.params,
             linear.batch,
             optimizer=linear.optimizer,
-            max_microbatch=2,
+            microbatch_bound=2,
             storage=":memory:",
             measure=fake_measure(fail_from=1),
         )
@@ -185,7 +185,7 @@ def test_interrupted_tune_resumes_without_rerunning(linear: autoaccum.Workload, 
         return inner(update, params, batch)
 
     # n_trials: the whole grid (sizes 1-4 x 5 variants), searched by the GridSampler
-    kwargs: dict[str, Any] = dict(max_microbatch=4, budget=20, storage=storage, study_name="resume", race_rounds=0)
+    kwargs: dict[str, Any] = dict(microbatch_bound=4, budget=20, storage=storage, study_name="resume", race_rounds=0)
     with pytest.raises(KeyboardInterrupt):
         tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, measure=interrupting, **kwargs)
     assert len(first) == 5
@@ -219,7 +219,7 @@ def test_effective_batch_larger_than_the_example_batch(linear: autoaccum.Workloa
         linear.batch,
         optimizer=linear.optimizer,
         effective_batch=50,
-        max_microbatch=16,
+        microbatch_bound=16,
         budget=3,
         storage=":memory:",
         measure=measure,
@@ -235,7 +235,7 @@ def test_plan_round_trip_and_build(linear: autoaccum.Workload, tmp_path: Path) -
         linear.params,
         linear.batch,
         optimizer=linear.optimizer,
-        max_microbatch=8,
+        microbatch_bound=8,
         budget=3,
         storage=":memory:",
         measure=fake_measure(),
@@ -291,7 +291,7 @@ def test_bad_input_fails_before_any_trial(
             linear.params,
             linear.batch,
             optimizer=linear.optimizer,
-            max_microbatch=4,
+            microbatch_bound=4,
             measure=fake_measure(calls),
             **{"storage": ":memory:", **kwargs},
         )
@@ -306,7 +306,7 @@ def test_unopenable_sqlite_path(linear: autoaccum.Workload, tmp_path: Path) -> N
             linear.params,
             linear.batch,
             optimizer=linear.optimizer,
-            max_microbatch=4,
+            microbatch_bound=4,
             storage=url,
             measure=fake_measure(),
         )
@@ -344,7 +344,7 @@ def test_equivalent_configurations_are_timed_once(linear: autoaccum.Workload) ->
     two steps (both unroll the whole loop); over four steps they differ, and both are timed."""
     calls: list[Any] = []
     result = tune(
-        linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, effective_batch=8, max_microbatch=8,
+        linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, effective_batch=8, microbatch_bound=8,
         budget=20, storage=":memory:", measure=fake_measure(calls), race_rounds=0,  # the whole grid
     )  # fmt: skip
     assert [m for m, _, _ in calls].count(8) == 1
@@ -373,7 +373,7 @@ def test_the_finalists_race_and_a_lucky_trial_loses(linear: autoaccum.Workload) 
         times = tuple(base * (1 + 0.01 * i) for i in range(5))
         return Timing(times[2], 0.1, 5, times)
 
-    kw: dict[str, Any] = dict(max_microbatch=4, strategies=["loop"], storage=":memory:", measure=measure)
+    kw: dict[str, Any] = dict(microbatch_bound=4, strategies=["loop"], storage=":memory:", measure=measure)
     unraced = tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, race_rounds=0, **kw)
     assert unraced.plan.microbatch_size == 2 and unraced.race == ()
     counts.clear()
@@ -454,7 +454,7 @@ def test_a_finalist_out_leaves_its_rounds_to_the_close_call() -> None:
 
 def test_the_plan_records_the_accumulator_dtype_it_was_tuned_with(linear: autoaccum.Workload) -> None:
     result = tune(
-        linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, max_microbatch=4, budget=2,
+        linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, microbatch_bound=4, budget=2,
         strategies=["scan"], accumulator_dtype=jnp.bfloat16, storage=":memory:", measure=fake_measure(),
     )  # fmt: skip
     assert result.plan.accumulator_dtype == "bfloat16"
@@ -476,7 +476,7 @@ def test_an_accumulating_step_out_of_memory_lowers_its_strategys_bound_and_tries
         return Timing(seconds_per_step=0.01 + 1.0 / m, compile_seconds=0.1, steps=5)
 
     result = tune(
-        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=32, strategies=["scan", "loop"],
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=32, strategies=["scan", "loop"],
         budget=8, storage=":memory:", measure=measure, race_rounds=0,
     )  # fmt: skip
     loop = [m for m, name in calls if name == "loop"]
@@ -507,7 +507,7 @@ def test_a_strategy_slower_at_every_size_does_not_walk_the_tune_down_to_1(seed: 
         return Timing(times[2], 0.1, 5, times)
 
     result = tune(
-        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=83, storage=":memory:", measure=measure,
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=83, storage=":memory:", measure=measure,
         seed=seed,
     )  # fmt: skip
     first_small = next(i for i, (m, _) in enumerate(calls) if m < 64)
@@ -525,7 +525,7 @@ def test_no_trial_runs_a_microbatch_below_the_floor(linear: autoaccum.Workload) 
         return Timing(1e-3 * update.microbatch_size, 0.1, 5)
 
     result = tune(
-        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=32, min_microbatch=8, budget=12,
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=32, min_microbatch=8, budget=12,
         storage=":memory:", measure=measure,
     )  # fmt: skip
     assert min(calls) == 8 and result.plan.microbatch_size == 8
@@ -534,7 +534,7 @@ def test_no_trial_runs_a_microbatch_below_the_floor(linear: autoaccum.Workload) 
         tune(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, min_microbatch=65, storage=":memory:")
     with pytest.raises(RuntimeError, match=r"no microbatch size to time between `min_microbatch`=23"):
         tune(
-            w.loss_fn, w.params, w.batch, optimizer=w.optimizer, max_microbatch=31, min_microbatch=23,
+            w.loss_fn, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=31, min_microbatch=23,
             storage=":memory:", measure=measure,
         )  # fmt: skip
 
@@ -548,7 +548,7 @@ def test_a_loss_that_raises_raises_its_own_error_before_any_trial(linear: autoac
 
     with pytest.raises(KeyError, match="nope"):
         tune(
-            broken, linear.params, linear.batch, optimizer=linear.optimizer, max_microbatch=4, storage=":memory:",
+            broken, linear.params, linear.batch, optimizer=linear.optimizer, microbatch_bound=4, storage=":memory:",
             measure=fake_measure(calls),
         )  # fmt: skip
     assert calls == []
@@ -560,7 +560,7 @@ def test_a_loss_not_finite_at_the_initial_parameters_is_warned_of(linear: autoac
 
     with pytest.warns(autoaccum.NonFiniteLossWarning, match="the loss is nan at the initial parameters"):
         tune(
-            nan_loss, linear.params, linear.batch, optimizer=linear.optimizer, max_microbatch=4, budget=2,
+            nan_loss, linear.params, linear.batch, optimizer=linear.optimizer, microbatch_bound=4, budget=2,
             storage=":memory:", measure=fake_measure(),
         )  # fmt: skip
 
@@ -597,7 +597,7 @@ def test_a_finished_study_answers_again_without_probing_or_timing(
 
 def test_the_deprecated_names_still_work_with_a_warning(linear: autoaccum.Workload) -> None:
     seen: list[int] = []
-    kw: dict[str, Any] = dict(max_microbatch=4, storage=":memory:", measure=fake_measure())
+    kw: dict[str, Any] = dict(microbatch_bound=4, storage=":memory:", measure=fake_measure())
     with pytest.warns(DeprecationWarning, match="`n_trials` is deprecated: pass `budget`"):
         result = tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, n_trials=2, **kw)
     assert result.new_trials == 2

@@ -63,7 +63,7 @@ def test_a_trial_over_the_limit_fails_in_the_worker_which_restarts() -> None:
 def test_a_crashing_and_a_hanging_trial_are_recorded_and_the_study_goes_on() -> None:
     params, batch = problem(features=16)
     result = tune(
-        troubled_loss, params, batch, optimizer=optax.sgd(0.1), max_microbatch=4, strategies=["loop"],
+        troubled_loss, params, batch, optimizer=optax.sgd(0.1), microbatch_bound=4, strategies=["loop"],
         storage=":memory:", compile_timeout=120, trial_timeout=8, memory_limit="256MiB",
     )  # fmt: skip
     reasons = {r.microbatch_size: r.reason or "" for r in result.trials}
@@ -108,7 +108,7 @@ def test_bad_time_limits_are_refused_before_anything_runs() -> None:
     params, batch = problem(features=16)
     for kw in ({"trial_timeout": 0}, {"compile_timeout": -1.0}, {"race_rounds": -1}, {"isolate": "yes"}):
         with pytest.raises((ValueError, TypeError), match=next(iter(kw))):
-            tune(linear_loss, params, batch, optimizer=optax.sgd(0.1), max_microbatch=4, storage=":memory:", **kw)
+            tune(linear_loss, params, batch, optimizer=optax.sgd(0.1), microbatch_bound=4, storage=":memory:", **kw)
 
 
 def wide_loss(params: Any, batch: Any) -> jax.Array:
@@ -138,7 +138,7 @@ def test_sizes_whose_accumulating_step_is_predicted_over_the_limit_are_never_tim
     boundary, limit = result.probe.max_microbatch, result.probe.memory_limit_bytes
     assert 256 <= boundary < 512 and timed and boundary not in timed, (boundary, timed)
     accumulating = estimate(
-        wide_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit=limit, max_microbatch=512, effective_batch=512
+        wide_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit=limit, microbatch_cap=512, effective_batch=512
     )
     assert all(result.probe.predicted_peak(accumulating, m, 512) <= limit for m in timed)
     assert result.probe.predicted_peak(accumulating, boundary, 512) > limit

@@ -69,7 +69,7 @@ def main() -> None:
         interval, grace = (int(s) for s in args.heartbeat.split(","))
         storage = open_storage(args.storage, heartbeat_interval=interval, grace_period=grace)[0]
     result = tune(
-        loss_fn, params, batch, optimizer=optax.sgd(0.1), max_microbatch=4, budget=args.n_trials or None,
+        loss_fn, params, batch, optimizer=optax.sgd(0.1), microbatch_bound=4, budget=args.n_trials or None,
         storage=storage, study_name=args.study_name or None, measure=measure, race_rounds=0,
         strategies=args.strategies.split(",") if args.strategies else None,
     )  # fmt: skip

@@ -120,12 +120,12 @@ def _check_numbers(kw: dict[str, Any], effective_batch: int) -> None:
         check_positive_int(kw["budget"], "budget")
     largest = effective_batch
     if kw["max_microbatch"] is not None:
-        largest = min(largest, check_positive_int(kw["max_microbatch"], "max_microbatch"))
+        largest = min(largest, check_positive_int(kw["max_microbatch"], "microbatch_bound"))
     check_positive_int(kw["min_microbatch"], "min_microbatch")
     if kw["min_microbatch"] > largest:
         raise ValueError(
             f"`min_microbatch`={kw['min_microbatch']} is above the largest microbatch that may be timed ({largest}: "
-            f"`effective_batch`={effective_batch}, `max_microbatch`={kw['max_microbatch']}); lower it."
+            f"`effective_batch`={effective_batch}, `microbatch_bound`={kw['max_microbatch']}); lower it."
         )
     timeout = kw["timeout"]
     if timeout is not None and not timeout > 0:
@@ -195,7 +195,7 @@ class Space:
         return cls(bounds, fitting, dict(data["predicted_over"]), probed)
 
     @classmethod
-    def bound(cls, job: Job, max_microbatch: int | None) -> Space:
+    def bound(cls, job: Job, max_microbatch: int | None, clock: Clock | None = None) -> Space:
         """Probes the default setting (unless ``max_microbatch`` is given), and bounds every other setting by its
         compile-only estimate calibrated by the probe (`ProbeResult.bound_for`). Where the effective batch needs
         accumulating, a size whose accumulating step (which also holds the accumulator and the whole batch) the
@@ -256,7 +256,7 @@ def _estimates(job: Job, probed: ProbeResult, bounds: dict[Setting, int]) -> dic
             continue  # the probe measured it
         predicted = estimate(
             job.loss_for(setting), job.params, job.batch, optimizer=job.optimizer, strategy=job.names[0],
-            memory_limit=probed.memory_limit_bytes, max_microbatch=probed.microbatch_cap, accumulation=accumulates,
+            memory_limit=probed.memory_limit_bytes, microbatch_cap=probed.microbatch_cap, accumulation=accumulates,
             effective_batch=job.effective_batch if accumulates else None, state=job.state,
             has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"], **setting.build,
         )  # fmt: skip

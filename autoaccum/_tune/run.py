@@ -15,6 +15,7 @@ import optax
 import optuna
 
 from autoaccum._batch import abstract, abstract_batch, resize_batch
+from autoaccum._deprecated import renamed
 from autoaccum._device import detect_device
 from autoaccum._knobs import Knobs
 from autoaccum._plan import Plan, params_signature
@@ -59,17 +60,8 @@ def _renamed(
     budget: int | None, n_trials: int | None, on_trial: Sequence[Any], callbacks: Sequence[Any] | None
 ) -> tuple[int | None, Sequence[Any]]:
     """``budget`` and ``on_trial``, given by their deprecated names (a `DeprecationWarning`) or their own."""
-    if n_trials is not None:
-        if budget is not None:
-            raise TypeError("give `budget` alone; `n_trials` is its deprecated name.")
-        warnings.warn("`n_trials` is deprecated: pass `budget` (the study's, all workers').", DeprecationWarning, 3)
-        budget = n_trials
-    if callbacks is not None:
-        if on_trial:
-            raise TypeError("give `on_trial` alone; `callbacks` is its deprecated name.")
-        warnings.warn("`callbacks` is deprecated: pass `on_trial`.", DeprecationWarning, 3)
-        on_trial = callbacks
-    return budget, on_trial
+    budget = renamed("budget", budget, "n_trials", n_trials, stacklevel=4)
+    return budget, renamed("on_trial", on_trial, "callbacks", callbacks, default=(), stacklevel=4)
 
 
 def _isolatable() -> bool:
@@ -159,7 +151,7 @@ def _open_study(
     study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
     stored = study.user_attrs.get("space")
     if stored is None:
-        space = Space.bound(job, max_microbatch)
+        space = Space.bound(job, max_microbatch, clock)
         stored = study.user_attrs.get("space")  # another worker's, if it finished first
         if stored is None:
             study.set_user_attr("space", space.to_dict(job.settings))
@@ -269,7 +261,7 @@ def tune(
     state: PyTree | None = None,
     loss_reduction: str = "mean",
     accumulator_dtype: Any | Sequence[Any] = jnp.float32,
-    max_microbatch: int | None = None,
+    microbatch_bound: int | None = None,
     min_microbatch: int = 1,
     remat: Sequence[str | None] = BUILTIN_REMAT,
     trial_timeout: float | None = 120.0,
@@ -279,6 +271,7 @@ def tune(
     on_trial: Sequence[Callable[[TrialRecord, int, int], None]] = (),
     n_trials: int | None = None,
     callbacks: Sequence[Callable[[TrialRecord, int, int], None]] | None = None,
+    max_microbatch: int | None = None,
 ) -> TuneResult:
     """Finds the microbatch size, accumulation strategy and knobs with the highest measured throughput.
 
@@ -337,7 +330,8 @@ def tune(
         to search as a knob, the first probed (for a bfloat16 model, ``(jnp.float32, jnp.bfloat16)``: a bfloat16
         accumulator halves its memory and rounds each microbatch's sum to 8 bits of mantissa). The plan records
         the one picked.
-      max_microbatch: skip the probe and use this bound instead (for every setting of the knobs).
+      microbatch_bound: a known bound on the microbatch: skip the probe and time no size above it (for every
+        setting of the knobs).
       min_microbatch: a floor: no trial (and no probe trial) runs a smaller microbatch. Set it where a smaller
         microbatch changes the model, not just the speed (BatchNorm in training mode normalises each microbatch by
         its own statistics).
@@ -359,6 +353,7 @@ def tune(
         configurations settled so far and the number the study aims for (the CLI's progress bar).
       n_trials, callbacks: deprecated names of ``budget`` and ``on_trial`` (in Optuna they mean this worker's
         trials and ``callback(study, trial)``).
+      max_microbatch: deprecated name of ``microbatch_bound``.
 
     Returns:
       A `TuneResult` whose ``update_fn`` is already compiled.
@@ -368,13 +363,14 @@ def tune(
       RuntimeError: nothing fits (the probe found no microbatch) or every trial failed.
     """
     budget, on_trial = _renamed(budget, n_trials, on_trial, callbacks)
+    bound = renamed("microbatch_bound", microbatch_bound, "max_microbatch", max_microbatch)
     children = _isolatable() if isolate is None else bool(isolate) or detect_device().platform != "tpu"
     isolate = children if isolate is None else isolate
     knobs = loss_fn if isinstance(loss_fn, Knobs) else None
     job = Job.check(
         loss_fn, params, batch, optimizer=optimizer, effective_batch=effective_batch, strategies=strategies,
         memory_limit=memory_limit, budget=budget, timeout=timeout, fresh=fresh, has_aux=has_aux, state=state,
-        loss_reduction=loss_reduction, max_microbatch=max_microbatch, min_microbatch=min_microbatch,
+        loss_reduction=loss_reduction, max_microbatch=bound, min_microbatch=min_microbatch,
         trial_timeout=trial_timeout, compile_timeout=compile_timeout, isolate=isolate, children=children,
         race_rounds=race_rounds,
         knob_space=KnobSpace(check_remat_values(remat), check_dtype_values(accumulator_dtype), knobs),
@@ -387,7 +383,7 @@ def tune(
         default = job.settings[0]
         setup = prepare(
             job.loss_for(default), params, batch, optimizer=optimizer, strategy=job.names[0], memory_limit=memory_limit,
-            max_microbatch=job.effective_batch, has_aux=has_aux, state=state, loss_reduction=loss_reduction,
+            microbatch_cap=job.effective_batch, has_aux=has_aux, state=state, loss_reduction=loss_reduction,
             options={"accumulator_dtype": default.accumulator_dtype},
         )  # fmt: skip
     opened, storage_label = open_storage(storage)
@@ -413,7 +409,7 @@ def tune(
             time_one = time_in_worker(job, stack.enter_context(worker), setup.memory_limit_bytes)
         search = None if exhaustive else Search([space.fitting[s] for s in job.settings], list(job.labels),
                                                  job.effective_batch, functools.partial(_program, job))  # fmt: skip
-        trials = Trials(job, space, study, settles, search, time_one, on_trial)
+        trials = Trials(job, space, study, settles, search, time_one, on_trial, searched_only, clock)
         trials.run(timeout, _heartbeats(opened))
         runners = trials.race(race_rounds)
     if setup is None and space.probed is not None:

@@ -20,6 +20,19 @@ def workload_arguments(fn: F) -> F:
     return fn
 
 
+def renamed_option(new: str, value: Any, old: str, old_value: Any) -> Any:
+    """``value`` of option ``new``, or ``old_value`` given under its hidden, deprecated name ``old`` (a warning line
+    on stderr); both given is a usage error (exit 2)."""
+    if old_value is None or old_value == ():
+        return value
+    ctx = click.get_current_context()
+    name = new.lstrip("-").replace("-", "_")
+    if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError(f"give {new} alone; {old} is its deprecated name.")
+    click.echo(f"warning: {old} is deprecated: use {new}.", err=True)
+    return old_value
+
+
 def resolve_workload(workload: str | None, demo: bool) -> Workload:
     """The `Workload` named on the command line; a ``click.UsageError`` (exit 2) when it cannot be loaded."""
     if demo and workload:

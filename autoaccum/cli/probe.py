@@ -12,7 +12,7 @@ from rich.text import Text
 from autoaccum import strategies as strategies_lib
 from autoaccum._probe import DEFAULT_TRIAL_TIMEOUT
 from autoaccum._units import format_bytes
-from autoaccum.cli._common import resolve_workload, workload_arguments
+from autoaccum.cli._common import renamed_option, resolve_workload, workload_arguments
 from autoaccum.cli._console import fit_table, make_console, warnings_as_lines
 
 if TYPE_CHECKING:
@@ -32,7 +32,11 @@ if TYPE_CHECKING:
     help="Memory a trial may use, e.g. 1.5GiB or 800MB; one above the device's memory is lowered to it, with a "
     "warning [default: XLA's allocator limit on a GPU, 50% of available RAM on the CPU].",
 )
-@click.option("--max-microbatch", type=int, default=16384, show_default=True, help="Largest microbatch to try.")
+@click.option(
+    "--microbatch-cap", type=int, default=16384, show_default=True,
+    help="Largest microbatch to try (the search's cap; the answer is the largest that fits).",
+)  # fmt: skip
+@click.option("--max-microbatch", type=int, hidden=True, help="Deprecated: --microbatch-cap.")
 @click.option("--granularity", type=int, default=1, show_default=True, help="Try only multiples of this (e.g. 8).")
 @click.option(
     "--trial-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_TRIAL_TIMEOUT,
@@ -51,7 +55,8 @@ def probe(
     demo: bool,
     strategy: str,
     memory_limit: str | None,
-    max_microbatch: int,
+    microbatch_cap: int,
+    max_microbatch: int | None,
     granularity: int,
     trial_timeout: float,
     no_isolate: bool,
@@ -75,8 +80,9 @@ def probe(
     from autoaccum._probe import probe as run_probe
     from autoaccum._units import parse_bytes
 
-    if max_microbatch < 1:
-        raise click.BadParameter(f"must be >= 1, got {max_microbatch}.", param_hint="--max-microbatch")
+    microbatch_cap = renamed_option("--microbatch-cap", microbatch_cap, "--max-microbatch", max_microbatch)
+    if microbatch_cap < 1:
+        raise click.BadParameter(f"must be >= 1, got {microbatch_cap}.", param_hint="--microbatch-cap")
     if granularity < 1:
         raise click.BadParameter(f"must be >= 1, got {granularity}.", param_hint="--granularity")
     if memory_limit is not None:
@@ -92,7 +98,7 @@ def probe(
 
     console.print(f"probing [bold]{w.name}[/] ({strategy}) ...")
     kwargs = dict(
-        optimizer=w.optimizer, strategy=strategy, memory_limit=memory_limit, max_microbatch=max_microbatch,
+        optimizer=w.optimizer, strategy=strategy, memory_limit=memory_limit, microbatch_cap=microbatch_cap,
         granularity=granularity, has_aux=w.has_aux, state=w.state, loss_reduction=w.loss_reduction,
         isolate=not no_isolate, trial_timeout=None if no_isolate else trial_timeout,
     )  # fmt: skip

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from autoaccum import strategies as strategies_lib
 from autoaccum._units import format_bytes
-from autoaccum.cli._common import resolve_workload, workload_arguments
+from autoaccum.cli._common import renamed_option, resolve_workload, workload_arguments
 from autoaccum.cli._console import fit_table, make_console, warnings_as_lines
 
 if TYPE_CHECKING:
@@ -63,7 +63,11 @@ params, opt_state, loss{state} = update(params, opt_state, batch{state})"""
 )
 @click.option("--fresh", is_flag=True, help="Start the study anew, deleting its earlier trials.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed.")
-@click.option("--max-microbatch", type=click.IntRange(min=1), help="Skip the probe; use this bound instead.")
+@click.option(
+    "--microbatch-bound", type=click.IntRange(min=1),
+    help="A known bound on the microbatch: skip the probe and time no larger size [default: probe for it].",
+)  # fmt: skip
+@click.option("--max-microbatch", type=click.IntRange(min=1), hidden=True, help="Deprecated: --microbatch-bound.")
 @click.option(
     "--min-microbatch", type=click.IntRange(min=1), default=1, show_default=True,
     help="No trial runs a smaller microbatch (e.g. where BatchNorm's statistics need enough examples).",
@@ -114,6 +118,7 @@ def tune(
     study_name: str | None,
     fresh: bool,
     seed: int,
+    microbatch_bound: int | None,
     max_microbatch: int | None,
     min_microbatch: int,
     trial_timeout: float,
@@ -140,12 +145,12 @@ def tune(
 
     from autoaccum._tune.result import TrialRecord
     from autoaccum._tune.run import tune as run_tune
-    from autoaccum._tune.space import BUILTIN_REMAT
+    from autoaccum._knobs import BUILTIN_REMAT
 
     if plot is not None:
         _require_matplotlib()
-    if n_trials is not None:
-        click.echo("warning: --n-trials is deprecated: use --budget (the study's, all workers together).", err=True)
+    budget = renamed_option("--budget", budget, "--n-trials", n_trials)
+    microbatch_bound = renamed_option("--microbatch-bound", microbatch_bound, "--max-microbatch", max_microbatch)
     w = resolve_workload(workload, demo)
     console = make_console(stderr=as_json, quiet=as_json)
     console.print(f"[bold]workload[/] {w.name}: effective batch {effective_batch or w.batch_size}")
@@ -171,7 +176,7 @@ def tune(
                     effective_batch=effective_batch,
                     strategies=list(strategy_names) or None,
                     memory_limit=memory_limit,
-                    budget=budget if n_trials is None else n_trials,
+                    budget=budget,
                     timeout=timeout,
                     storage=storage,
                     study_name=study_name,
@@ -180,7 +185,7 @@ def tune(
                     has_aux=w.has_aux,
                     state=w.state,
                     loss_reduction=w.loss_reduction,
-                    max_microbatch=max_microbatch,
+                    microbatch_bound=microbatch_bound,
                     min_microbatch=min_microbatch,
                     trial_timeout=trial_timeout,
                     compile_timeout=compile_timeout,
