@@ -209,7 +209,7 @@ class Space:
         if max_microbatch is None:
             probed = probe(
                 job.loss_for(default), job.params, job.batch, optimizer=job.optimizer, strategy=job.names[0],
-                memory_limit=job.memory_limit, max_microbatch=eb, state=job.state,
+                memory_limit=job.memory_limit, microbatch_cap=eb, state=job.state,
                 has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"],
                 options=None if default.remat is None else {"remat": default.remat},
                 sizes=[m for m in probe_sizes(eb) if m >= job.min_microbatch],
