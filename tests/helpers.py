@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from autoaccum._tune.timing import Timing, TrialFailed
 
 from autoaccum import Update
-from autoaccum._tune.timing import Timing, TrialFailed
 
 
 def full_batch_step(loss_fn: Any, optimizer: Any, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
@@ -77,3 +77,10 @@ def constant_measure(calls: list[tuple[int, str]]) -> Any:
         return Timing(seconds_per_step=0.01 * update.microbatch_size**0.5, compile_seconds=0.1, steps=5)
 
     return measure
+
+
+def linear_problem(batch_size: int = 12) -> tuple[Any, Any]:
+    """Parameters and a batch of ``batch_size`` examples for a linear regression on 4 features."""
+    params = {"w": jnp.zeros(4), "b": jnp.zeros(())}
+    batch = {"x": jnp.ones((batch_size, 4)), "y": jnp.ones(batch_size)}
+    return params, batch

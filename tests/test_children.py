@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 import probe_workloads
 import pytest
@@ -20,7 +22,7 @@ from click.testing import CliRunner
 import autoaccum
 import autoaccum._isolation
 from autoaccum._device import oom_kills
-from autoaccum._isolation import ChildRunner, Outcome, classify_exit, remove_stale_directories
+from autoaccum._isolation import ChildRunner, Outcome, classify_exit, payload, remove_stale_directories
 from autoaccum._probe import prepare
 from autoaccum._tune.worker import Request, TimingWorker
 from autoaccum.cli import main
@@ -300,3 +302,28 @@ def test_a_killed_commands_children_end_with_it_and_its_files_go_with_the_next_r
     unowned = Path(tempfile.mkdtemp(prefix="autoaccum-", dir=tmp_path / "tmp"))
     assert remove_stale_directories(tmp_path / "tmp") == [left]
     assert sorted((tmp_path / "tmp").iterdir()) == sorted([live, unowned])
+
+
+# Big models: a trial's payload carries shapes, not the parameters' values.
+def test_probe_payload_carries_shapes_not_weights() -> None:
+    params = {"w": jnp.zeros((4096, 4096)), "b": jnp.zeros(4096)}  # 64 MiB of weights
+    batch = {"x": jnp.ones((2, 4096))}
+    setup = prepare(
+        lambda p, b: jnp.mean(b["x"] @ p["w"] + p["b"]), params, batch, optimizer=optax.sgd(0.1),
+        memory_limit="2GiB",
+    )  # fmt: skip
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(setup.job.params))
+    data = payload(setup.job, "cpu", [setup.job.loss_fn])
+    assert len(data) < 2**20, len(data)  # the 64 MiB are not in it
+    assert pickle.loads(data)[1] == "cpu"
+
+
+# Hung children: a per-trial time limit, reported as the trial's reason.
+def test_a_hung_trial_is_killed_and_reported() -> None:
+    _, params, batch = probe_workloads.linear()
+    with pytest.raises(autoaccum.ProbeError, match=r"timed out: the trial ran over 15 s") as caught:
+        autoaccum.probe(
+            probe_workloads.hang_past_64, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB",
+            microbatch_cap=128, granularity=32, trial_timeout=15,
+        )  # fmt: skip
+    assert caught.value.trial.microbatch_size > 64 and not caught.value.trial.fits

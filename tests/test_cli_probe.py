@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
 
+import autoaccum
 from autoaccum.cli import main
 
 WORKLOAD = "probe_workloads:workload"
@@ -124,3 +126,28 @@ def test_trial_timeout_ends_a_hanging_trial_and_the_running_trial_shows_its_time
     assert "ran over 4 s" in result.output  # the time-out is named
     assert "running" in result.output and "0:00:0" in result.output  # the live line: the trial's elapsed time
     assert "--trial-timeout" in invoke("probe", "--help").output
+
+
+# Workload files like scripts: a file importing its siblings loads; any failure is a clear exit 2.
+def test_workload_file_imports_modules_beside_it(tmp_path: Path) -> None:
+    (tmp_path / "models.py").write_text("import jax.numpy as jnp\n\ndef loss(w, b):\n    return jnp.mean(b @ w)\n")
+    (tmp_path / "train.py").write_text(
+        textwrap.dedent("""\
+        import jax.numpy as jnp, optax
+        import autoaccum
+        from models import loss
+
+        def make():
+            return autoaccum.Workload(loss, jnp.zeros(8), jnp.ones((4, 8)), optax.sgd(0.1), name="sibling")
+
+        def broken():
+            raise RuntimeError("the dataset is not downloaded")
+        """)
+    )
+    assert autoaccum.load_workload(f"{tmp_path / 'train.py'}:make").name == "sibling"
+    result = CliRunner().invoke(main, ["probe", f"{tmp_path / 'train.py'}:broken", "--memory-limit", "64MiB"])
+    assert result.exit_code == 2, result.output
+    assert "calling broken() from" in result.output and "the dataset is not downloaded" in result.output
+    (tmp_path / "bad.py").write_text("from no_such_module import x\n")
+    result = CliRunner().invoke(main, ["probe", f"{tmp_path / 'bad.py'}:make"])
+    assert result.exit_code == 2 and "ModuleNotFoundError" in result.output, result.output

@@ -1,4 +1,4 @@
-"""Smoke tests: every script in examples/ runs to completion."""
+"""Smoke tests: every script in examples/ runs to completion, every benchmark answers --help."""
 
 from __future__ import annotations
 
@@ -28,3 +28,12 @@ def test_example_runs(script: Path) -> None:
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.stdout.strip()
+
+
+BENCHMARKS = sorted((Path(__file__).parent.parent / "benchmarks").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
+def test_benchmarks_run_as_scripts(script: Path) -> None:
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

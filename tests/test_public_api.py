@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import subprocess
+import sys
 import types
 from typing import Any
 
@@ -122,3 +124,10 @@ def test_the_old_probe_option_still_works_saying_so() -> None:
     assert result.exit_code == 0, result.output
     assert "warning: --max-microbatch is deprecated: use --microbatch-cap." in result.stderr
     assert json.loads(result.stdout)["microbatch_cap"] == 8
+
+
+# The layout: an installed autoaccum creates no top-level `strategies` module.
+def test_no_top_level_strategies_module() -> None:
+    code = "import importlib.util, autoaccum.strategies; print(importlib.util.find_spec('strategies'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
+    assert out.stdout.strip() == "None"

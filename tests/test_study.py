@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
+from helpers import constant_measure, linear_problem
+from seams import tune
 
 from autoaccum._tune.study import default_storage, open_storage
 
@@ -68,3 +75,73 @@ def test_waiting_on_a_dead_workers_trial_prints_no_experimental_warning(tmp_path
     (hung,) = lines(victim_log)
     assert hung in lines(survivor_log), "the dead worker's trial was measured again"
     assert json.loads(out.strip().splitlines()[-1])["new_trials"] >= GRID - 1
+
+
+# Stale results: a changed loss body and optimizer (same function name) is a new study, never the old answer.
+def test_changed_loss_and_optimizer_never_resume_the_old_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AUTOACCUM_CACHE", str(tmp_path))  # the default storage, in a fresh folder
+    params, batch = linear_problem()
+
+    def loss_fn(p: Any, b: Any) -> jax.Array:
+        return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+    calls: list[tuple[int, str]] = []
+    kw: dict[str, Any] = dict(
+        microbatch_bound=12, strategies=["scan", "loop"], measure=constant_measure(calls), race_rounds=0
+    )
+    first = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1), **kw)
+    assert first.resumed_trials == 0 and first.new_trials >= len(calls) > 0  # one-step configurations: timed once
+
+    def loss_fn(p: Any, b: Any) -> jax.Array:  # type: ignore[no-redef]  # same name, another body
+        return jnp.mean(jnp.abs(b["x"] @ p["w"] + p["b"] - b["y"]))
+
+    calls.clear()
+    second = tune(loss_fn, params, batch, optimizer=optax.adam(1e-3), **kw)
+    assert second.fingerprint != first.fingerprint and second.study_name != first.study_name
+    assert second.resumed_trials == 0 and second.new_trials >= len(calls) > 0  # it timed, for itself
+
+    calls.clear()
+    again = tune(loss_fn, params, batch, optimizer=optax.adam(1e-3), **kw)  # the same setup: resumed, says so
+    assert again.fingerprint == second.fingerprint and calls == []
+    assert again.message.startswith(f"resumed: {second.new_trials} trials from earlier runs, 0 new")
+    fresh = tune(loss_fn, params, batch, optimizer=optax.adam(1e-3), fresh=True, **kw)
+    assert fresh.resumed_trials == 0 and fresh.new_trials >= len(calls) > 0
+
+
+def test_the_fingerprint_sees_the_optimizers_hyperparameters_and_the_memory_limit() -> None:
+    params, batch = linear_problem()
+    loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)  # noqa: E731
+    kw: dict[str, Any] = dict(
+        microbatch_bound=12, strategies=["scan"], storage=":memory:", measure=constant_measure([])
+    )
+    a = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1), **kw).fingerprint
+    b = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1, momentum=0.9), **kw).fingerprint
+    c = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="1GiB", **kw).fingerprint
+    assert len({a, b, c}) == 3
+
+
+# Library hygiene: no Optuna trial lines in the user's log (nor a failed trial's traceback: the tuner reports
+# why), and the user's verbosity is left as it was.
+def test_tune_prints_no_optuna_trial_lines(capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    import optuna
+
+    before = optuna.logging.get_verbosity()
+    from autoaccum._worker import TrialFailed
+
+    params, batch = linear_problem()
+    measure = constant_measure([])
+
+    def failing_at_12(update: Any, params: Any, batch: Any) -> Any:
+        if update.microbatch_size == 12:
+            raise TrialFailed("out of memory in the worker (a test's)")
+        return measure(update, params, batch)
+
+    with caplog.at_level(logging.INFO):
+        result = tune(
+            lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), params, batch, optimizer=optax.sgd(0.1),
+            microbatch_bound=12, strategies=["scan"], budget=2, storage=":memory:", measure=failing_at_12,
+        )  # fmt: skip
+    out, err = capfd.readouterr()
+    assert any(t.reason and "a test's" in t.reason for t in result.trials)  # the failure is reported, by the tuner
+    assert "Trial 0 f" not in out + err + caplog.text and "Traceback" not in out + err + caplog.text
+    assert optuna.logging.get_verbosity() == before

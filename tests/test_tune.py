@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import fake_measure
+from autoaccum._tune.timing import Timing, TrialFailed
+from helpers import constant_measure, fake_measure, linear_problem
 from seams import tune
 
 import autoaccum
 from autoaccum import Plan, Update, workloads
 from autoaccum._tune.race import quartiles, race
 from autoaccum._tune.space import microbatch_candidates, variants
-from autoaccum._tune.timing import Timing, TrialFailed
 
 
 @pytest.fixture(scope="module")
@@ -627,3 +627,16 @@ def test_where_no_child_can_have_the_device_tune_says_so_and_runs_here(
         )  # fmt: skip
     assert result.probe is not None and result.probe.isolate is False
     assert result.plan.microbatch_size >= 1
+
+
+# Warm start: the largest candidate first, also when the effective batch has few divisors (B=96: 96, not 64).
+def test_warm_start_enqueues_the_largest_candidate() -> None:
+    params, batch = linear_problem(96)
+    calls: list[tuple[int, str]] = []
+    result = tune(
+        lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), params, batch, optimizer=optax.sgd(0.1),
+        microbatch_bound=96, strategies=["scan", "loop"], budget=3, storage=":memory:",
+        measure=constant_measure(calls),
+    )  # fmt: skip
+    first = min(result.trials, key=lambda r: r.number)  # the warm start's ladder begins at the largest
+    assert (first.microbatch_size, first.strategy) == (96, "scan") and calls[0][0] == 96
