@@ -1,12 +1,11 @@
 """Child processes that may run out of memory, crash or hang without taking the caller down.
 
 The caller writes a *payload* (`payload`: the job pickled with cloudpickle, parameters as shapes only), then
-`ChildRunner` starts a child (`child_command`: this interpreter, this process's `autoaccum`, from any working
-folder) under `child_env` (one device, its allocator capped on a GPU; glibc malloc made predictable on the CPU)
-with a time limit. The child writes its result as JSON; a child that dies first is classified from its exit status
-and output (`classify_exit`), one that outlives its time limit is killed with its whole process group and reported
-as such, and one killed from outside (not by the kernel's OOM killer) runs once more (`dead_child`). A child ends
-with its parent (`die_with_parent`); interrupted, the parent ends its children before it goes on.
+`autoaccum._worker.Worker` starts a child (`child_command`: this interpreter, this process's `autoaccum`, from any
+working folder) under `child_env` (one device or the caller's mesh, its allocator capped on a GPU; glibc malloc
+made predictable on the CPU). A child that dies is classified from its exit status and output (`classify_exit`),
+and one killed from outside (not by the kernel's OOM killer) runs once more (`dead_child`). A child ends with its
+parent (`die_with_parent`); interrupted, the parent ends its children before it goes on.
 
 What "does not fit" means for a dead child, exactly (`classify_exit`):
 
@@ -29,7 +28,6 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import io
-import json
 import math
 import os
 import pickle
@@ -72,6 +70,7 @@ class Outcome(JsonMixin):
       message: the OOM or error message.
       compile_seconds: time spent compiling.
       times: each timed step's wall time (``seconds`` is their median), when it fit.
+      estimate: a compile-only estimate's `autoaccum.Estimate` (as `to_dict` writes it), for an estimate request.
     """
 
     status: str
@@ -81,6 +80,7 @@ class Outcome(JsonMixin):
     message: str | None = None
     compile_seconds: float | None = None
     times: list[float] | None = None
+    estimate: dict[str, Any] | None = None
 
 
 def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outcome:
@@ -178,7 +178,8 @@ def backend_name(info: DeviceInfo) -> str:
 def child_env(
     info: DeviceInfo, limit: int, env: Mapping[str, str] | None = None, *, devices: int = 1
 ) -> dict[str, str]:
-    """The environment of a child: one device (or a mesh's ``devices``), its allocator capped at ``limit``.
+    """The environment of a child: one device (or a mesh's ``devices``: on the CPU ``JAX_NUM_CPU_DEVICES`` where
+    ``XLA_FLAGS`` does not set them), its allocator capped at ``limit``.
 
     On a GPU: ``CUDA_VISIBLE_DEVICES`` selects the probed card (with a mesh, every card stays visible),
     ``XLA_CLIENT_MEM_FRACTION`` = ``limit`` /
@@ -215,6 +216,8 @@ def child_env(
         flags = out.get("XLA_FLAGS", "")
         if devices > 1 and _CPU_COLLECTIVE_TIMEOUT.split("=")[0] not in flags:
             out["XLA_FLAGS"] = f"{flags} {_CPU_COLLECTIVE_TIMEOUT}".strip()
+        if devices > 1 and "xla_force_host_platform_device_count" not in flags:  # the caller's mesh, however made
+            out.setdefault("JAX_NUM_CPU_DEVICES", str(devices))
     return out
 
 
@@ -317,14 +320,6 @@ def _code_in_file(rebuild: Any, args: tuple[Any, ...], filename: str) -> types.C
     return code.replace(co_filename=filename)
 
 
-def write_result(result_path: str, data: dict[str, Any]) -> None:
-    """Writes a child's result atomically (a parent never reads half a file)."""
-    tmp = result_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, result_path)
-
-
 def _unimportable_modules(fn: Any) -> list[ModuleType]:
     modules: list[ModuleType] = []
     name = getattr(fn, "__module__", None)
@@ -365,15 +360,15 @@ main()
 shadow an installed autoaccum), and not the working folder on ``sys.path`` (``-c`` puts it first)."""
 
 
-def child_command(kind: str, payload_path: Path, args: Sequence[str], result: Path) -> list[str]:
-    """The command that starts a child of ``kind`` (`autoaccum._child.main`): this interpreter, running the
-    `autoaccum` package this process runs, from any working folder (`_BOOT`), told this process's id (it ends when
-    this process does, `die_with_parent`).
+def child_command(payload_path: Path, args: Sequence[str]) -> list[str]:
+    """The command that starts a worker (`autoaccum._child.main`): this interpreter, running the `autoaccum` package
+    this process runs, from any working folder (`_BOOT`), told this process's id (it ends when this process does,
+    `die_with_parent`).
 
     Example:
-      >>> command = child_command("trial", Path("job.pkl"), ["8", "1024"], Path("out.json"))
-      >>> command[1], command[-5:]
-      ('-c', ['trial', 'job.pkl', '8', '1024', 'out.json'])
+      >>> command = child_command(Path("job.pkl"), ["5", "1024"])
+      >>> command[1], command[-3:]
+      ('-c', ['job.pkl', '5', '1024'])
     """
     import autoaccum
 
@@ -381,10 +376,7 @@ def child_command(kind: str, payload_path: Path, args: Sequence[str], result: Pa
     assert spec is not None and spec.origin is not None, "autoaccum is a package loaded from its files"
     folders = os.pathsep.join(spec.submodule_search_locations or ())
     thread = "main" if threading.current_thread() is threading.main_thread() else "other"
-    return [
-        sys.executable, "-c", _BOOT, spec.origin, folders, str(os.getpid()), thread, kind, str(payload_path), *args,
-        str(result),
-    ]  # fmt: skip
+    return [sys.executable, "-c", _BOOT, spec.origin, folders, str(os.getpid()), thread, str(payload_path), *args]
 
 
 def die_with_parent(parent: int, *, at_once: bool) -> None:
@@ -479,87 +471,8 @@ def _owner_alive(tag: str) -> bool:
     return status is None or (status[0] != "Z" and start in ("", status[1]))
 
 
-class ChildRunner:
-    """Runs children of one job: ``runner.run(kind, args, timeout) -> (data or None, Outcome or None)``.
-
-    Use as a context manager: it keeps the payload in a temporary directory (`make_directory`), removed on exit,
-    an exception's included; one that a killed run left behind is removed by the next run.
-    """
-
-    def __init__(self, job: Any, device: DeviceInfo, limit: int, functions: Sequence[Any] = ()) -> None:
-        self.job, self.device, self.limit, self.functions = job, device, limit, tuple(functions)
-        self._dir: Path | None = None
-        self._count = 0
-
-    def __enter__(self) -> ChildRunner:
-        self._dir = make_directory()
-        try:
-            (self._dir / "job.pkl").write_bytes(payload(self.job, self.device.platform, self.functions))
-        except BaseException:  # (a job that does not pickle, an interrupt): no folder is left behind
-            self.__exit__()
-            raise
-        return self
-
-    @property
-    def directory(self) -> Path:
-        """The temporary directory holding the payload (``job.pkl``) and the children's logs."""
-        assert self._dir is not None, "use ChildRunner as a context manager"
-        return self._dir
-
-    def __exit__(self, *exc: object) -> None:
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
-
-    def run(
-        self, kind: str, args: Sequence[str], timeout: float | None
-    ) -> tuple[dict[str, Any] | None, Outcome | None]:
-        """Runs one child; ``(result, None)`` if it wrote its result, else ``(None, outcome)`` saying why not.
-
-        A child still running after ``timeout`` seconds is killed with its process group and reported as an
-        ``"error"`` outcome that says so; one killed from outside (`dead_child`) runs once more. Interrupted (a
-        ``KeyboardInterrupt``, any exception), this process kills the child before the exception goes on.
-        """
-        for _ in range(2):
-            data, failed, again = self._run_once(kind, args, timeout)
-            if not again:
-                return data, failed
-        assert failed is not None
-        return None, killed_again(failed)
-
-    def _run_once(
-        self, kind: str, args: Sequence[str], timeout: float | None
-    ) -> tuple[dict[str, Any] | None, Outcome | None, bool]:
-        """`run`'s one child, and whether to run it once more."""
-        assert self._dir is not None, "use ChildRunner as a context manager"
-        self._count += 1
-        result, log = self._dir / f"{kind}-{self._count}.json", self._dir / f"{kind}-{self._count}.log"
-        command = child_command(kind, self._dir / "job.pkl", args, result)
-        kills = oom_kills()
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                command, env=child_env(self.device, self.limit, devices=getattr(self.job, "devices", 1)),
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-            try:
-                returncode: int | None = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                returncode = None
-            finally:
-                if proc.poll() is None:  # timed out, or this process is interrupted: the child goes first
-                    _kill_group(proc)
-        if returncode is None:
-            return None, Outcome(
-                "error", message=f"timed out: the {kind} ran over {timeout:g} s and was killed (a hang? raise "
-                "`trial_timeout` if it is only slow)."
-            ), False  # fmt: skip
-        if result.is_file():
-            return json.loads(result.read_text()), None, False
-        outcome, again = dead_child(returncode, log, kills)
-        return None, outcome, again
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kills ``proc`` with its process group (a child started in a session of its own), and waits for it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

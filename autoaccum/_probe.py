@@ -50,12 +50,13 @@ from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_
 from autoaccum._deprecated import renamed
 from autoaccum._device import DeviceInfo, detect_device, resolve_memory_limit
 from autoaccum._estimate import DEFAULT_MAX_MICROBATCH, Estimate
-from autoaccum._isolation import ChildRunner, Outcome
+from autoaccum._isolation import Outcome
 from autoaccum._json import JsonMixin
 from autoaccum._memory import state_bytes
 from autoaccum._preflight import trace_loss
-from autoaccum._trial import Job, MeshSpec, compile_trial, estimate_for_search, is_oom, measured, oom_outcome
+from autoaccum._trial import Job, MeshSpec, is_oom, oom_outcome
 from autoaccum._units import format_bytes
+from autoaccum._worker import Request, Server, Worker, use_compilation_cache
 from autoaccum.strategies import PyTree, check_params, leading_size, tree_bytes
 
 FIRST_MARGIN = 0.9
@@ -403,47 +404,59 @@ def _predict(
 
 
 class TrialRunner:
-    """Runs trials of one `Setup`: ``runner(size) -> Trial``, remembering every trial in ``trials``.
+    """Runs trials of one `Setup`: ``runner(size) -> Trial``, remembering every trial in ``trials``; asks the worker
+    (`autoaccum._worker.Worker`), or with ``isolate=False`` answers here (`autoaccum._worker.Server`).
 
-    Use as a context manager (isolated trials keep their payload in a temporary directory).
+    Use as a context manager (the worker's payload stays in a temporary directory).
     """
 
     def __init__(self, setup: Setup, progress: Callable[[Trial], None] | None = None) -> None:
         self.setup = setup
         self.progress = progress
         self.trials: list[Trial] = []
-        self._children: ChildRunner | None = None
-        self._makers: dict[Any, Any] = {}  # trials here share what makes their inputs (`compile_trial`)
+        s = setup
+        self._worker: Worker | None = None
+        self._server: Server | None = None
+        if s.isolate:
+            timeout = s.trial_timeout
+            self._worker = Worker(s.job, s.device, s.memory_limit_bytes, compile_timeout=timeout, step_timeout=timeout)
+        else:
+            self._server = Server(s.job, [{}], s.device.platform, s.device.device, s.memory_limit_bytes)
 
     def __enter__(self) -> TrialRunner:
-        if self.setup.isolate:
-            s = self.setup
-            self._children = ChildRunner(s.job, s.device, s.memory_limit_bytes, [s.job.loss_fn]).__enter__()
+        if self._worker is not None:
+            self._worker.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._children is not None:
-            self._children.__exit__(*exc)
-            self._children = None
+        if self._worker is not None:
+            self._worker.__exit__(*exc)
+
+    def ask(self, request: Request) -> Outcome:
+        """The worker's answer, or this process's (only an allocation failure is caught here: `is_oom`)."""
+        if self._worker is not None:
+            return self._worker.ask(request)
+        assert self._server is not None
+        try:
+            return self._server.answer(request)
+        except (jax.errors.JaxRuntimeError, MemoryError) as e:
+            if not is_oom(e):
+                raise
+            return oom_outcome(e)
 
     def estimate(self) -> tuple[Estimate | None, str | None]:
-        """The compile-only `autoaccum.Estimate` (in a child when isolated), and why it is None when it is."""
-        s = self.setup
-        if self._children is None:
-            return estimate_for_search(s.job, limit=s.memory_limit_bytes, max_microbatch=s.microbatch_cap), None
-        data, failed = self._children.run(
-            "estimate", [str(s.memory_limit_bytes), str(s.microbatch_cap)], s.trial_timeout
-        )
-        if data is None:
-            assert failed is not None
-            return None, f"the compile-only estimate's child failed: {(failed.message or '').strip()[-300:]}"
-        if data.get("estimate") is None:
+        """The compile-only `autoaccum.Estimate` of one microbatch's step, and why it is None when it is."""
+        cap = self.setup.microbatch_cap
+        outcome = self.ask(Request({}, 0, 0, kind="estimate", estimate={"microbatch_cap": cap, "accumulation": False}))
+        if outcome.status == "oom":
             return None, "XLA ran out of memory compiling the step for an estimate"
-        return Estimate.from_dict(data["estimate"]), None
+        if outcome.estimate is None:
+            return None, f"the compile-only estimate failed: {(outcome.message or '').strip()[-300:]}"
+        return Estimate.from_dict(outcome.estimate), None
 
     def __call__(self, size: int) -> Trial:
         start = time.perf_counter()
-        outcome = self._here(size) if self._children is None else self._in_child(size)
+        outcome = self.ask(Request({}, size, size, kind="fits"))
         wall = time.perf_counter() - start
         trial = Trial(
             microbatch_size=size,
@@ -461,28 +474,6 @@ class TrialRunner:
         if trial.error is not None:
             raise ProbeError(f"trial at microbatch {size} failed: {trial.error}", trial, tuple(self.trials))
         return trial
-
-    def _here(self, size: int) -> Outcome:
-        import jax
-
-        info = self.setup.device
-        try:
-            compiled = compile_trial(self.setup.job, size, info.device, makers=self._makers)
-            return measured(compiled, info.platform, self.setup.memory_limit_bytes)
-        except (jax.errors.JaxRuntimeError, MemoryError) as e:
-            if not is_oom(e):
-                raise
-            return oom_outcome(e)
-
-    def _in_child(self, size: int) -> Outcome:
-        assert self._children is not None
-        data, failed = self._children.run(
-            "trial", [str(size), str(self.setup.memory_limit_bytes)], self.setup.trial_timeout
-        )
-        if data is None:
-            assert failed is not None
-            return failed
-        return Outcome.from_dict(data)
 
 
 def probe(
@@ -569,6 +560,7 @@ def probe(
     if sizes is not None:
         sizes = _check_sizes(sizes, setup)
     trace_loss(loss_fn, params, batch, state)  # the loss's own error, here, before any child starts
+    use_compilation_cache()
     with TrialRunner(setup, progress) as runner:
         model, why = runner.estimate()
         best = search(

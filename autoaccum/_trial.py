@@ -1,7 +1,7 @@
 """One probe trial: build the real update step for a microbatch size, run it, report whether it fit.
 
-`compile_trial` and `run_trial` run in a fresh child process (the default, see `autoaccum._isolation`; the
-child's work is `child_main`) or in the caller's process (``isolate=False``). A trial gets the parameters'
+`compile_trial` and `run_trial` run in the worker process (the default, see `autoaccum._worker`) or in the
+caller's process (``isolate=False``). A trial gets the parameters'
 shapes and dtypes only (`Job`), and makes the arrays itself: a probe of a 7B-parameter model writes no 28 GB
 file. The example batch travels as it is (a few rows).
 
@@ -41,11 +41,10 @@ import optax
 
 from autoaccum._batch import abstract, abstract_batch, device_copy, resize_batch
 from autoaccum._device import memory_stats
-from autoaccum._isolation import Outcome, load_payload, write_result
+from autoaccum._isolation import Outcome
 from autoaccum.strategies import Program, PyTree, layout_of, leading_size
 
 if TYPE_CHECKING:
-    from autoaccum._estimate import Estimate
     from autoaccum._update import Update
 
 _CPU_OOM_MESSAGE = "Out of memory allocating"
@@ -392,7 +391,7 @@ def address_space_cap(limit: int, *, resident: bool = False) -> Iterator[Callabl
     Yields a function giving the bytes used above that size at the peak (None while the peak is still the
     one from before the cap). The soft limit is restored on exit.
 
-    With ``resident``, for a process that runs many trials (`autoaccum._tune.worker`), whose address-space
+    With ``resident``, for a process that runs many trials (`autoaccum._worker`), whose address-space
     peak only ever grows: the peak is the resident memory's (``VmHWM``, reset here through
     ``/proc/self/clear_refs``) above the resident size at entry, what the trial really touched; None where the
     reset is refused.
@@ -511,44 +510,6 @@ def measured(
         run_trial(compiled, lambda: None)  # raises if the failure is not the cap's doing
         first = oom_outcome(e).message
         return Outcome("oom", message=f"{first} (under the cap; the same step runs without it)")
-
-
-def estimate_for_search(job: Job, *, limit: int, max_microbatch: int) -> Estimate | None:
-    """The compile-only `autoaccum.Estimate` of the trial's step (one microbatch per step, the runtime's own
-    needs included) that the probe's search starts from; None if XLA runs out of memory compiling it.
-
-    It traces ``loss_fn``, so `autoaccum.probe` runs it in a child process when trials are isolated.
-    """
-    from autoaccum._estimate import estimate
-
-    try:
-        params, batch, state = job.inputs()
-        return estimate(
-            job.loss_fn, params, batch, optimizer=job.optimizer, state=state, memory_limit=limit,
-            microbatch_cap=max_microbatch, accumulation=False, **dict(job.build),
-        )  # fmt: skip
-    except jax.errors.JaxRuntimeError as e:
-        if is_oom(e):
-            return None
-        raise
-
-
-def child_main(kind: str, payload_path: str, args: list[str], result_path: str) -> None:
-    """A child's work, its result written as JSON (any failure is reported to the parent, never raised):
-
-    * ``trial SIZE LIMIT``: compile the step for ``SIZE``, run it under ``LIMIT``: an `Outcome`;
-    * ``estimate LIMIT MAX_MICROBATCH``: `estimate_for_search`: ``{"estimate": Estimate or None}``.
-    """
-    job, platform = load_payload(payload_path)
-    if kind == "estimate":
-        model = estimate_for_search(job, limit=int(args[0]), max_microbatch=int(args[1]))
-        write_result(result_path, {"estimate": None if model is None else model.to_dict()})
-        return
-    size, limit = int(args[0]), int(args[1])
-    device = jax.devices()[0]
-    warm_up(device)
-    outcome = guarded(lambda: measured(compile_trial(job, size, device), platform, limit))
-    write_result(result_path, outcome.to_dict())
 
 
 def guarded(run: Callable[[], Outcome]) -> Outcome:

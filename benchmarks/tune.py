@@ -38,19 +38,19 @@ from autoaccum import workloads
 from autoaccum._probe import prepare
 from autoaccum._tune.space import BUILTIN_REMAT, microbatch_candidates, program_key, variants
 from autoaccum._tune.trials import STEPS, WARMUP
-from autoaccum._tune.worker import Request, TimingWorker
 from autoaccum._units import format_bytes
+from autoaccum._worker import Request, Worker
 
 Config = tuple[int, str, Any]  # (microbatch, strategy variant label, remat)
 
 
-def worker_for(setup: Any) -> TimingWorker:
+def worker_for(setup: Any) -> Worker:
     """The tuner's isolated timing worker for a probe `Setup`, with generous time limits."""
-    return TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=600, step_timeout=120)
+    return Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=600, step_timeout=120)
 
 
 def side_by_side(
-    worker: TimingWorker,
+    worker: Worker,
     configs: dict[str, Config],
     labels: dict[str, Any],
     rows: int,
@@ -203,7 +203,7 @@ def part_b(args: argparse.Namespace) -> None:
         picks[key] = settings.index(plan.knobs or w.knobs.default)
     setup = prepare(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit=limit)
     job = dataclasses.replace(setup.job, loss_fn=w.knobs)
-    with TimingWorker(
+    with Worker(
         job, setup.device, setup.memory_limit_bytes, compile_timeout=600, step_timeout=120, settings=settings
     ) as wk:
         rates = side_by_side(wk, configs, labels, batch, args.rounds, settings=picks)

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from autoaccum._tune.timing import Timing, TrialFailed
 
 from autoaccum import Update
+from autoaccum._worker import Timing, TrialFailed
 
 
 def full_batch_step(loss_fn: Any, optimizer: Any, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:

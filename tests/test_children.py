@@ -22,9 +22,9 @@ from click.testing import CliRunner
 import autoaccum
 import autoaccum._isolation
 from autoaccum._device import oom_kills
-from autoaccum._isolation import ChildRunner, Outcome, classify_exit, payload, remove_stale_directories
+from autoaccum._isolation import classify_exit, payload, remove_stale_directories
 from autoaccum._probe import prepare
-from autoaccum._tune.worker import Request, TimingWorker
+from autoaccum._worker import Request, Worker
 from autoaccum.cli import main
 
 
@@ -39,7 +39,7 @@ def test_children_run_the_parents_autoaccum_from_any_folder(tmp_path: Path, monk
     result = autoaccum.probe(loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="64MiB", microbatch_cap=8)
     assert result.max_microbatch == 8 and all(t.error is None for t in result.trials), result.trials
     setup = prepare(loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="64MiB")
-    with TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+    with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
         assert w.time(Request({"strategy": "scan"}, 4, 8, 2, 0)).status == "fits"
 
 
@@ -171,14 +171,10 @@ def test_a_child_killed_from_outside_runs_once_more_and_is_never_taken_for_out_o
         setup = prepare(
             killed_in_children(attempts, kills), params, batch, optimizer=optax.sgd(0.1), memory_limit="64MiB"
         )
-        if where == "probe":
-            with ChildRunner(setup.job, setup.device, setup.memory_limit_bytes) as runner:
-                data, failed = runner.run("trial", ["4", str(setup.memory_limit_bytes)], 120)
-            outcome = Outcome.from_dict(data) if failed is None else failed
-        else:
-            limit = setup.memory_limit_bytes
-            with TimingWorker(setup.job, setup.device, limit, compile_timeout=120, step_timeout=60) as worker:
-                outcome = worker.time(Request({"strategy": "scan"}, 4, 8, 2, 0))
+        request = Request({}, 4, 4, kind="fits") if where == "probe" else Request({"strategy": "scan"}, 4, 8, 2, 0)
+        limit = setup.memory_limit_bytes
+        with Worker(setup.job, setup.device, limit, compile_timeout=120, step_timeout=60) as worker:
+            outcome = worker.ask(request)
         assert len(pids(attempts)) == 2, where  # once more, never twice more
         if kills == 1:
             assert outcome.status == "fits", (where, outcome)

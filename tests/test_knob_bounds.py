@@ -21,7 +21,7 @@ from autoaccum._device import DeviceInfo
 from autoaccum._estimate import Estimate, Point
 from autoaccum._probe import FIRST_MARGIN, ProbeResult, Trial
 from autoaccum._step_time import StepCost
-from autoaccum._tune.timing import Timing
+from autoaccum._worker import Timing
 
 MiB = 2**20
 CAP = 256

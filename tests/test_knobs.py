@@ -24,7 +24,7 @@ from seams import nnx_tune, tune
 
 import autoaccum
 from autoaccum import Knobs, Plan, Update, strategies, workloads
-from autoaccum._tune.timing import Timing
+from autoaccum._worker import Timing
 
 POLICIES = strategies.REMAT_POLICIES
 

@@ -223,11 +223,14 @@ def test_in_process_probe_leaves_the_callers_arrays_alone() -> None:
 
 
 def verify(setup_kwargs: dict, sizes: list[int]) -> list[bool]:
-    """Separate capped runs (each in its own child) of ``sizes``."""
+    """Separate capped runs of ``sizes``, each in a worker of its own."""
     loss_fn, params, batch = probe_workloads.linear()
     setup = prepare(loss_fn, params, batch, **setup_kwargs)
-    with TrialRunner(setup) as run:
-        return [run(m).fits for m in sizes]
+    fits = []
+    for m in sizes:
+        with TrialRunner(setup) as run:
+            fits.append(run(m).fits)
+    return fits
 
 
 def test_probe_finds_the_exact_boundary_under_a_real_cap() -> None:

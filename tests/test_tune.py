@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from autoaccum._tune.timing import Timing, TrialFailed
 from helpers import constant_measure, fake_measure, linear_problem
 from seams import tune
 
@@ -20,6 +19,7 @@ import autoaccum
 from autoaccum import Plan, Update, workloads
 from autoaccum._tune.race import quartiles, race
 from autoaccum._tune.space import microbatch_candidates, variants
+from autoaccum._worker import Timing, TrialFailed
 
 
 @pytest.fixture(scope="module")

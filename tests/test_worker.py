@@ -15,8 +15,7 @@ from seams import tune
 
 from autoaccum._estimate import estimate
 from autoaccum._probe import prepare
-from autoaccum._tune.timing import Timing
-from autoaccum._tune.worker import MAX_CACHED, Request, TimingWorker
+from autoaccum._worker import MAX_CACHED, Request, Timing, Worker
 
 
 def linear_loss(params: Any, batch: Any) -> jax.Array:
@@ -43,7 +42,7 @@ def problem(features: int = 256) -> tuple[Any, Any]:
 def test_a_trial_over_the_limit_fails_in_the_worker_which_restarts() -> None:
     params, batch = problem()
     setup = prepare(linear_loss, params, batch, optimizer=optax.adam(1e-3), memory_limit="128MiB")
-    with TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+    with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
         fits = w.time(Request({"strategy": "scan"}, 16, 64, 3, 1))
         assert fits.status == "fits" and fits.times is not None and len(fits.times) == 3
         assert fits.seconds == sorted(fits.times)[1] and fits.peak_bytes is not None
@@ -92,7 +91,7 @@ def test_the_worker_keeps_the_fastest_programs_so_the_race_compiles_nothing_agai
     builds = [{"strategy": "scan", "unroll": 1}, {"strategy": "scan", "unroll": 2}, {"strategy": "loop"}]
     slower = [(build, m) for m in (8, 4) for build in [*builds, {"strategy": "multisteps"}]]
     assert len(slower) > MAX_CACHED
-    with TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+    with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
         fastest = w.time(Request({"strategy": "scan"}, 16, 64, 2, 0))
         assert fastest.status == "fits" and w.compiles == 1
         for build, m in slower:
@@ -145,7 +144,7 @@ def test_sizes_whose_accumulating_step_is_predicted_over_the_limit_are_never_tim
     assert boundary in result.predicted_over["remat=None"]
     assert not set(timed) & set(result.predicted_over["remat=None"])
     setup = prepare(wide_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="24MiB")
-    with TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+    with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
         dropped = w.time(Request({"strategy": "scan"}, boundary, 512, 3, 1))
         assert dropped.status == "oom", dropped
 
@@ -187,7 +186,7 @@ def test_a_re_timing_of_a_program_the_worker_ran_before_times_its_first_call() -
 
     params, batch = problem(features=16)
     setup = prepare(linear_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB")
-    with TimingWorker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+    with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
         first = w.time(Request({"strategy": "scan"}, 4, 8, 3, 1))
         again = w.time(Request({"strategy": "scan"}, 4, 8, 3, 0))
     assert first.status == again.status == "fits" and len(first.times) == len(again.times) == 3
@@ -206,3 +205,55 @@ def test_a_re_timing_of_a_program_the_worker_ran_before_times_its_first_call() -
         outcome = run_trial(compiled, lambda: None, steps=3, warmup=warmup, time_first=time_first)
         jax.effects_barrier()
         assert len(calls) == expected and len(outcome.times) == 3, (time_first, warmup, len(calls))
+
+
+def test_tune_on_an_8_device_cpu_mesh_times_its_trials_in_the_worker_under_the_cap() -> None:
+    """Every trial of a tune on the 8 CPU devices of tests/conftest.py is timed in the worker, which sees the mesh:
+    each records the peak the worker measured (per device), within the limit."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    assert len(jax.devices()) == 8
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    params, batch = problem(features=64)
+    batch = {k: jnp.concatenate([v] * 8) for k, v in batch.items()}  # 32 examples, 4 per device
+    placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    replicated = jax.device_put(params, NamedSharding(mesh, P()))
+    result = tune(
+        linear_loss, replicated, placed, optimizer=optax.sgd(0.1), memory_limit="256MiB", effective_batch=64,
+        microbatch_bound=32, strategies=["loop"], budget=3, storage=":memory:", seed=0, race_rounds=0,
+    )  # fmt: skip
+    done = [t for t in result.trials if t.state == "COMPLETE"]
+    assert done and all(t.microbatch_size % 8 == 0 for t in result.trials)
+    for t in done:
+        assert t.peak_bytes is not None and 0 < t.peak_bytes <= 256 * 2**20, t
+
+
+def test_a_second_worker_finds_the_programs_of_the_first_in_the_compilation_cache(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers share JAX's persistent compilation cache under the study's cache folder: the first one writes its
+    programs there, a second one timing the same configuration finds every program (writes nothing new); with
+    AUTOACCUM_COMPILATION_CACHE=0 nothing is written."""
+    from autoaccum._worker import use_compilation_cache
+
+    monkeypatch.setenv("AUTOACCUM_CACHE", str(tmp_path))
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)  # (this process's: the workers' come from the variable)
+    try:
+        params, batch = problem(features=16)
+        setup = prepare(linear_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB")
+        files: list[set[str]] = []
+        for _ in range(2):
+            with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+                assert w.ask(Request({"strategy": "scan"}, 4, 8, 2, 0)).status == "fits"
+            files.append({p.name for p in (tmp_path / "jax").iterdir()})
+        assert files[0] and files[1] == files[0], files
+        monkeypatch.setenv("AUTOACCUM_COMPILATION_CACHE", "0")
+        assert use_compilation_cache() is None
+        monkeypatch.setenv("AUTOACCUM_CACHE", str(tmp_path / "off"))
+        with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+            assert w.ask(Request({"strategy": "scan"}, 4, 8, 2, 0)).status == "fits"
+        assert not (tmp_path / "off").exists()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

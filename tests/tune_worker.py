@@ -21,7 +21,7 @@ from seams import tune
 
 from autoaccum import Update
 from autoaccum._tune.study import open_storage
-from autoaccum._tune.timing import Timing
+from autoaccum._worker import Timing
 
 
 def main() -> None:

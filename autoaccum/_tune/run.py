@@ -26,12 +26,11 @@ from autoaccum._tune.result import TrialRecord, TuneResult, record
 from autoaccum._tune.search import Config, Search
 from autoaccum._tune.space import BUILTIN_REMAT, KnobSpace, check_dtype_values, check_remat_values, program_key
 from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
-from autoaccum._tune.timing import time_update
 from autoaccum._tune.trials import MEASURE, Trials, config_key, settled_configs, time_here, time_in_worker
-from autoaccum._tune.worker import TimingWorker
 from autoaccum._units import parse_bytes
 from autoaccum._update import build_update
 from autoaccum._version import __version__
+from autoaccum._worker import Worker, time_update
 from autoaccum.strategies import PyTree
 
 EXHAUSTIVE_UP_TO = 8
@@ -375,11 +374,10 @@ def tune(
         race_rounds=race_rounds,
         knob_space=KnobSpace(check_remat_values(remat), check_dtype_values(accumulator_dtype), knobs),
     )  # fmt: skip
-    # The worker's job and limit: the probe's (checked here, before anything runs). On a mesh, trials are timed
-    # in this process for now: the worker's accumulating programs on a mesh are not built from shapes yet.
+    # The worker's job and limit: the probe's (checked here, before anything runs); on a mesh, the worker sees it.
     setup = None
     measure = MEASURE.get()  # tests time with a stand-in (`autoaccum._tune.trials.timed_by`)
-    if measure is None and isolate and job.layout is None:
+    if measure is None and isolate:
         default = job.settings[0]
         setup = prepare(
             job.loss_for(default), params, batch, optimizer=optimizer, strategy=job.names[0], memory_limit=memory_limit,
@@ -402,7 +400,7 @@ def tune(
             worker_job = setup.job
             if job.knobs is not None:
                 worker_job = dataclasses.replace(setup.job, loss_fn=job.knobs)  # type: ignore[arg-type]
-            worker = TimingWorker(
+            worker = Worker(
                 worker_job, setup.device, setup.memory_limit_bytes, compile_timeout=compile_timeout,
                 step_timeout=trial_timeout, settings=[s.values for s in job.settings],
             )  # fmt: skip

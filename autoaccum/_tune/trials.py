@@ -20,16 +20,16 @@ from autoaccum._tune.result import TrialRecord, record
 from autoaccum._tune.search import Config, Search, Trial
 from autoaccum._tune.space import KnobSpace, Setting, program_key
 from autoaccum._tune.study import fail_stale_trials
-from autoaccum._tune.timing import Timing, TrialFailed
 from autoaccum._units import format_bytes
 from autoaccum._update import Update, build_update
+from autoaccum._worker import Timing, TrialFailed
 
 STEPS, WARMUP = 5, 1
 """Timed steps and warm-up steps of one trial in the worker (after the compiling call)."""
 
 RETIME_WARMUP = 0
 """Warm-up steps of the race's re-timings in the worker: none, its program ran before, so the worker times its first
-call too (`autoaccum._tune.worker.serve`)."""
+call too (`autoaccum._worker.Server`)."""
 
 POLL_SECONDS = 0.5
 """How often a worker with nothing left to run looks at the trials other workers are running."""
@@ -319,8 +319,8 @@ def time_here(job: Job, measure: Callable[..., Timing], full_batch: Any) -> Call
 
 
 def time_in_worker(job: Job, worker: Any, limit: int) -> Callable[[int, str, Setting, int], Timing]:
-    """Times configurations in ``worker`` (`autoaccum._tune.worker.TimingWorker`), under ``limit`` bytes."""
-    from autoaccum._tune.worker import Request
+    """Times configurations in ``worker`` (`autoaccum._worker.Worker`), under ``limit`` bytes."""
+    from autoaccum._worker import Request
 
     settings = job.settings
 
