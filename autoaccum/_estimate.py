@@ -60,7 +60,7 @@ from autoaccum._json import JsonMixin
 from autoaccum._memory import analyse
 from autoaccum._step_time import StepCost
 from autoaccum._units import parse_bytes
-from autoaccum._update import Update, build_update
+from autoaccum._update import Update, build_update, resolve_strategy
 from autoaccum.strategies import Program, PyTree, check_params, layout_of, leading_size, tree_bytes
 
 DEFAULT_MAX_MICROBATCH = 16384
@@ -621,7 +621,7 @@ def estimate(
     batch: PyTree,
     *,
     optimizer: optax.GradientTransformation,
-    strategy: str = "scan",
+    strategy: str = "auto",
     memory_limit: int | str | None = None,
     has_aux: bool = False,
     state: PyTree | None = None,
@@ -657,7 +657,9 @@ def estimate(
       params: the parameters pytree (arrays or ``jax.ShapeDtypeStruct``).
       batch: an example batch; only its per-example shapes and dtypes matter, not its size.
       optimizer: the optax optimizer training uses (required: its state is part of the memory).
-      strategy: the accumulation strategy (``autoaccum.strategies.available()``).
+      strategy: the accumulation strategy (``autoaccum.strategies.available()``), or ``"auto"``
+        (`autoaccum.build_update`'s default): the one it picks for these arguments (with ``target``, on a GPU), which
+        `Estimate.strategy` names.
       memory_limit: the limit `Estimate.max_microbatch` answers for: bytes or ``"16GiB"``; default: what
         this machine's default device offers a step (the same policy as the probe's).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
@@ -750,13 +752,18 @@ def estimate(
     def units(m: int) -> int:  # m rounded down to a multiple of g (at least g)
         return max(g, m // g * g)
 
+    build = resolve_strategy(
+        loss_fn, optimizer, params, batch, state, None if target is None else "gpu", strategy=strategy,
+        has_aux=has_aux, loss_reduction=loss_reduction, **options,
+    )  # fmt: skip
+    strategy = build["strategy"]
     with _Measurer(
         loss_fn,
         params,
         batch,
         optimizer,
         state,
-        dict(strategy=strategy, has_aux=has_aux, loss_reduction=loss_reduction, **options),
+        build,
         compile_options,
         workers,
         COMPILE_ONLY_GPU if platform == "gpu" and target is not None else platform,

@@ -56,6 +56,7 @@ from autoaccum._memory import state_bytes
 from autoaccum._preflight import trace_loss
 from autoaccum._trial import Job, MeshSpec, is_oom, oom_outcome
 from autoaccum._units import format_bytes
+from autoaccum._update import resolve_strategy
 from autoaccum._worker import Request, Server, Worker, use_compilation_cache
 from autoaccum.strategies import PyTree, check_params, leading_size, tree_bytes
 
@@ -253,7 +254,7 @@ def prepare(
     batch: PyTree,
     *,
     optimizer: optax.GradientTransformation,
-    strategy: str = "scan",
+    strategy: str = "auto",
     memory_limit: int | float | str | None = None,
     microbatch_cap: int | None = None,
     granularity: int = 1,
@@ -281,6 +282,7 @@ def prepare(
         raise ValueError(f"`trial_timeout` must be a positive number of seconds or None, got {trial_timeout!r}.")
     leading_size(batch)
     build = dict(strategy=strategy, has_aux=has_aux, loss_reduction=loss_reduction, **dict(options or {}))
+    build = resolve_strategy(loss_fn, optimizer, params, batch, state, **build)  # "auto": the strategy it runs here
     mesh = MeshSpec.of(params, batch, state)
     if mesh is not None:  # global microbatch sizes: multiples of the batch's shards too
         granularity = math.lcm(granularity, mesh.shards)
@@ -482,7 +484,7 @@ def probe(
     batch: PyTree,
     *,
     optimizer: optax.GradientTransformation,
-    strategy: str = "scan",
+    strategy: str = "auto",
     memory_limit: int | float | str | None = None,
     microbatch_cap: int | None = None,
     granularity: int = 1,
@@ -505,7 +507,8 @@ def probe(
         their own arrays, and yours are never changed, copied to disk or donated).
       batch: an example batch; trial batches repeat its rows.
       optimizer: the optax optimizer training uses (required: its state is part of the memory).
-      strategy: the accumulation strategy whose step is run (``autoaccum.strategies.available()``).
+      strategy: the accumulation strategy whose step is run (``autoaccum.strategies.available()``), or
+        ``"auto"`` (`autoaccum.build_update`'s default): the one it picks here, which the result reports.
       memory_limit: bytes a trial may use, an int or a string like ``"1.5GiB"``/``"800MB"``. On a GPU the
         trial's XLA allocator is capped to it (so a big card can answer for a smaller one); on the CPU the
         trial's address space is capped at its size before the trial plus the limit (``RLIMIT_AS``). Default:
@@ -589,7 +592,7 @@ def probe(
         limit_source=setup.limit_source,
         granularity=setup.granularity,
         microbatch_cap=setup.microbatch_cap,
-        strategy=strategy,
+        strategy=setup.job.build["strategy"],
         options={k: v for k, v in setup.job.build.items() if k not in ("strategy", "has_aux", "loss_reduction")},
         state_bytes=setup.state_bytes,
         estimate=model,

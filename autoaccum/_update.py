@@ -302,3 +302,38 @@ def build_update(
     )
     accumulation = cls(spec, **options)
     return Update(microbatch_size, strategy, dict(accumulation.config), accumulation)
+
+
+def resolve_strategy(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    params: PyTree,
+    batch: PyTree,
+    state: PyTree | None = None,
+    platform: str | None = None,
+    **build: Any,
+) -> dict[str, Any]:
+    """``build`` (`build_update`'s keywords) with ``strategy="auto"`` (the default) replaced by the strategy that
+    `autoaccum.strategies.Auto` picks for these arguments, and only that strategy's options kept; any other
+    strategy as given. The probe, the estimate and the tuner measure the program the default update runs:
+    where the batch lives, or on ``platform`` (``"gpu"`` for a card planned for from here).
+
+    Traces the loss abstractly (``params``, ``batch`` and ``state`` may be shapes); nothing runs.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> resolve_strategy(lambda w, b: jnp.mean(b @ w), optax.sgd(0.1), jnp.ones(3), jnp.ones((4, 3)))
+      {'strategy': 'scan'}
+    """
+    build = {"strategy": Auto.name, **build}
+    if build["strategy"] != Auto.name:
+        return build
+    has_state = build.get("has_state", state is not None)
+    kw = {k: v for k, v in build.items() if k != "has_state"}
+    update = build_update(
+        loss_fn, optimizer, microbatch_size=leading_size(batch), donate=False, has_state=has_state, **kw
+    )
+    auto: Any = update.accumulation  # an `Auto`
+    chosen = auto.choose(params, batch, auto.carried(() if state is None else state), platform)
+    kept = {k: v for k, v in build.items() if k not in Auto.options or k in chosen.options}
+    return {**kept, "strategy": chosen.name}

@@ -79,15 +79,18 @@ class Auto(Strategy):
         self._loop = Loop(spec)
         self._chosen: dict[Any, Strategy] = {}
 
-    def choose(self, params: PyTree, batch: PyTree, state: PyTree = ()) -> Strategy:
+    def choose(self, params: PyTree, batch: PyTree, state: PyTree = (), platform: str | None = None) -> Strategy:
         """The strategy that runs these arguments (`Loop` or `Scan`), decided once per `signature` (whose
-        shardings tell the platform)."""
-        return self._choice(self.checked(params, batch, state), params, batch, state)
+        shardings tell the platform), or on ``platform`` (``"cpu"``, ``"gpu"``, ...) when given: where a
+        plan made here will run."""
+        call = self.checked(params, batch, state)
+        if platform is not None:
+            return self._loop if platform == "cpu" and self._convolves(params, batch, state) else self._scan
+        return self._choice(call, params, batch, state)
 
     def _choice(self, call: Call, params: PyTree, batch: PyTree, state: PyTree) -> Strategy:
         if call.key not in self._chosen:
-            slow_in_loop = platform_of(batch) == "cpu" and self._convolves(params, batch, state)
-            self._chosen[call.key] = self._loop if slow_in_loop else self._scan
+            self._chosen[call.key] = self.choose(params, batch, state, platform_of(batch))
         return self._chosen[call.key]
 
     def _convolves(self, params: PyTree, batch: PyTree, state: PyTree) -> bool:

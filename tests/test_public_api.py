@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-import subprocess
-import sys
 import types
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -126,8 +125,114 @@ def test_the_old_probe_option_still_works_saying_so() -> None:
     assert json.loads(result.stdout)["microbatch_cap"] == 8
 
 
-# The layout: an installed autoaccum creates no top-level `strategies` module.
-def test_no_top_level_strategies_module() -> None:
-    code = "import importlib.util, autoaccum.strategies; print(importlib.util.find_spec('strategies'))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
-    assert out.stdout.strip() == "None"
+# -- one default strategy: "auto", resolved to the strategy the default update runs, everywhere ---------------------
+
+
+def _conv() -> tuple[Any, Any, Any]:
+    """A loss with a convolution: on XLA:CPU "auto" runs it from a host loop (`autoaccum.strategies.Auto`)."""
+
+    def loss_fn(w: Any, b: Any) -> Any:
+        y = jax.lax.conv_general_dilated(b, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.mean(y**2)
+
+    return loss_fn, jnp.ones((3, 3, 1, 2)), jnp.ones((8, 6, 6, 1))
+
+
+def test_the_default_strategy_is_the_default_updates_everywhere() -> None:
+    import inspect
+
+    from autoaccum.cli.plan import plan as plan_command
+    from autoaccum.cli.probe import probe as probe_command
+
+    defaults = {
+        fn.__name__: inspect.signature(fn).parameters["strategy"].default
+        for fn in (autoaccum.build_update, autoaccum.probe, autoaccum.estimate)
+    }
+    options = {
+        cmd.name: next(p.default for p in cmd.params if p.name == "strategy") for cmd in (plan_command, probe_command)
+    }
+    assert set(defaults.values()) == set(options.values()) == {"auto"}, (defaults, options)
+
+
+def test_probe_estimate_and_tune_measure_the_strategy_auto_picks_and_name_it() -> None:
+    loss_fn, params, batch = _conv()
+    sgd = optax.sgd(0.1)
+    update = autoaccum.build_update(loss_fn, sgd, microbatch_size=4)
+    runs = update.accumulation.choose(params, batch).name
+    assert runs == "loop"  # this test runs on the CPU
+    probed = autoaccum.probe(
+        loss_fn, params, batch, optimizer=sgd, memory_limit="256MiB", microbatch_cap=8, isolate=False
+    )
+    est = autoaccum.estimate(loss_fn, params, batch, optimizer=sgd, memory_limit="256MiB", accumulation=False)
+    tuned = autoaccum.tune(
+        loss_fn, params, batch, optimizer=sgd, memory_limit="256MiB", remat=(None,), budget=1, race_rounds=0,
+        storage=":memory:", isolate=False,
+    )  # fmt: skip
+    assert probed.strategy == est.strategy == runs and "unroll" not in probed.options
+    assert tuned.probe is not None and tuned.probe.strategy == runs  # the probe ran the default update's program
+    assert autoaccum.strategies.Auto(update.accumulation.spec).choose(params, batch, platform="gpu").name == "scan"
+
+
+# -- the command line: one way to list the catalog, choices checked, a workload's own strategy by name ---------------
+
+
+def test_gpu_list_is_a_deprecated_spelling_of_list_gpus() -> None:
+    from click.testing import CliRunner
+
+    from autoaccum.cli import main
+
+    listed = CliRunner().invoke(main, ["plan", "--list-gpus", "--json"])
+    old = CliRunner().invoke(main, ["plan", "--gpu", "list", "--json"])
+    assert listed.exit_code == old.exit_code == 0, old.output
+    assert old.stdout == listed.stdout and "--gpu list is deprecated: use --list-gpus" in old.stderr
+    assert "'--gpu list'" not in CliRunner().invoke(main, ["plan", "--help"]).output
+
+
+@pytest.mark.parametrize(("option", "bad"), [("--remat", "most_saveable"), ("--accumulator-dtype", "int8")])
+def test_tune_knob_options_are_choices(option: str, bad: str) -> None:
+    from click.testing import CliRunner
+
+    from autoaccum.cli import main
+
+    result = CliRunner().invoke(main, ["tune", "autoaccum.workloads:linear", option, bad])
+    assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output, result.output
+
+
+WORKLOAD_WITH_A_STRATEGY = """
+import jax.numpy as jnp
+import optax
+
+import autoaccum
+from autoaccum import strategies
+
+
+@strategies.register
+class FromFile(strategies.Loop):
+    name = "from_file"
+
+
+def make():
+    batch = {"x": jnp.ones((16, 8)), "y": jnp.zeros(16)}
+    return autoaccum.Workload(lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2), jnp.zeros(8), batch, optax.sgd(0.1))
+"""
+
+
+def test_a_strategy_the_workload_file_registers_can_be_named(tmp_path: Any) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from autoaccum.cli import main
+
+    path = tmp_path / "mine.py"
+    path.write_text(WORKLOAD_WITH_A_STRATEGY)
+    args = ["probe", f"{path}:make", "--memory-limit", "256MiB", "--microbatch-cap", "8", "--no-isolate", "--json"]
+    try:
+        result = CliRunner().invoke(main, [*args, "--strategy", "from_file"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["strategy"] == "from_file"
+    finally:
+        if "from_file" in strategies.available():
+            strategies.unregister("from_file")
+    bad = CliRunner().invoke(main, ["probe", "autoaccum.workloads:linear", "--strategy", "from_nowhere"])
+    assert bad.exit_code == 2 and "'from_nowhere' is not a registered strategy" in bad.output, bad.output

@@ -15,7 +15,7 @@ from autoaccum._preflight import trace_loss, warn_if_not_finite
 from autoaccum._probe import ProbeResult, probe
 from autoaccum._tune.space import KnobSpace, Setting, microbatch_candidates, probe_sizes, variants
 from autoaccum._units import format_bytes, parse_bytes
-from autoaccum._update import build_update
+from autoaccum._update import build_update, resolve_strategy
 from autoaccum.strategies import Layout, PyTree, check_params, layout_of, leading_size
 from autoaccum.strategies import available as available_strategies
 from autoaccum.strategies import get as get_strategy
@@ -99,6 +99,9 @@ class Job:
         for name in names:  # bad input (optimizer, loss, options) fails here, not in trial 0
             build_update(job.loss_for(default), optimizer, microbatch_size=1, strategy=name, **default.build, **loss_kw)
         trace_loss(job.loss_for(default), params, batch, state)  # the loss's own error, before any child starts
+        if kw["strategies"] is None:  # the default update's strategy ("auto" picks it) first: the probe runs it
+            auto = resolve_strategy(job.loss_for(default), optimizer, params, batch, state, **default.build, **loss_kw)
+            names.sort(key=lambda name: name != auto["strategy"])
         warn_if_not_finite(
             job.loss_for(default), params, batch, state=state, has_aux=kw["has_aux"],
             loss_reduction=kw["loss_reduction"],
@@ -195,7 +198,7 @@ class Space:
         return cls(bounds, fitting, dict(data["predicted_over"]), probed)
 
     @classmethod
-    def bound(cls, job: Job, max_microbatch: int | None, clock: Clock | None = None) -> Space:
+    def bound(cls, job: Job, max_microbatch: int | None) -> Space:
         """Probes the default setting (unless ``max_microbatch`` is given), and bounds every other setting by its
         compile-only estimate calibrated by the probe (`ProbeResult.bound_for`). Where the effective batch needs
         accumulating, a size whose accumulating step (which also holds the accumulator and the whole batch) the

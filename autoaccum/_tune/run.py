@@ -150,7 +150,7 @@ def _open_study(
     study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
     stored = study.user_attrs.get("space")
     if stored is None:
-        space = Space.bound(job, max_microbatch, clock)
+        space = Space.bound(job, max_microbatch)
         stored = study.user_attrs.get("space")  # another worker's, if it finished first
         if stored is None:
             study.set_user_attr("space", space.to_dict(job.settings))
@@ -306,7 +306,9 @@ def tune(
       batch: an example batch; its leading size is the default effective batch.
       optimizer: the optax optimizer training uses (required: its state is part of the memory).
       effective_batch: examples per update; may exceed the batch's size (rows are then repeated).
-      strategies: strategy names to consider; default all of ``autoaccum.strategies.available()``.
+      strategies: strategy names to consider, the first probed; default all of
+        ``autoaccum.strategies.available()``, the one ``"auto"`` picks here (`autoaccum.build_update`'s default)
+        first.
       memory_limit: bytes (or ``"1.5GiB"``) a step may use, passed to the probe; default: the device's
         (`autoaccum.probe`).
       budget: the study's budget: the configurations it settles (measured, or failed for a reason such as
@@ -387,8 +389,8 @@ def tune(
     opened, storage_label = open_storage(storage)
     limit = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
     limit = limit if setup is None else setup.memory_limit_bytes
-    key = _fingerprint(job, limit, max_microbatch)
-    study, space = _open_study(job, opened, study_name or f"autoaccum-{key}", fresh, max_microbatch)
+    key = _fingerprint(job, limit, bound)
+    study, space = _open_study(job, opened, study_name or f"autoaccum-{key}", fresh, bound)
     settles, exhaustive = _sample(job, space, study, seed, budget)
     resumed = len(settled_configs(study))
     full_batch = _full_batch(job)
@@ -407,7 +409,7 @@ def tune(
             time_one = time_in_worker(job, stack.enter_context(worker), setup.memory_limit_bytes)
         search = None if exhaustive else Search([space.fitting[s] for s in job.settings], list(job.labels),
                                                  job.effective_batch, functools.partial(_program, job))  # fmt: skip
-        trials = Trials(job, space, study, settles, search, time_one, on_trial, searched_only, clock)
+        trials = Trials(job, space, study, settles, search, time_one, on_trial)
         trials.run(timeout, _heartbeats(opened))
         runners = trials.race(race_rounds)
     if setup is None and space.probed is not None:

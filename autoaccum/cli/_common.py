@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,6 +31,31 @@ def renamed_option(new: str, value: Any, old: str, old_value: Any) -> Any:
         raise click.UsageError(f"give {new} alone; {old} is its deprecated name.")
     click.echo(f"warning: {old} is deprecated: use {new}.", err=True)
     return old_value
+
+
+STRATEGY_HELP = "{what} [{choices}, or a strategy the workload's file registers]"
+
+
+def strategy_help(what: str, *, auto: bool) -> str:
+    """An option's help naming the strategies known now (the workload's own are checked once it is loaded)."""
+    from autoaccum import strategies
+
+    return STRATEGY_HELP.format(what=what, choices="|".join(("auto",) * auto + strategies.available()))
+
+
+def check_strategies(names: Sequence[str], *, auto: bool) -> None:
+    """A usage error (exit 2) unless each of ``names`` is registered (or ``"auto"``, where ``auto``): called once
+    the workload is loaded, so a strategy its file registers can be named on the command line."""
+    from autoaccum import strategies
+
+    known = ("auto",) * auto + strategies.available()
+    for name in names:
+        if name not in known:
+            raise click.BadParameter(
+                f"{name!r} is not a registered strategy; choose from {', '.join(known)}, or register yours in the "
+                "workload's file (autoaccum.strategies.register).",
+                param_hint="'--strategy'",
+            )
 
 
 def resolve_workload(workload: str | None, demo: bool) -> Workload:

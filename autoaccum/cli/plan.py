@@ -11,8 +11,7 @@ from typing import Any, NamedTuple
 
 import click
 
-from autoaccum import strategies as strategies_lib
-from autoaccum.cli._common import resolve_workload, workload_arguments
+from autoaccum.cli._common import resolve_workload, strategy_help, workload_arguments
 from autoaccum.cli._console import fit_table, make_console
 
 NOTE = (
@@ -40,9 +39,8 @@ GPU_NOTE = (
     "gpus",
     multiple=True,
     metavar="NAME|FILE",
-    help="A catalogued accelerator to plan for, e.g. A100-40GB, L4, H100, TPU-v5e (repeat the option); "
-    "'--gpu list' lists them; or a GPU target description file (`autoaccum devices --target-config` writes "
-    "your card's).",
+    help="A catalogued accelerator to plan for, e.g. A100-40GB, L4, H100, TPU-v5e (repeat the option; --list-gpus "
+    "lists them), or a GPU target description file (`autoaccum devices --target-config` writes your card's).",
 )
 @click.option(
     "--memory-limit",
@@ -68,10 +66,9 @@ GPU_NOTE = (
 )
 @click.option(
     "--strategy",
-    type=click.Choice(strategies_lib.available()),
-    default="scan",
+    default="auto",
     show_default=True,
-    help="Accumulation strategy.",
+    help=strategy_help("Accumulation strategy (auto: build_update's default, as it picks on each target).", auto=True),
 )
 @click.option(
     "--mem-fraction",
@@ -125,7 +122,10 @@ def plan(
     from autoaccum._capacity import Target
 
     console = make_console(stderr=as_json, quiet=as_json)
-    if list_gpus or any(g.strip().lower() == "list" for g in gpus):
+    if any(g.strip().lower() == "list" for g in gpus):
+        click.echo("warning: --gpu list is deprecated: use --list-gpus.", err=True)
+        list_gpus = True
+    if list_gpus:
         _print_catalog(as_json)
         return
     if effective_batch is not None and effective_batch < 1:

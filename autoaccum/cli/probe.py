@@ -9,10 +9,15 @@ from typing import TYPE_CHECKING
 import click
 from rich.text import Text
 
-from autoaccum import strategies as strategies_lib
 from autoaccum._probe import DEFAULT_TRIAL_TIMEOUT
 from autoaccum._units import format_bytes
-from autoaccum.cli._common import renamed_option, resolve_workload, workload_arguments
+from autoaccum.cli._common import (
+    check_strategies,
+    renamed_option,
+    resolve_workload,
+    strategy_help,
+    workload_arguments,
+)
 from autoaccum.cli._console import fit_table, make_console, warnings_as_lines
 
 if TYPE_CHECKING:
@@ -24,8 +29,9 @@ if TYPE_CHECKING:
 @click.command()
 @workload_arguments
 @click.option(
-    "--strategy", type=click.Choice(strategies_lib.available()), default="scan", show_default=True,
-    help="Accumulation strategy whose update step each trial runs.",
+    "--strategy", default="auto", show_default=True,
+    help=strategy_help("Accumulation strategy whose update step each trial runs (auto: build_update's default).",
+                       auto=True),
 )  # fmt: skip
 @click.option(
     "--memory-limit",
@@ -91,6 +97,7 @@ def probe(
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--memory-limit") from e
     w = resolve_workload(workload, demo)
+    check_strategies([strategy], auto=True)
     console = make_console(stderr=as_json, quiet=as_json)
     if memory_limit is None and w.memory_limit is not None:
         memory_limit = str(w.memory_limit)

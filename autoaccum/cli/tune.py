@@ -9,15 +9,24 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.text import Text
 
-from autoaccum import strategies as strategies_lib
 from autoaccum._units import format_bytes
-from autoaccum.cli._common import renamed_option, resolve_workload, workload_arguments
+from autoaccum.cli._common import (
+    check_strategies,
+    renamed_option,
+    resolve_workload,
+    strategy_help,
+    workload_arguments,
+)
 from autoaccum.cli._console import fit_table, make_console, warnings_as_lines
+from autoaccum.strategies import REMAT_POLICIES
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from autoaccum import Plan
+
+ACCUMULATOR_DTYPES = ("float32", "bfloat16", "float16")
+"""The floating dtypes ``--accumulator-dtype`` takes (float64 needs ``jax_enable_x64``: use the library)."""
 
 SNIPPET = """\
 import autoaccum
@@ -37,8 +46,9 @@ params, opt_state, loss{state} = update(params, opt_state, batch{state})"""
     "--strategy",
     "strategy_names",
     multiple=True,
-    type=click.Choice(strategies_lib.available()),
-    help="Strategies to consider (repeat the option) [default: all].",
+    help=strategy_help(
+        "Strategies to consider (repeat the option) [default: all, the one auto picks probed]", auto=False
+    ),
 )
 @click.option(
     "--memory-limit",
@@ -87,12 +97,12 @@ params, opt_state, loss{state} = update(params, opt_state, batch{state})"""
     "budget of timings per finalist; one that drops out leaves its rounds to the others; 0: none).",
 )  # fmt: skip
 @click.option(
-    "--remat", "remat_policies", multiple=True,
-    help="Remat policies to search besides none (repeat; jax.checkpoint_policies names, e.g. dots_saveable) "
-    "[default: those measured to lower the peak; see the README].",
+    "--remat", "remat_policies", multiple=True, type=click.Choice(REMAT_POLICIES),
+    help="Remat policies to search besides none (repeat; jax.checkpoint_policies names) [default: those measured "
+    "to lower the peak; see the README].",
 )  # fmt: skip
 @click.option(
-    "--accumulator-dtype", "accumulator_dtypes", multiple=True,
+    "--accumulator-dtype", "accumulator_dtypes", multiple=True, type=click.Choice(ACCUMULATOR_DTYPES),
     help="Accumulator dtypes to search (repeat, the first probed; e.g. --accumulator-dtype float32 "
     "--accumulator-dtype bfloat16 for a bfloat16 model) [default: float32].",
 )  # fmt: skip
@@ -145,13 +155,14 @@ def tune(
 
     from autoaccum._tune.result import TrialRecord
     from autoaccum._tune.run import tune as run_tune
-    from autoaccum._knobs import BUILTIN_REMAT
+    from autoaccum._tune.space import BUILTIN_REMAT
 
     if plot is not None:
         _require_matplotlib()
     budget = renamed_option("--budget", budget, "--n-trials", n_trials)
     microbatch_bound = renamed_option("--microbatch-bound", microbatch_bound, "--max-microbatch", max_microbatch)
     w = resolve_workload(workload, demo)
+    check_strategies(strategy_names, auto=False)
     console = make_console(stderr=as_json, quiet=as_json)
     console.print(f"[bold]workload[/] {w.name}: effective batch {effective_batch or w.batch_size}")
     if memory_limit is None and w.memory_limit is not None:
