@@ -2,11 +2,11 @@
 
 A linen model with BatchNorm is applied with ``mutable=["batch_stats"]`` and returns the new statistics; with
 Dropout it needs a fresh ``rngs={"dropout": key}`` for every microbatch of every step. Both are model state:
-they must flow through the microbatches in order, microbatch i seeing what microbatch i-1 returned. `loss_fn`
-writes that loss for you, and `init_state` makes the state it threads::
+they must flow through the microbatches in order, microbatch i seeing what microbatch i-1 returned.
+`make_loss_fn` writes that loss for you, and `init_state` makes the state it threads::
 
     variables = model.init({"params": k1, "dropout": k2}, x, train=False)
-    loss_fn = autoaccum.linen.loss_fn(model, lambda apply, b: xent(apply(b["image"], train=True), b["label"]))
+    loss_fn = autoaccum.linen.make_loss_fn(model, lambda apply, b: xent(apply(b["image"], train=True), b["label"]))
     update = autoaccum.build_update(loss_fn, tx, microbatch_size=16, has_state=True)
     state = autoaccum.linen.init_state(variables, jax.random.key(1))
     params, opt_state, loss, state = update(variables["params"], tx.init(variables["params"]), batch, state)
@@ -31,14 +31,16 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from autoaccum._deprecated import moved_names
 from autoaccum.strategies import PyTree
 
 RNG = "rng"
-"""The state entry holding the PRNG key that `loss_fn` splits for each microbatch."""
+"""The state entry holding the PRNG key that a `make_loss_fn` loss splits for each microbatch."""
 
 
 def init_state(variables: Mapping[str, Any], rng: jax.Array, mutable: Sequence[str] = ("batch_stats",)) -> dict:
-    """The model state `loss_fn` threads: copies of the ``mutable`` collections of ``variables`` and of ``rng``.
+    """The model state a `make_loss_fn` loss threads: copies of the ``mutable`` collections of ``variables`` and
+    of ``rng``.
 
     They are copies, so that an update that donates the state (``build_update``'s default) leaves ``variables``
     and ``rng`` usable.
@@ -56,7 +58,7 @@ def init_state(variables: Mapping[str, Any], rng: jax.Array, mutable: Sequence[s
     return jax.tree.map(jnp.copy, {**{name: variables[name] for name in mutable}, RNG: rng})
 
 
-def loss_fn(
+def make_loss_fn(
     model: Any,
     criterion: Callable[[Callable[..., Any], PyTree], Any],
     *,
@@ -81,7 +83,7 @@ def loss_fn(
       >>> import flax.linen as nn, jax.numpy as jnp, optax, autoaccum
       >>> model = nn.Dense(1)
       >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
-      >>> fn = loss_fn(model, lambda apply, b: jnp.mean(apply(b)), mutable=(), rng_streams=())
+      >>> fn = make_loss_fn(model, lambda apply, b: jnp.mean(apply(b)), mutable=(), rng_streams=())
       >>> update = autoaccum.build_update(fn, optax.sgd(0.1), microbatch_size=2, has_state=True)
       >>> state = init_state(variables, jax.random.key(1), mutable=())
       >>> params, opt_state, loss, state = update(variables["params"], optax.sgd(0.1).init(variables["params"]),
@@ -100,7 +102,7 @@ _NO_STATE: Any = _NoState()
 
 @dataclasses.dataclass(frozen=True)
 class Loss:
-    """``loss(params, batch, state) -> (loss, state)``: a linen model's loss with its state threaded (`loss_fn`).
+    """``loss(params, batch, state) -> (loss, state)``: a linen model's loss with its state threaded (`make_loss_fn`).
 
     Attributes:
       model: the linen ``nn.Module``.
@@ -124,7 +126,7 @@ class Loss:
         """
         if state is _NO_STATE:
             raise TypeError(
-                "autoaccum.linen.loss_fn(...) takes and returns the model state (loss_fn(params, batch, state) -> "
+                "autoaccum.linen.make_loss_fn(...) takes and returns the model state (loss_fn(params, batch, state) -> "
                 "(loss, state)) but was called without one: pass has_state=True to build_update, the state to the "
                 "update (state = autoaccum.linen.init_state(variables, key)), and state=state to probe, estimate "
                 "and tune."
@@ -146,4 +148,6 @@ class Loss:
         return loss, {**collections, **updated, RNG: rng}
 
 
-__all__ = ["RNG", "Loss", "init_state", "loss_fn"]
+__all__ = ["RNG", "Loss", "init_state", "make_loss_fn"]
+
+__getattr__ = moved_names(__name__, {"loss_fn": ("autoaccum.linen.make_loss_fn", make_loss_fn)})  # the old name

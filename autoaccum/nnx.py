@@ -36,6 +36,7 @@ import optax
 from flax import nnx
 
 from autoaccum._checks import check_loss_fn
+from autoaccum._deprecated import moved_names
 from autoaccum._estimate import estimate as _estimate
 from autoaccum._knobs import Knobs, resolve
 from autoaccum._plan import Plan
@@ -117,8 +118,9 @@ def _pure_loss(loss_fn: Callable[..., Any], graphdef: Any, wrt: Any) -> Callable
     return pure_loss
 
 
-class Update:
-    """An accumulating step for an nnx model: ``loss = step(model, optimizer, batch)``, in place.
+class ModelUpdate:
+    """An accumulating step for an nnx model: ``loss = step(model, optimizer, batch)``, in place (the functional
+    `autoaccum.Update` is its pure counterpart).
 
     The result equals one ``optimizer.update(model, grads)`` with the gradient of the whole batch (see
     `autoaccum.build_update` for the exact semantics, ``loss_reduction`` included); the model's other state
@@ -183,7 +185,7 @@ def build_update(
     donate: bool = True,
     plan: Plan | None = None,
     **options: Any,
-) -> Update:
+) -> ModelUpdate:
     """An accumulating step for nnx models: ``loss = step(model, optimizer, batch)`` updates both in place.
 
     The step equals one full-batch step for a loss of per-example terms; with BatchNorm in training mode, or a
@@ -244,7 +246,7 @@ def build_update(
     check_loss_fn(loss_fn)
     options = dict(options, donate=donate)
     _build_update(lambda p, b, s: (0.0, s), _NoOptimizer(), has_state=True, **options)  # bad arguments raise now
-    return Update(loss_fn, options, plan)
+    return ModelUpdate(loss_fn, options, plan)
 
 
 class ValueAndGrad:
@@ -474,7 +476,7 @@ def workload(
 
 __all__ = [
     "Functional",
-    "Update",
+    "ModelUpdate",
     "ValueAndGrad",
     "build_update",
     "estimate",
@@ -484,3 +486,5 @@ __all__ = [
     "value_and_grad",
     "workload",
 ]
+
+__getattr__ = moved_names(__name__, {"Update": ("autoaccum.nnx.ModelUpdate", ModelUpdate)})  # the old name

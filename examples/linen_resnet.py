@@ -1,6 +1,6 @@
 """A flax linen ResNet with batch_stats and Dropout, accumulating over microbatches with its state threaded.
 
-``autoaccum.linen.loss_fn`` applies the model with ``mutable=["batch_stats"]`` and a fresh dropout key per
+``autoaccum.linen.make_loss_fn`` applies the model with ``mutable=["batch_stats"]`` and a fresh dropout key per
 microbatch; the update returns the new statistics and key. With ``state_update="once"`` the running statistics
 move once per update, by the mean of the microbatches' statistics, as in one full-batch step (threaded, they
 would take one EMA step per microbatch: 4 per update here).
@@ -54,7 +54,7 @@ def main(steps: int = 3) -> None:
     variables = model.init(jax.random.key(1), batch["image"][:1], train=False)
 
     update = autoaccum.build_update(
-        autoaccum.linen.loss_fn(model, criterion), tx, microbatch_size=16, has_state=True, state_update="once"
+        autoaccum.linen.make_loss_fn(model, criterion), tx, microbatch_size=16, has_state=True, state_update="once"
     )
     params, opt_state = variables["params"], tx.init(variables["params"])
     state = autoaccum.linen.init_state(variables, jax.random.key(2))

@@ -14,35 +14,42 @@ Example:
 
 from __future__ import annotations
 
+# A name imported `as` itself is not exported (not in `__all__`): autoaccum's own modules import it from here, never
+# from the private modules.
+from autoaccum.strategies._base import SCHEDULES as SCHEDULES
 from autoaccum.strategies._base import (
-    SCHEDULES,
     Accum,
-    LossReduction,
     OutDtypes,
     Program,
     PyTree,
-    Schedule,
     Spec,
     accumulate_in_scan,
     add,
     apply_optimizer,
-    check_params,
     finish_loss,
-    leading_size,
-    mean_grads,
     output_dtypes,
-    signature,
     take,
-    tree_bytes,
     weighted_grad,
 )
-from autoaccum.strategies._layout import Layout, check_microbatch, layout_of
-from autoaccum.strategies._remat import REMAT_POLICIES, check_remat
+from autoaccum.strategies._base import LossReduction as LossReduction
+from autoaccum.strategies._base import Schedule as Schedule
+from autoaccum.strategies._base import check_params as check_params
+from autoaccum.strategies._base import leading_size as leading_size
+from autoaccum.strategies._base import mean_grads as mean_grads
+from autoaccum.strategies._base import signature as signature
+from autoaccum.strategies._base import tree_bytes as tree_bytes
+from autoaccum.strategies._layout import Layout
+from autoaccum.strategies._layout import check_microbatch as check_microbatch
+from autoaccum.strategies._layout import layout_of as layout_of
+from autoaccum.strategies._remat import REMAT_POLICIES
+from autoaccum.strategies._remat import check_remat as check_remat
 from autoaccum.strategies._strategy import Call, Strategy
-from autoaccum.strategies.auto import Auto, has_convolution
+from autoaccum.strategies.auto import Auto
+from autoaccum.strategies.auto import has_convolution as has_convolution
 from autoaccum.strategies.loop import Loop
 from autoaccum.strategies.multisteps import MultiSteps
-from autoaccum.strategies.scan import Scan, accumulate_in_jit
+from autoaccum.strategies.scan import Scan
+from autoaccum.strategies.scan import accumulate_in_jit as accumulate_in_jit
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 
@@ -87,7 +94,8 @@ def unregister(name: str) -> None:
 
 
 def available() -> tuple[str, ...]:
-    """Names of the registered strategies, in registration order (the built-in default, ``"scan"``, first)."""
+    """Names of the registered strategies, in registration order (``"scan"`` first). ``"auto"``, `build_update`'s
+    default, is not one of them: it runs ``scan`` or ``loop`` (`Auto`)."""
     return tuple(_REGISTRY)
 
 
@@ -106,42 +114,31 @@ for _cls in (Scan, Loop, MultiSteps):
     register(_cls)
 del _cls
 
+# The user's surface: the registry, the built-in strategies, and the pieces a strategy of one's own is built from
+# (as `Loop` and `MultiSteps` are). The rest above is imported for the package's own modules, not exported.
 __all__ = [
     "REMAT_POLICIES",
-    "SCHEDULES",
     "Accum",
     "Auto",
     "Call",
     "Layout",
     "Loop",
-    "LossReduction",
     "MultiSteps",
     "OutDtypes",
     "Program",
     "PyTree",
     "Scan",
-    "Schedule",
     "Spec",
     "Strategy",
-    "accumulate_in_jit",
     "accumulate_in_scan",
     "add",
     "apply_optimizer",
     "available",
-    "check_microbatch",
-    "check_params",
-    "check_remat",
     "finish_loss",
     "get",
-    "has_convolution",
-    "layout_of",
-    "leading_size",
-    "mean_grads",
     "output_dtypes",
     "register",
-    "signature",
     "take",
-    "tree_bytes",
     "unregister",
     "weighted_grad",
 ]

@@ -64,7 +64,7 @@ def reference(model: nn.Module, tx: Any, params: Any, opt_state: Any, state: Any
 def test_linen_batch_stats_and_dropout_equal_the_reference_after_two_updates(strategy: str) -> None:
     model, tx = ConvNet(), optax.adam(1e-2)
     variables = model.init({"params": jax.random.key(0)}, data(0)["image"], train=False)
-    loss_fn = autoaccum.linen.loss_fn(model, xent)
+    loss_fn = autoaccum.linen.make_loss_fn(model, xent)
     update = autoaccum.build_update(loss_fn, tx, microbatch_size=4, strategy=strategy, has_state=True, donate=False)
     params, opt_state = variables["params"], tx.init(variables["params"])
     state = autoaccum.linen.init_state(variables, jax.random.key(1))
@@ -89,7 +89,7 @@ def test_init_state_names_a_missing_collection() -> None:
 def test_loss_fn_without_has_state_is_told_to_pass_it() -> None:
     model, tx = ConvNet(), optax.sgd(0.1)
     variables = model.init({"params": jax.random.key(0)}, data(0)["image"], train=False)
-    loss_fn = autoaccum.linen.loss_fn(model, xent)
+    loss_fn = autoaccum.linen.make_loss_fn(model, xent)
     with pytest.raises(TypeError, match=r"takes and returns a model state .* but has_state=False; pass has_state=True"):
         autoaccum.build_update(loss_fn, tx, microbatch_size=4)  # refused when built: nothing has been traced
     with pytest.raises(TypeError, match=r"called without one: pass has_state=True"):
@@ -102,7 +102,7 @@ def test_init_state_leaves_the_callers_variables_and_key_usable() -> None:
     variables = model.init({"params": jax.random.key(0)}, data(0)["image"], train=False)
     rng = jax.random.key(1)
     before = jax.tree.map(np.asarray, variables["batch_stats"])
-    update = autoaccum.build_update(autoaccum.linen.loss_fn(model, xent), tx, microbatch_size=4, has_state=True)
+    update = autoaccum.build_update(autoaccum.linen.make_loss_fn(model, xent), tx, microbatch_size=4, has_state=True)
     params = jax.tree.map(jnp.copy, variables["params"])
     state = autoaccum.linen.init_state(variables, rng)
     _, _, _, state = update(params, tx.init(params), data(1), state)
@@ -132,7 +132,7 @@ def test_state_update_once_moves_batch_stats_once_per_update_by_the_microbatches
     variables = model.init(jax.random.key(0), x[:1], train=False)
     criterion = lambda apply, b: jnp.mean((apply(b["x"], train=True) - b["y"]) ** 2)  # noqa: E731
     update = autoaccum.build_update(
-        autoaccum.linen.loss_fn(model, criterion, rng_streams=()), tx, microbatch_size=4, has_state=True,
+        autoaccum.linen.make_loss_fn(model, criterion, rng_streams=()), tx, microbatch_size=4, has_state=True,
         state_update="once",
     )  # fmt: skip
     params = jax.tree.map(jnp.copy, variables["params"])

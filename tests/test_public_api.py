@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -29,12 +30,51 @@ def test_autoaccum_exports() -> None:
         assert hasattr(autoaccum, name), name
 
 
-def test_strategies_exports() -> None:
-    assert {"Strategy", "Spec", "Program", "register", "unregister", "available", "get"} <= set(strategies.__all__)
-    assert {"Scan", "Loop", "MultiSteps", "weighted_grad", "apply_optimizer", "leading_size"} <= set(strategies.__all__)
-    assert {"accumulate_in_jit", "mean_grads"} <= set(strategies.__all__)  # value_and_grad's pieces
+def test_strategies_exports_the_registry_the_built_ins_and_what_a_new_strategy_is_built_from() -> None:
+    registry = {"Strategy", "register", "unregister", "available", "get"}
+    built_ins = {"Scan", "Loop", "MultiSteps", "Auto", "REMAT_POLICIES"}
+    pieces = {"Spec", "Call", "Program", "Layout", "Accum", "OutDtypes", "PyTree", "weighted_grad", "add", "take",
+              "apply_optimizer", "finish_loss", "output_dtypes", "accumulate_in_scan"}  # fmt: skip
+    assert set(strategies.__all__) == registry | built_ins | pieces
     for name in strategies.__all__:
         assert hasattr(strategies, name), name
+
+
+def test_a_strategy_of_ones_own_from_the_exported_pieces_equals_the_full_batch_step() -> None:
+    """`Loop`'s idea in a few lines, from ``strategies.__all__`` alone: one jitted microbatch at a time."""
+    import jax
+
+    names = set(strategies.__all__)
+    assert {"Strategy", "Spec", "Call", "Accum", "weighted_grad", "add", "take", "apply_optimizer"} <= names
+
+    class OneAtATime(strategies.Strategy):
+        name = "one_at_a_time"
+
+        def run(self, call: Any, params: Any, opt_state: Any, batch: Any, state: Any) -> Any:
+            m, size = self.spec.microbatch_size, jax.tree.leaves(batch)[0].shape[0]
+            grad_fn = strategies.weighted_grad(self.spec)
+            acc = None
+            for start in range(0, size, m):
+                part, state = jax.jit(grad_fn)(params, strategies.take(batch, start, min(m, size - start)), state)
+                acc = part if acc is None else strategies.add(acc, part)
+            dtypes = strategies.output_dtypes(self.spec, params, batch, state)
+            params, opt_state, loss = strategies.apply_optimizer(self.spec, params, opt_state, acc, dtypes)
+            return params, opt_state, loss, state
+
+        def programs(self, params: Any, opt_state: Any, batch: Any, state: Any = ()) -> list[Any]:
+            return []
+
+    strategies.register(OneAtATime)
+    try:
+        loss_fn, params, batch = _linear()
+        batch = {"x": jnp.arange(80.0).reshape(10, 8) / 80, "y": jnp.ones(10)}
+        update = autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=4, strategy="one_at_a_time")
+        new, _, loss = update(params, update.init(params), batch)
+        full_loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        np.testing.assert_allclose(new, params - 0.1 * grads, atol=1e-6)
+        np.testing.assert_allclose(loss, full_loss, atol=1e-6)
+    finally:
+        strategies.unregister("one_at_a_time")
 
 
 def test_every_module_is_private_or_meant_to_be_imported() -> None:
@@ -236,3 +276,29 @@ def test_a_strategy_the_workload_file_registers_can_be_named(tmp_path: Any) -> N
             strategies.unregister("from_file")
     bad = CliRunner().invoke(main, ["probe", "autoaccum.workloads:linear", "--strategy", "from_nowhere"])
     assert bad.exit_code == 2 and "'from_nowhere' is not a registered strategy" in bad.output, bad.output
+
+
+def test_the_nnx_step_is_a_model_update_and_nnx_update_its_old_name() -> None:
+    assert "ModelUpdate" in autoaccum.nnx.__all__ and "Update" not in autoaccum.nnx.__all__
+    step = autoaccum.nnx.build_update(lambda model, b: jnp.mean(model(b) ** 2), microbatch_size=2)
+    assert isinstance(step, autoaccum.nnx.ModelUpdate) and not isinstance(step, autoaccum.Update)
+    with pytest.warns(
+        DeprecationWarning, match=r"`autoaccum.nnx.Update` is deprecated: use `autoaccum.nnx.ModelUpdate`"
+    ):
+        assert autoaccum.nnx.Update is autoaccum.nnx.ModelUpdate
+
+
+def test_linen_make_loss_fn_and_its_old_name() -> None:
+    import flax.linen as nn
+
+    model = nn.Dense(1)
+    variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+    criterion = lambda apply, b: jnp.mean(apply(b) ** 2)  # noqa: E731
+    new = autoaccum.linen.make_loss_fn(model, criterion, mutable=(), rng_streams=())
+    with pytest.warns(DeprecationWarning, match=r"`autoaccum.linen.loss_fn` is deprecated: use .*make_loss_fn`"):
+        old = autoaccum.linen.loss_fn(model, criterion, mutable=(), rng_streams=())
+    state = autoaccum.linen.init_state(variables, jax.random.key(1), mutable=())
+    batch = jnp.arange(6.0).reshape(2, 3)
+    expected = float(jnp.mean(model.apply(variables, batch) ** 2))  # the criterion on the model, by hand
+    assert old == new and abs(float(new(variables["params"], batch, state)[0]) - expected) < 1e-6
+    assert "make_loss_fn" in autoaccum.linen.__all__ and "loss_fn" not in autoaccum.linen.__all__
