@@ -2,7 +2,8 @@
 
 Every result is compared with a reference computed without the library: ``jax.value_and_grad`` (or nnx's own)
 on the whole batch, or, where the microbatches are meant to differ from the whole batch (a model state that
-moves per microbatch, BatchNorm, dropout), a hand-written loop over the microbatches. float32, atol 1e-6.
+moves per microbatch, BatchNorm, dropout), a hand-written loop over the microbatches; dropout on, also
+statistically (the mean over many draws). float32, atol 1e-6.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import count_backend_compiles
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -137,6 +139,45 @@ def test_sum_reduction_is_the_token_mean_over_padding(microbatch_size: int) -> N
     assert_close(jax.jit(grad_fn)(params, batch), jax.value_and_grad(token_mean)(params, batch))
 
 
+def padded_next_token_lm(batch_size: int = 10, length: int = 8, vocab: int = 11, dim: int = 6) -> tuple[Any, Any]:
+    """A tiny next-token LM on sequences of uneven lengths, padded; each real token carries a weight in [0.5, 1.5]."""
+    k = jax.random.split(jax.random.key(3), 5)
+    lengths = jax.random.randint(k[0], (batch_size,), 2, length + 2)  # tokens, the first one only an input
+    real = jnp.arange(length)[None, :] + 1 < lengths[:, None]
+    batch = {
+        "tokens": jax.random.randint(k[1], (batch_size, length + 1), 0, vocab),
+        "weights": jnp.where(real, jax.random.uniform(k[2], (batch_size, length), minval=0.5, maxval=1.5), 0.0),
+    }
+    params = {"embed": jax.random.normal(k[3], (vocab, dim)), "out": 0.5 * jax.random.normal(k[4], (dim, vocab))}
+    return params, batch
+
+
+def lm_token_sums(params: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
+    """The weighted sum of the next-token cross-entropies and the sum of the weights (padding weighs 0)."""
+    logits = jnp.tanh(params["embed"][batch["tokens"][:, :-1]]) @ params["out"]
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
+    return jnp.sum(losses * batch["weights"]), jnp.sum(batch["weights"])
+
+
+def lm_token_mean(params: Any, batch: Any) -> jax.Array:
+    loss_sum, weight = lm_token_sums(params, batch)
+    return loss_sum / weight
+
+
+@pytest.mark.parametrize("microbatch_size", [3, 4])
+def test_padded_lm_with_token_weights_is_the_whole_batch_token_mean(microbatch_size: int) -> None:
+    params, batch = padded_next_token_lm()
+    grad_fn = autoaccum.value_and_grad(lm_token_sums, microbatch_size=microbatch_size, loss_reduction="sum")
+    want = jax.value_and_grad(lm_token_mean)(params, batch)
+    assert_close(jax.jit(grad_fn)(params, batch), want)
+    # The microbatches hold different token weights: the mean of their own token means is another number.
+    starts = range(0, 10, microbatch_size)
+    naive = [jax.value_and_grad(lm_token_mean)(params, rows(batch, s, microbatch_size)) for s in starts]
+    sizes = [min(microbatch_size, 10 - s) / 10 for s in starts]
+    naive_loss = sum(n * w for (n, _), w in zip(naive, sizes, strict=True))
+    assert abs(float(naive_loss) - float(want[0])) > 1e-3
+
+
 def rows(batch: Any, start: int, size: int) -> Any:
     return jax.tree.map(lambda x: x[start : start + size], batch)
 
@@ -221,18 +262,25 @@ def test_outside_a_jit_compiles_once() -> None:
 
 
 def test_bad_input_is_refused_before_compiling() -> None:
-    with pytest.raises(ValueError, match="`microbatch_size`"):
-        autoaccum.value_and_grad(loss_fn, microbatch_size=0)
-    with pytest.raises(TypeError, match="`microbatch_size`"):
-        autoaccum.value_and_grad(loss_fn, microbatch_size=2.0)  # type: ignore[arg-type]
     params, batch = mlp(8)
-    with pytest.raises(TypeError, match="`state` is missing"):
-        autoaccum.value_and_grad(stateful_loss, microbatch_size=4, has_state=True)(params, batch)
-    with pytest.raises(TypeError, match="has_state=False"):
-        autoaccum.value_and_grad(loss_fn, microbatch_size=4)(params, batch, {})
-    vector = autoaccum.value_and_grad(lambda p, b: predict(p, b["x"]), microbatch_size=4)
-    with pytest.raises(ValueError, match="must return a scalar"):
-        vector(params, batch)
+    jax.block_until_ready((params, batch))
+    with count_backend_compiles() as compiles:
+        for bad in (0, -3):
+            with pytest.raises(ValueError, match=rf"`microbatch_size` must be >= 1, got microbatch_size={bad}"):
+                autoaccum.value_and_grad(loss_fn, microbatch_size=bad)
+        for bad in (2.0, True, "4", None):
+            with pytest.raises(TypeError, match="`microbatch_size` must be an int >= 1"):
+                autoaccum.value_and_grad(loss_fn, microbatch_size=bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"`state` is missing.*grad_fn\(params, batch, state\)"):
+            autoaccum.value_and_grad(stateful_loss, microbatch_size=4, has_state=True)(params, batch)
+        with pytest.raises(TypeError, match="has_state=False"):
+            autoaccum.value_and_grad(loss_fn, microbatch_size=4)(params, batch, {})
+        vector = autoaccum.value_and_grad(lambda p, b: predict(p, b["x"]), microbatch_size=4)
+        with pytest.raises(ValueError, match="must return a scalar"):
+            vector(params, batch)
+        with pytest.raises(ValueError, match="must return a scalar"):
+            jax.jit(vector)(params, batch)  # inside the caller's jit too
+    assert compiles == []
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=lambda t: t.name)
@@ -292,14 +340,14 @@ def nnx_classifier_loss(model: Net, batch: Any) -> tuple[jax.Array, jax.Array]:
     return loss, logits
 
 
-def nnx_microbatch_loop(model: Net, batch: Any, microbatch_size: int) -> tuple[Any, Any]:
+def nnx_microbatch_loop(model: Net, batch: Any, microbatch_size: int, objective: Any = nnx_loss) -> tuple[Any, Any]:
     """The reference: nnx's own value_and_grad per microbatch (the model's state moving), each weighted n_i / B."""
     total = len(batch["y"])
     loss, grads = 0.0, None
     for start in range(0, total, microbatch_size):
         micro = rows(batch, start, microbatch_size)
         n = len(micro["y"])
-        value, g = nnx.value_and_grad(nnx_loss)(model, micro)
+        value, g = nnx.value_and_grad(objective)(model, micro)
         loss += value * n / total
         scaled = jax.tree.map(lambda x, w=n / total: x * w, g)
         grads = scaled if grads is None else jax.tree.map(jnp.add, grads, scaled)
@@ -331,6 +379,31 @@ def test_nnx_microbatches_move_batchnorm_and_rngs_in_order(dropout: float) -> No
     assert_close(got, nnx_microbatch_loop(reference, batch, 8))
     assert_close(nnx.state(model), nnx.state(reference))
     assert int(model.drop.rngs.count[...]) == (3 if dropout else 0)  # 24 = 3 x 8
+
+
+def nnx_linear_loss(model: Net, batch: Any) -> jax.Array:
+    """Linear in the dropped units: (inverted) dropout leaves its expected gradient the dropout-off one."""
+    return jnp.mean(model(batch["x"]) * batch["y"])
+
+
+def test_nnx_dropout_on_is_unbiased_and_draws_per_microbatch() -> None:
+    """Dropout on, statistically: over many calls (each microbatch drawing its own masks) the mean gradient is the
+    dropout-off gradient of the hand-written microbatch loop, within 5 standard errors of the mean."""
+    model, batch = net_and_batch(dropout=0.5)
+    reference = nnx.clone(model)
+    reference.drop.deterministic = True
+    _, want = nnx_microbatch_loop(reference, batch, 8, nnx_linear_loss)
+    grad_fn = autoaccum.nnx.value_and_grad(nnx_linear_loss, microbatch_size=8)
+    calls = 64
+    draws = [jax.tree.leaves(grad_fn(model, batch)[1]) for _ in range(calls)]
+    assert int(model.drop.rngs.count[...]) == 3 * calls  # one draw per microbatch, 3 microbatches a call
+    spread = 0.0
+    for i, expected in enumerate(jax.tree.leaves(want)):
+        samples = np.stack([np.asarray(d[i]) for d in draws])
+        standard_error = samples.std(axis=0, ddof=1) / np.sqrt(calls)
+        np.testing.assert_array_less(np.abs(samples.mean(axis=0) - expected), 5 * standard_error + ATOL)
+        spread = max(spread, float(samples.std(axis=0).max()))
+    assert spread > 1e-3  # the masks change from call to call: dropout is on
 
 
 def test_nnx_in_the_users_step_with_optimizer_and_metrics() -> None:
