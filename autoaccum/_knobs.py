@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from autoaccum._checks import check_loss_fn
+from autoaccum._checks import check_loss_fn, floating_dtype
+from autoaccum.strategies import REMAT_POLICIES, check_remat
 
 _VALUE_TYPES = (str, int, float, bool, type(None))
 
@@ -125,3 +126,146 @@ def resolve(loss_fn: Any, values: Mapping[str, Any]) -> Callable[..., Any]:
             "loss factory), not a loss function, so that the loss is made with these values."
         )
     return loss_fn
+
+
+BUILTIN_REMAT: tuple[str | None, ...] = (None,)
+"""The remat policies `autoaccum.tune` searches by default: off, and those measured to lower the peak of an
+example model's step when applied to the whole loss (``benchmarks/remat.py``, table in benchmarks/README.md)."""
+
+REMAT = "remat"
+"""The Optuna parameter of the built-in remat knob."""
+
+KNOB_PREFIX = "knob:"
+"""The Optuna parameters of the loss's own knobs are this followed by the knob's name."""
+
+
+ACCUMULATOR_DTYPE = "accumulator_dtype"
+"""The Optuna parameter of the accumulator dtype knob."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One value of every knob: the remat policy around the loss, the accumulator dtype, and the values of the
+    loss's own knobs.
+
+    Attributes:
+      remat: `autoaccum.build_update`'s ``remat``.
+      accumulator_dtype: `autoaccum.build_update`'s ``accumulator_dtype``, by name (``"float32"``).
+      knobs: ``((name, value), ...)`` of the loss's `autoaccum.Knobs`, in their order (``()`` without any).
+    """
+
+    remat: str | None = None
+    accumulator_dtype: str = "float32"
+    knobs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """The loss's own knobs, ``{name: value}``."""
+        return dict(self.knobs)
+
+    @property
+    def build(self) -> dict[str, Any]:
+        """The built-in knobs as `autoaccum.build_update`'s keyword arguments."""
+        return {"remat": self.remat, "accumulator_dtype": self.accumulator_dtype}
+
+    def __str__(self) -> str:
+        dtype = () if self.accumulator_dtype == "float32" else ((ACCUMULATOR_DTYPE, self.accumulator_dtype),)
+        return ", ".join(f"{k}={v!r}" for k, v in ((REMAT, self.remat), *dtype, *self.knobs))
+
+
+@dataclasses.dataclass(frozen=True)
+class KnobSpace:
+    """The knobs a tune searches: remat policies, accumulator dtypes, the loss's own `autoaccum.Knobs`; the first
+    value of each is its default.
+
+    Example:
+      >>> space = KnobSpace(remat=(None, "dots_saveable"), accumulator_dtypes=("float32", "bfloat16"))
+      >>> [str(s) for s in space.settings()][:2]
+      ['remat=None', "remat=None, accumulator_dtype='bfloat16'"]
+      >>> space.params()
+      {'remat': [None, 'dots_saveable'], 'accumulator_dtype': ['float32', 'bfloat16']}
+      >>> space.setting_of({"remat": "dots_saveable"})
+      Setting(remat='dots_saveable', accumulator_dtype='float32', knobs=())
+      >>> KnobSpace().params()
+      {}
+    """
+
+    remat: tuple[str | None, ...] = (None,)
+    accumulator_dtypes: tuple[str, ...] = ("float32",)
+    knobs: Knobs | None = None
+
+    def settings(self) -> list[Setting]:
+        """Every setting of the knobs, the default (each knob's first value) first."""
+        own = [()] if self.knobs is None else [tuple(values.items()) for values in self.knobs.settings()]
+        return [Setting(*values) for values in itertools.product(self.remat, self.accumulator_dtypes, own)]
+
+    def params(self) -> dict[str, list[Any]]:
+        """The Optuna parameters of the knobs searched: those with more than one value (the others are fixed)."""
+        space: dict[str, list[Any]] = {}
+        for name, values in ((REMAT, self.remat), (ACCUMULATOR_DTYPE, self.accumulator_dtypes)):
+            if len(values) > 1:
+                space[name] = list(values)
+        for name, values in ({} if self.knobs is None else self.knobs.choices).items():
+            if len(values) > 1:
+                space[KNOB_PREFIX + name] = list(values)
+        return space
+
+    def setting_of(self, params: Mapping[str, Any]) -> Setting:
+        """The `Setting` of a trial's Optuna ``params`` (a knob that is not searched has its only value)."""
+        choices = {} if self.knobs is None else self.knobs.choices
+        own = tuple((k, params.get(KNOB_PREFIX + k, v[0])) for k, v in choices.items())
+        return Setting(params.get(REMAT, self.remat[0]), params.get(ACCUMULATOR_DTYPE, self.accumulator_dtypes[0]), own)
+
+    def params_of(self, setting: Setting) -> dict[str, Any]:
+        """The Optuna parameters of ``setting`` among the knobs searched (`params`)."""
+        params = {
+            REMAT: setting.remat,
+            ACCUMULATOR_DTYPE: setting.accumulator_dtype,
+            **{KNOB_PREFIX + k: v for k, v in setting.knobs},
+        }
+        searched = self.params()
+        return {k: v for k, v in params.items() if k in searched}
+
+
+def check_dtype_values(accumulator_dtype: Any) -> tuple[str, ...]:
+    """``accumulator_dtype`` (one floating dtype, or a sequence of them to search) as a tuple of names, checked.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> check_dtype_values(jnp.float32), check_dtype_values(("float32", jnp.bfloat16))
+      (('float32',), ('float32', 'bfloat16'))
+    """
+    values = list(accumulator_dtype) if isinstance(accumulator_dtype, (list, tuple)) else [accumulator_dtype]
+    names = []
+    for value in values:
+        dtype = floating_dtype(value)
+        if dtype is None:
+            raise TypeError(
+                f"`accumulator_dtype` must be a floating dtype, or a tuple of them to search, got "
+                f"accumulator_dtype={accumulator_dtype!r}; e.g. jnp.float32 or (jnp.float32, jnp.bfloat16)."
+            )
+        names.append(dtype.name)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(
+            f"`accumulator_dtype` must list each dtype once, at least one, got accumulator_dtype={accumulator_dtype!r}."
+        )
+    return tuple(names)
+
+
+def check_remat_values(remat: Any) -> tuple[str | None, ...]:
+    """``remat`` as a tuple of policy names (None: off), checked; ``ValueError`` naming the bad value.
+
+    Example:
+      >>> check_remat_values([None, "dots_saveable"])
+      (None, 'dots_saveable')
+    """
+    if isinstance(remat, str) or remat is None or not isinstance(remat, Sequence) or not remat:
+        raise TypeError(
+            f"`remat` must be a non-empty sequence of policy names (None: off) to search, got remat={remat!r}; "
+            f"e.g. remat=(None, 'dots_saveable'); names: {', '.join(REMAT_POLICIES)}."
+        )
+    for value in remat:
+        check_remat(value)
+    if len(set(remat)) != len(remat):
+        raise ValueError(f"`remat` repeats a policy: remat={tuple(remat)!r}; list each once.")
+    return tuple(remat)

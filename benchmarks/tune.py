@@ -35,8 +35,9 @@ import optuna
 
 import autoaccum
 from autoaccum import workloads
+from autoaccum._knobs import BUILTIN_REMAT
 from autoaccum._probe import prepare
-from autoaccum._tune.space import BUILTIN_REMAT, microbatch_candidates, program_key, variants
+from autoaccum._tune.space import microbatch_candidates, program_key, variants
 from autoaccum._tune.trials import STEPS, WARMUP
 from autoaccum._units import format_bytes
 from autoaccum._worker import Request, Worker

@@ -17,7 +17,7 @@ import pytest
 from helpers import constant_measure, linear_problem
 from seams import tune
 
-from autoaccum._tune.study import default_storage, open_storage
+from autoaccum._storage import default_storage, open_storage
 
 WORKER = Path(__file__).parent / "tune_worker.py"
 GRID = 16  # microbatch 1..4 x (scan, scan:unroll=2, scan:unroll=8, loop)

@@ -20,7 +20,7 @@ import optax
 from seams import tune
 
 from autoaccum import Update
-from autoaccum._tune.study import open_storage
+from autoaccum._storage import open_storage
 from autoaccum._worker import Timing
 
 

@@ -10,10 +10,11 @@ import optax
 
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum._estimate import Estimate, estimate
-from autoaccum._knobs import Knobs
+from autoaccum._knobs import Knobs, KnobSpace, Setting
 from autoaccum._preflight import trace_loss, warn_if_not_finite
 from autoaccum._probe import ProbeResult, probe
-from autoaccum._tune.space import KnobSpace, Setting, microbatch_candidates, probe_sizes, variants
+from autoaccum._tune.result import Clock
+from autoaccum._tune.space import microbatch_candidates, probe_sizes, variants
 from autoaccum._units import format_bytes, parse_bytes
 from autoaccum._update import build_update, resolve_strategy
 from autoaccum.strategies import Layout, PyTree, check_params, layout_of, leading_size
@@ -198,7 +199,7 @@ class Space:
         return cls(bounds, fitting, dict(data["predicted_over"]), probed)
 
     @classmethod
-    def bound(cls, job: Job, max_microbatch: int | None) -> Space:
+    def bound(cls, job: Job, max_microbatch: int | None, clock: Clock | None = None) -> Space:
         """Probes the default setting (unless ``max_microbatch`` is given), and bounds every other setting by its
         compile-only estimate calibrated by the probe (`ProbeResult.bound_for`). Where the effective batch needs
         accumulating, a size whose accumulating step (which also holds the accumulator and the whole batch) the
@@ -208,21 +209,24 @@ class Space:
           RuntimeError: no size at least ``min_microbatch`` fits, or none is a candidate.
         """
         settings, eb, default = job.settings, job.effective_batch, job.settings[0]
+        clock = clock or Clock()
         probed = None
         if max_microbatch is None:
-            probed = probe(
-                job.loss_for(default), job.params, job.batch, optimizer=job.optimizer, strategy=job.names[0],
-                memory_limit=job.memory_limit, microbatch_cap=eb, state=job.state,
-                has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"],
-                options=None if default.remat is None else {"remat": default.remat},
-                sizes=[m for m in probe_sizes(eb) if m >= job.min_microbatch],
-                **({} if job.children else {"isolate": False}),  # type: ignore[arg-type]
-            )  # fmt: skip
+            with clock.phase("probe"):
+                probed = probe(
+                    job.loss_for(default), job.params, job.batch, optimizer=job.optimizer, strategy=job.names[0],
+                    memory_limit=job.memory_limit, microbatch_cap=eb, state=job.state,
+                    has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"],
+                    options=None if default.remat is None else {"remat": default.remat},
+                    sizes=[m for m in probe_sizes(eb) if m >= job.min_microbatch],
+                    **({} if job.children else {"isolate": False}),  # type: ignore[arg-type]
+                )  # fmt: skip
             max_microbatch = probed.max_microbatch
         bounds = dict.fromkeys(settings, max_microbatch)
         accumulating: dict[Setting, Estimate] = {}
         if probed is not None:
-            accumulating = _estimates(job, probed, bounds)
+            with clock.phase("estimate"):
+                accumulating = _estimates(job, probed, bounds)
         fitting: dict[Setting, list[int]] = {}
         over: dict[str, list[int]] = {}
         for setting, b in bounds.items():

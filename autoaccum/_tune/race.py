@@ -1,24 +1,11 @@
-"""Racing the finalists: the study's best configurations re-timed side by side until their order is settled.
+"""The race: the study's best configurations (`FINALISTS` distinct programs) re-timed side by side.
 
-One trial's timing is a few steps on a shared, noisy machine; two configurations a few percent apart swap
-places from run to run. So the study's best few (`FINALISTS`, distinct programs) are timed again in rounds,
-interleaved (each round times every finalist still in the race, in an order rotated round by round, so that
-a slow spell of the machine falls on all of them), and every step time of every round, divided by that round's
-median step time over all its finalists (the machine's speed in that round), is pooled per finalist: a race of
-four rounds once ran one finalist 85, 83, 79 and 66 ms a step and another 85, 93, 82 and 72, the first ahead in
-every round and the two alike by their pooled raw medians. Only the race's own times count: a finalist's study
-trial ran at another moment, and the machine's speed drifts by more than the finalists differ.
-
-From the second round on (`MIN_ROUNDS`: one round is one moment of the machine, and a hiccup in it falls on one
-finalist alone), a finalist is out when its distribution is clearly worse than the leader's: its lower quartile
-slower than the leader's upper quartile, or its median's notch wholly above the leader's (`notch`: an interval
-that narrows as the times pool, so a real difference of a few percent inside overlapping spreads is settled in a
-few rounds instead of taking the whole budget: on the example transformer two finalists 4% and 9% apart, their
-spreads overlapping, once ran seven rounds each). The race spends a budget of timings, ``rounds`` for each
-finalist: the timings a finalist that is out leaves unspent go to more rounds between those still in (three
-finalists, four rounds: once the third is out after round two, the other two run five), which is where the close
-calls are. It ends when one is left or the budget is spent, and the fastest median of the pooled relative times
-wins.
+Rounds are interleaved (each times every finalist still in, in an order rotated round by round), and each step
+time is divided by its round's median over all finalists, so the machine's drift falls on all of them alike; only
+the race's own times count. From round `MIN_ROUNDS` on, a finalist is out when it is clearly worse than the
+leader: its lower quartile above the leader's upper quartile, or its median's `notch` wholly above the leader's.
+The race spends ``rounds`` timings per finalist (those an early leaver leaves go to more rounds of the others),
+ends when one is left or the timings are spent, and the fastest pooled relative median wins.
 """
 
 from __future__ import annotations
@@ -32,8 +19,7 @@ from typing import TypeVar
 from autoaccum._json import JsonMixin
 
 FINALISTS = 5
-"""Configurations the race re-times: the study's fastest by their trials (distinct programs). A finalist clearly
-slower than the leader costs two timings."""
+"""Configurations the race re-times: the study's fastest by their trials (distinct programs)."""
 
 ROUNDS = 4
 """Rounds the race runs while every finalist stays in (its budget: this many timings per finalist)."""

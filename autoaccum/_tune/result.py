@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optuna
@@ -27,15 +29,11 @@ class TrialRecord(JsonMixin):
       compile_seconds: the first (compiling) call's duration (``None`` if unknown).
       state: Optuna's trial state name (``COMPLETE``, ``FAIL``, ``RUNNING``, ...).
       reason: why it failed, if it did.
-      same_program_as: the trial whose timing this one reuses, the same program timed once: with one
-        accumulation step every strategy runs the plain step; scan unrolled at least as many times as there are
-        steps runs them all unrolled (`autoaccum._tune.space.program_key`).
+      same_program_as: the trial whose timing this one reuses: the same program, timed once
+        (`autoaccum._tune.space.program_key`).
       seconds: ``(q1, median, q3)`` of the trial's step times, in seconds (None unless it completed);
         ``throughput`` is the effective batch over the median.
-      peak_bytes: the trial's peak memory per device, in the timing worker (`autoaccum._tune.worker`): on the
-        CPU the resident memory the trial touched; on a GPU XLA's ``peak_bytes_in_use`` when it rose during the
-        trial, else (an earlier trial or the compiler's autotuning peaked higher) the live bytes once the inputs
-        were made plus the step's largest program's buffers. None when timed in this process.
+      peak_bytes: the trial's peak memory per device in the worker (None when timed in this process).
       remat: the remat policy around the loss (`autoaccum.build_update`'s ``remat``), or None.
       accumulator_dtype: the dtype gradients accumulated in, by name.
       knobs: the values of the loss's own knobs (`autoaccum.Knobs`), ``{}`` without any.
@@ -64,33 +62,32 @@ class TuneResult(JsonMixin):
 
     Attributes:
       plan: the best configuration, ready to `Plan.save`.
-      trials: every trial of the study (earlier runs' too when it was resumed), best first (as the study
-        measured them; the race may then reorder the best few).
+      trials: every trial of the study (earlier runs' too), fastest first as the trials measured them.
       race: the finalists re-timed side by side (`autoaccum._tune.race`), the winner (the plan) first; empty
-        when there was no race (one measured configuration, or ``race_rounds=0``).
+        without a race.
       memory_limit_bytes: the limit every trial ran under (per device).
       peak_bytes: the plan's measured peak memory in its trial (per device; None where not measured).
       probe: the probe's result, or ``None`` when a bound was given (``max_microbatch``).
       study_name: the Optuna study (named after `fingerprint` unless given).
       storage: where the study lives (an RDB URL, or ``":memory:"``).
-      fingerprint: a hash of what determines the timings (the lowered update program, hence the loss's body,
-        the optimizer, shapes, dtypes and options; the device, the memory limit, the search space and the
-        library versions): a changed loss or optimizer never resumes an old study.
+      fingerprint: a hash of what determines the answer (the lowered update, hence the loss's body, the
+        optimizer, shapes and dtypes; the device, the limit, the search space, the versions).
       resumed_trials: trials this study had settled in earlier runs (0 for a new study).
       new_trials: trials settled in this run.
       message: a one-line summary for people ("resumed: 12 trials from earlier runs, 0 new").
-      bounds: the microbatch bound of each setting of the knobs before any trial (``"remat=None"``, or with the loss's
-        own knobs ``"remat=None, block_remat='dots_saveable'"``): the probe's for the default setting, the
-        calibrated compile-only estimate's for the others (`autoaccum.ProbeResult.bound_for`), or the
-        ``max_microbatch`` given. Below it, a size whose accumulating step is predicted over the limit
-        (`autoaccum.ProbeResult.predicted_peak`) is not timed either; a strategy whose accumulating step ran out
-        of memory at a size below it is not timed at that size or above again.
-      predicted_over: per setting of the knobs (as in ``bounds``), the candidate sizes within its bound that were
-        not timed because their accumulating step is predicted over the limit (empty when none).
+      bounds: per setting of the knobs (by its text, ``"remat=None"``), the microbatch bound before any trial:
+        the probe's for the default setting, the calibrated estimate's for the others, or the bound given.
+      predicted_over: per setting, the sizes within its bound not timed because their accumulating step is
+        predicted over the limit.
       update_fn: the plan's update, already compiled for the effective batch's shapes (not in the JSON).
       init: ``init(params) -> opt_state`` for ``update_fn`` (not in the JSON).
       step: from `autoaccum.nnx.tune`, the plan as an nnx step, ``loss = step(model, optimizer, batch)``
         (not in the JSON; None otherwise).
+      seconds: this run's wall time.
+      phases: this run's seconds per phase (`PHASES`): probe runs, estimates, worker starts, the trials' compiles
+        and their timed steps, the race, the final build.
+      units: ``seconds`` over one compile plus five steps of the picked program, as its trial measured them (None
+        where unmeasured): the tune's cost, whatever the machine's speed.
     """
 
     plan: Plan
@@ -112,8 +109,31 @@ class TuneResult(JsonMixin):
         metadata=NOT_JSON, default=None, repr=False, compare=False
     )
     step: Any = dataclasses.field(metadata=NOT_JSON, default=None, repr=False, compare=False)
+    seconds: float = 0.0
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    units: float | None = None
 
     json_format = "autoaccum.tune/1"
+
+
+PHASES = ("probe", "estimate", "worker_start", "compile", "steps", "race", "build")
+"""The phases of a tune's wall time (`TuneResult.phases`)."""
+
+
+@dataclasses.dataclass
+class Clock:
+    """Seconds per phase of one tune (`PHASES`), from its start."""
+
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    seconds: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - began
 
 
 def record(trial: optuna.trial.FrozenTrial, effective_batch: int, labels: dict[str, Any]) -> TrialRecord:

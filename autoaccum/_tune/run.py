@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,15 +18,16 @@ import optuna
 from autoaccum._batch import abstract, abstract_batch, resize_batch
 from autoaccum._deprecated import renamed
 from autoaccum._device import detect_device
-from autoaccum._knobs import Knobs
+from autoaccum._knobs import BUILTIN_REMAT, Knobs, KnobSpace, check_dtype_values, check_remat_values
 from autoaccum._plan import Plan, params_signature
 from autoaccum._probe import prepare
+from autoaccum._storage import open_storage
 from autoaccum._tune.job import Job, Space
 from autoaccum._tune.race import ROUNDS, Runner
-from autoaccum._tune.result import TrialRecord, TuneResult, record
+from autoaccum._tune.result import Clock, TrialRecord, TuneResult, record
 from autoaccum._tune.search import Config, Search
-from autoaccum._tune.space import BUILTIN_REMAT, KnobSpace, check_dtype_values, check_remat_values, program_key
-from autoaccum._tune.study import fingerprint, open_storage, quiet_optuna
+from autoaccum._tune.space import program_key
+from autoaccum._tune.study import fingerprint, quiet_optuna
 from autoaccum._tune.trials import MEASURE, Trials, config_key, settled_configs, time_here, time_in_worker
 from autoaccum._units import parse_bytes
 from autoaccum._update import build_update
@@ -34,21 +36,8 @@ from autoaccum._worker import Worker, time_update
 from autoaccum.strategies import PyTree
 
 EXHAUSTIVE_UP_TO = 8
-"""Without ``budget``, a space of at most this many configurations is searched whole (``GridSampler``)."""
-
-
-def default_budget(grid_points: int, strategies: int) -> int:
-    """The configurations a tune settles without ``budget``: the whole space when it is small (`EXHAUSTIVE_UP_TO`),
-    else a fifth of it, at least as many as the strategies (variants) and three more: the search's breadth (every
-    strategy at the largest size) and a descent of a few sizes (`autoaccum._tune.search`).
-
-    Example:
-      >>> default_budget(6, 4), default_budget(28, 4), default_budget(35, 5), default_budget(100, 4)
-      (6, 7, 8, 20)
-    """
-    if grid_points <= EXHAUSTIVE_UP_TO:
-        return grid_points
-    return min(grid_points, max(strategies + 3, -(-grid_points // 5)))
+"""Without ``budget``, a space of at most this many configurations is searched whole (``GridSampler``); a larger
+one until the search proposes nothing more (`autoaccum._tune.search`)."""
 
 
 _WAITING = optuna.trial.TrialState.WAITING
@@ -140,6 +129,7 @@ def _open_study(
     name: str,
     fresh: bool,
     max_microbatch: int | None,
+    clock: Clock,
 ) -> tuple[optuna.Study, Space]:
     """The study ``name`` (created, or resumed) and the sizes each setting may time: stored with the study by the
     worker that bounded them first (the probe runs once per study), else bounded now (`Space.bound`). A trial
@@ -150,7 +140,7 @@ def _open_study(
     study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
     stored = study.user_attrs.get("space")
     if stored is None:
-        space = Space.bound(job, max_microbatch)
+        space = Space.bound(job, max_microbatch, clock)
         stored = study.user_attrs.get("space")  # another worker's, if it finished first
         if stored is None:
             study.set_user_attr("space", space.to_dict(job.settings))
@@ -160,13 +150,14 @@ def _open_study(
     return study, space
 
 
-def _sample(job: Job, space: Space, study: optuna.Study, seed: int, budget: int | None) -> tuple[int, bool]:
-    """Gives ``study`` its sampler; returns its budget and whether that covers the whole grid (then the grid's
-    sampler alone), else a seeded TPE (constant_liar: other workers' running trials count as bad ones)."""
+def _sample(job: Job, space: Space, study: optuna.Study, seed: int, budget: int | None) -> tuple[int, bool, bool]:
+    """Gives ``study`` its sampler: the grid's where the budget covers the grid (or, without one, the grid is at
+    most `EXHAUSTIVE_UP_TO`), else a seeded TPE (constant_liar: other workers' running trials count as bad ones).
+    Returns the configurations the study may settle, whether the grid is searched whole, and whether the tune
+    stops where the search does (no budget given: the sampler spends nothing)."""
     labels = job.labels
     grid_points = sum(len(sizes) for sizes in space.fitting.values()) * len(labels)
-    wanted = default_budget(grid_points, len(labels)) if budget is None else budget
-    exhaustive = wanted >= grid_points
+    exhaustive = grid_points <= EXHAUSTIVE_UP_TO if budget is None else budget >= grid_points
     if exhaustive:
         space_params: dict[str, list[Any]] = {"microbatch_size": space.sizes, "strategy": list(labels)}
         space_params.update(job.knob_space.params())
@@ -176,7 +167,7 @@ def _sample(job: Job, space: Space, study: optuna.Study, seed: int, budget: int 
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             startup = min(len(labels) + 2, 8)
             study.sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, constant_liar=True)
-    return min(wanted, grid_points), exhaustive
+    return min(budget or grid_points, grid_points), exhaustive, budget is None and not exhaustive
 
 
 def _resume(study: optuna.Study) -> None:
@@ -240,6 +231,15 @@ def _result(
     )  # fmt: skip
 
 
+def _units(result: TuneResult, runners: list[Runner], seconds: float) -> float | None:
+    """``seconds`` over one compile plus five steps of the picked program, as its trial measured them."""
+    number = runners[0].trial if runners else result.trials[0].number
+    pick = next(r for r in result.trials if r.number == number)
+    if pick.compile_seconds is None or pick.seconds is None:
+        return None
+    return seconds / (pick.compile_seconds + 5 * pick.seconds[1])
+
+
 @quiet_optuna()
 def tune(
     loss_fn: Callable[..., Any] | Knobs,
@@ -274,29 +274,14 @@ def tune(
 ) -> TuneResult:
     """Finds the microbatch size, accumulation strategy and knobs with the highest measured throughput.
 
-    The knobs trade memory for speed: the remat policy around each microbatch's loss (``remat``), the
-    accumulator's dtype (``accumulator_dtype``), and the loss's own (pass an `autoaccum.Knobs`, a loss factory,
-    as ``loss_fn``). Each setting of them has its own microbatch bound: the probe runs once, for the default
-    setting (each knob's first value), and every other setting's bound is its compile-only estimate calibrated
-    by what the probe measured (`ProbeResult.bound_for`). Where the effective batch needs accumulating, a size
-    whose accumulating step (which also holds the accumulator and the whole batch) the calibrated estimate predicts
-    over the limit is not timed (`ProbeResult.predicted_peak`).
-
-    First the probe bounds the microbatch (`autoaccum.probe`, trying only the sizes the tuner can time,
-    `autoaccum._tune.space.probe_sizes`; no size above a setting's bound is ever timed); then an Optuna study times
-    real update steps at the effective batch: every configuration when the space is small (``GridSampler``), else a
-    seeded ``TPESampler`` after what the search proposes (`autoaccum._tune.search`: every strategy at the largest
-    size, every other knob setting, then halving the fastest while each half is clearly faster, then the other
-    strategies at the size it stopped at); the finalists are then re-timed side by side (the race, which picks).
-    Trials that run out of memory or
-    over ``trial_timeout`` are recorded as failed and the study goes on. The study lives in ``storage``, so an
-    interrupted tune resumes where it stopped (finished trials are not re-run) and several processes (one per host)
-    can tune one study together: each configuration is measured by the trial that claims it first (`Trials.claim`:
-    at most twice where two claim it at once), and each worker returns once the study's budget is settled, so all
-    return the same plan; a worker that dies mid-trial leaves a trial that another one runs again once its
-    heartbeat is stale (90 s). A study is identified by a fingerprint of what determines its timings
-    (`TuneResult.fingerprint`): change the loss's body or the optimizer and a new study starts, never the old one's
-    answer.
+    The probe bounds the microbatch for the default knob setting (each knob's first value); the compile-only
+    estimate, calibrated by the probe, bounds the others and leaves out sizes whose accumulating step it predicts
+    over the limit. Real update steps at the effective batch are then timed in an isolated worker: the whole
+    space when it is small, else what the search proposes (`autoaccum._tune.search`), and the finalists race side
+    by side for the pick. Trials that run out of memory or time out are recorded as failed. The study lives in
+    ``storage`` under a fingerprint of the inputs (`TuneResult.fingerprint`): re-running returns its plan without
+    timing anything, an interrupted tune resumes, several processes (one per host) share one study and one
+    budget and return the same plan, and a changed loss or optimizer starts a new study.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss (``-> (loss, aux)`` with ``has_aux``), or an
@@ -311,12 +296,11 @@ def tune(
         first.
       memory_limit: bytes (or ``"1.5GiB"``) a step may use, passed to the probe; default: the device's
         (`autoaccum.probe`).
-      budget: the study's budget: the configurations it settles (measured, or failed for a reason such as
-        out of memory), earlier runs' and other workers' included, so a resumed study runs only the trials
-        still missing and two workers asked for 6 settle 6 together, not 12. Default `default_budget`: the whole
-        space if it has at most `EXHAUSTIVE_UP_TO` points, else a fifth of it (at least the strategies and three).
+      budget: the configurations the study settles (measured, or failed: out of memory, timed out), earlier
+        runs' and other workers' included. Default: the whole space if it has at most `EXHAUSTIVE_UP_TO` points,
+        else until the search stops; a larger budget is spent by Optuna's TPE sampler after the search.
       timeout: stop starting new trials (and waiting for other workers' trials) after this many seconds.
-      storage: an RDB URL (default: SQLite at `autoaccum._tune.study.default_storage`; several hosts:
+      storage: an RDB URL (default: SQLite at `autoaccum._storage.default_storage`; several hosts:
         ``"postgresql+psycopg://user@host/db"``), ``":memory:"`` or an optuna storage (e.g. an
         ``optuna.storages.RDBStorage`` with other heartbeat timings).
       study_name: default: ``"autoaccum-"`` + the fingerprint, so re-running the same tune resumes its study.
@@ -328,30 +312,23 @@ def tune(
       loss_reduction: ``"mean"`` or ``"sum"`` (``loss_fn`` returns ``(loss_sum, weight)``), as for
         `autoaccum.build_update`.
       accumulator_dtype: the dtype gradients accumulate in, as for `autoaccum.build_update`, or a tuple of dtypes
-        to search as a knob, the first probed (for a bfloat16 model, ``(jnp.float32, jnp.bfloat16)``: a bfloat16
-        accumulator halves its memory and rounds each microbatch's sum to 8 bits of mantissa). The plan records
-        the one picked.
+        to search as a knob, the first probed (e.g. ``(jnp.float32, jnp.bfloat16)``).
       microbatch_bound: a known bound on the microbatch: skip the probe and time no size above it (for every
         setting of the knobs).
       min_microbatch: a floor: no trial (and no probe trial) runs a smaller microbatch. Set it where a smaller
         microbatch changes the model, not just the speed (BatchNorm in training mode normalises each microbatch by
         its own statistics).
       remat: the remat policies to search (`autoaccum.build_update`'s ``remat``, None: off), the first one
-        probed; default `autoaccum._tune.space.BUILTIN_REMAT`, off and the policies measured to lower an
-        example model's peak. ``(None,)`` searches none.
+        probed; default `autoaccum._knobs.BUILTIN_REMAT`.
       trial_timeout: seconds a trial's steps (warm-up and timed) may take before the trial is recorded as failed
         (a hang: the worker is killed and restarted).
       compile_timeout: seconds a trial's compiling may take, likewise.
-      isolate: probe and time each configuration in a worker process under the memory limit (see
-        `autoaccum._tune.worker`): an out-of-memory, a crash or a hang is recorded as the trial's failure, the
-        worker restarts, and the caller's process never runs a trial. ``False``: in this process, with no cap
-        (faster to start; a trial that does not fit fails here). Default: isolated wherever a child process can
-        have the device (not a TPU, which one process owns: there a warning says so and trials run here).
-      race_rounds: rounds of re-timing the study's best configurations side by side before the pick, while
-        all stay in (a budget of this many timings per finalist: those one that is out leaves go to more rounds
-        of the others; `autoaccum._tune.race`; 0: pick the study's best as measured).
-      on_trial: called as ``callback(record, done, total)`` after each trial: its `TrialRecord`, the distinct
-        configurations settled so far and the number the study aims for (the CLI's progress bar).
+      isolate: probe and time each configuration in a worker process under the memory limit (`autoaccum._worker`):
+        an out-of-memory, a crash or a hang is the trial's failure and the worker restarts. ``False``: in this
+        process, with no cap. Default: isolated, except on a TPU (one process owns it; a warning says so).
+      race_rounds: timings per finalist of the race before the pick (`autoaccum._tune.race`; 0: no race).
+      on_trial: ``callback(record, done, total)`` after each trial: its `TrialRecord`, the configurations settled
+        so far and the most the study settles.
       n_trials, callbacks: deprecated names of ``budget`` and ``on_trial`` (in Optuna they mean this worker's
         trials and ``callback(study, trial)``).
       max_microbatch: deprecated name of ``microbatch_bound``.
@@ -363,6 +340,7 @@ def tune(
       ValueError, TypeError: bad arguments or an unopenable storage, before any trial runs.
       RuntimeError: nothing fits (the probe found no microbatch) or every trial failed.
     """
+    clock = Clock()
     budget, on_trial = _renamed(budget, n_trials, on_trial, callbacks)
     bound = renamed("microbatch_bound", microbatch_bound, "max_microbatch", max_microbatch)
     children = _isolatable() if isolate is None else bool(isolate) or detect_device().platform != "tpu"
@@ -390,8 +368,8 @@ def tune(
     limit = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
     limit = limit if setup is None else setup.memory_limit_bytes
     key = _fingerprint(job, limit, bound)
-    study, space = _open_study(job, opened, study_name or f"autoaccum-{key}", fresh, bound)
-    settles, exhaustive = _sample(job, space, study, seed, budget)
+    study, space = _open_study(job, opened, study_name or f"autoaccum-{key}", fresh, bound, clock)
+    settles, exhaustive, searched_only = _sample(job, space, study, seed, budget)
     resumed = len(settled_configs(study))
     full_batch = _full_batch(job)
     with contextlib.ExitStack() as stack:
@@ -406,15 +384,19 @@ def tune(
                 worker_job, setup.device, setup.memory_limit_bytes, compile_timeout=compile_timeout,
                 step_timeout=trial_timeout, settings=[s.values for s in job.settings],
             )  # fmt: skip
-            time_one = time_in_worker(job, stack.enter_context(worker), setup.memory_limit_bytes)
+            with clock.phase("worker_start"):
+                started = stack.enter_context(worker)
+            time_one = time_in_worker(job, started, setup.memory_limit_bytes)
         search = None if exhaustive else Search([space.fitting[s] for s in job.settings], list(job.labels),
                                                  job.effective_batch, functools.partial(_program, job))  # fmt: skip
-        trials = Trials(job, space, study, settles, search, time_one, on_trial)
+        trials = Trials(job, space, study, settles, search, time_one, on_trial, searched_only, clock)
         trials.run(timeout, _heartbeats(opened))
-        runners = trials.race(race_rounds)
+        with clock.phase("race"):
+            runners = trials.race(race_rounds)
     if setup is None and space.probed is not None:
         limit = space.probed.memory_limit_bytes
-    result = _result(job, space, study, runners, full_batch, limit)
+    with clock.phase("build"):
+        result = _result(job, space, study, runners, full_batch, limit)
     new = len(settled_configs(study)) - resumed
     name = study.study_name
     message = f"new study {name}: {new} trials"
@@ -422,6 +404,8 @@ def tune(
         message = (
             f"resumed: {resumed} trials from earlier runs, {new} new (study {name}; pass fresh=True to start over)"
         )
+    seconds = time.perf_counter() - clock.start
     return dataclasses.replace(
-        result, storage=storage_label, fingerprint=key, resumed_trials=resumed, new_trials=new, message=message
-    )
+        result, storage=storage_label, fingerprint=key, resumed_trials=resumed, new_trials=new, message=message,
+        seconds=seconds, phases=dict(clock.seconds), units=_units(result, runners, seconds),
+    )  # fmt: skip

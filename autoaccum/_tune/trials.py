@@ -14,11 +14,12 @@ from typing import Any
 
 import optuna
 
+from autoaccum._knobs import KnobSpace, Setting
 from autoaccum._tune.job import Job, Space
 from autoaccum._tune.race import FINALISTS, Runner, race
-from autoaccum._tune.result import TrialRecord, record
+from autoaccum._tune.result import Clock, TrialRecord, record
 from autoaccum._tune.search import Config, Search, Trial
-from autoaccum._tune.space import KnobSpace, Setting, program_key
+from autoaccum._tune.space import program_key
 from autoaccum._tune.study import fail_stale_trials
 from autoaccum._units import format_bytes
 from autoaccum._update import Update, build_update
@@ -129,6 +130,8 @@ class Trials:
       search: what proposes the next configurations (None: the grid's sampler alone).
       time_one: times one configuration ``(microbatch, label, setting, warmup) -> Timing`` (raises `TrialFailed`).
       on_trial: ``callback(record, done, total)`` after each of this worker's trials.
+      searched_only: stop where the search proposes nothing more (no budget given), the sampler spending nothing.
+      clock: where the trials' compiles and timed steps add their seconds.
     """
 
     job: Job
@@ -138,6 +141,8 @@ class Trials:
     search: Search | None
     time_one: Callable[[int, str, Setting, int], Timing]
     on_trial: Sequence[Callable[[TrialRecord, int, int], None]] = ()
+    searched_only: bool = False
+    clock: Clock = dataclasses.field(default_factory=Clock)
     ceilings: dict[tuple[Setting, str], int] = dataclasses.field(default_factory=dict)
     """Per (setting, strategy label): below a size whose accumulating step ran out of memory."""
 
@@ -170,6 +175,7 @@ class Trials:
         reused = self._reused(trial, m, label, knob_params)
         if reused is not None:
             return reused
+        began = time.perf_counter()
         try:
             timing = self.time_one(m, label, setting, WARMUP)
         except TrialFailed as e:
@@ -182,6 +188,8 @@ class Trials:
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
             raise
+        self.clock.seconds["compile"] += timing.compile_seconds
+        self.clock.seconds["steps"] += time.perf_counter() - began - timing.compile_seconds
         trial.set_user_attr("compile_seconds", timing.compile_seconds)
         trial.set_user_attr("times", list(timing.times or (timing.seconds_per_step,)))
         if timing.peak_bytes is not None:
@@ -233,12 +241,17 @@ class Trials:
     def report(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         """After each trial: the search's next proposals, ``on_trial``, and a stop once the budget is settled."""
         self.steer()
+        if self.searched_only and not self._waiting():
+            study.stop()
         count = len(settled_configs(study))
         if trial.state != _PRUNED and "duplicate_of" not in trial.user_attrs:
             for callback in self.on_trial:
                 callback(record(trial, self.job.effective_batch, self.job.labels), count, self.budget)
         if count >= self.budget:
             study.stop()
+
+    def _waiting(self) -> bool:
+        return any(t.state == _WAITING for t in self.study.get_trials(deepcopy=False))
 
     def run(self, timeout: float | None, heartbeats: bool) -> None:
         """Runs trials until the study has settled its budget (or ``timeout`` seconds pass). With nothing left to
@@ -256,12 +269,13 @@ class Trials:
             if count >= self.budget or (left is not None and left <= 0):
                 return
             trials = self.study.get_trials(deepcopy=False)
-            if after_round >= 0 and not any(t.state == _WAITING for t in trials):
+            idle = not any(t.state == _WAITING for t in trials)
+            if idle and (after_round >= 0 or self.searched_only):
                 if heartbeats and any(t.state == _RUNNING and measuring(t) for t in trials):
                     time.sleep(POLL_SECONDS if left is None else min(POLL_SECONDS, left))
                     fail_stale_trials(self.study)
                     continue
-                if count == after_round:  # the sampler has nothing new to offer, and no other worker is running
+                if count == after_round or self.searched_only:  # nothing new to offer, no other worker running
                     return
             # Proposals of an already measured point cost nothing and don't count; the cap only bounds the loop.
             self.study.optimize(

@@ -58,8 +58,8 @@ params, opt_state, loss{state} = update(params, opt_state, batch{state})"""
 @click.option(
     "--budget",
     type=click.IntRange(min=1),
-    help="Configurations the study settles, all workers together [default: the whole space if at most 8, else a "
-    "fifth of it, at least the strategy variants and three more].",
+    help="Configurations the study settles, all workers together [default: the whole space if at most 8, else "
+    "until the search stops].",
 )
 @click.option("--n-trials", "n_trials", type=click.IntRange(min=1), hidden=True, help="Deprecated: --budget.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Stop starting trials after SECONDS.")
@@ -153,9 +153,9 @@ def tune(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from autoaccum._knobs import BUILTIN_REMAT
     from autoaccum._tune.result import TrialRecord
     from autoaccum._tune.run import tune as run_tune
-    from autoaccum._tune.space import BUILTIN_REMAT
 
     if plot is not None:
         _require_matplotlib()
@@ -263,6 +263,9 @@ def _report(console: Console, result: Any, out: Path | None, *, isolated: bool) 
             highlight=False,
         )
     console.print(f"{result.message}; stored in {result.storage}", highlight=False, markup=False)
+    units = "" if result.units is None else f" ({result.units:.1f} units of one compile + five steps of the pick)"
+    phases = ", ".join(f"{name} {seconds:.1f}" for name, seconds in result.phases.items() if seconds >= 0.05)
+    console.print(f"took {result.seconds:.1f} s{units}: {phases or 'nothing timed'}", highlight=False, markup=False)
     if out is not None:
         console.print(f"plan saved to {out}\n", highlight=False, markup=False)
         console.print(snippet(plan, out), highlight=False, markup=False, soft_wrap=True)  # code: never re-wrapped
