@@ -31,12 +31,17 @@ def test_ci_runs_the_readme_test_command_exactly() -> None:
     assert BASH[1].strip() in ci
 
 
-@pytest.mark.parametrize("snippet", PYTHON, ids=[f"snippet{i}" for i in range(len(PYTHON))])
+@pytest.mark.parametrize(
+    "snippet",
+    [pytest.param(s, marks=[pytest.mark.slow] if re.search(r"\b(tune|probe)\(", s) else []) for s in PYTHON],
+    ids=[f"snippet{i}" for i in range(len(PYTHON))],
+)
 def test_python_snippet_runs(snippet: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     exec(compile(snippet, "README.md", "exec"), {"__name__": "__readme__"})
 
 
+@pytest.mark.slow  # the demo's whole tune: minutes on 2 shared cores
 def test_demo_command_runs(tmp_path: Path) -> None:
     """The README's first command, after its install step: the main job on the demo workload."""
     command = BASH[0].strip().split("&&", 1)[1].strip()
