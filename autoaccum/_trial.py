@@ -19,6 +19,7 @@ Anything else (an exception from the user's loss, ...) is a trial error, reporte
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -173,9 +174,13 @@ class Job:
         return update.programs(params, opt_state, batch, *(() if state is None else (abstract(state),)))
 
 
-def on_device(job: Job, device: Any) -> AbstractContextManager[Any]:
-    """Where a trial makes its arrays: ``device``, or the mesh (its shardings say where each array goes)."""
-    return jax.default_device(device) if job.mesh is None else jax.set_mesh(job.mesh.mesh())
+def on_device(job: Job, device: Any, *, running: bool = False) -> AbstractContextManager[Any]:
+    """Where a trial compiles and makes its arrays: ``device``, or the mesh (``jax.set_mesh``). ``running``: where its
+    steps run, on a mesh no context (the arrays' shardings say where): the loop strategy's step does not run under
+    ``jax.set_mesh`` ("Closing over inputs to shard_map ... Explicit axes"), as outside it."""
+    if job.mesh is None:
+        return jax.default_device(device)
+    return contextlib.nullcontext() if running else jax.set_mesh(job.mesh.mesh())
 
 
 def step(update: Update, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree | None) -> tuple[Any, ...]:
@@ -289,7 +294,13 @@ def compile_trial(
             makers["batch", rows] = resized.lower(abstract(device_copy(job.batch))).compile()
         make_params, init, resize = makers["params"], makers["init"], makers["batch", rows]
         extra = []
-        for program in job.programs(update, rows):
+        try:
+            programs = job.programs(update, rows)
+        except NotImplementedError:
+            if job.mesh is None:
+                raise
+            programs = []  # (the loop strategy on an Explicit mesh, see `on_device`: its first call compiles it)
+        for program in programs:
             analysis = program.lowered.compile().memory_analysis()  # likewise kept by the strategy's jitted functions
             if analysis is not None:
                 extra.append(analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
@@ -317,6 +328,7 @@ def run_trial(
         batch = compiled.resize(device_copy(job.batch))
         state = job.inputs(1)[2]
         jax.block_until_ready((params, opt_state, batch, state))
+    with on_device(job, device, running=True):
         inputs = memory_stats(device).get("bytes_in_use")  # a GPU's live bytes now; None on the CPU
         before = proc_status("VmSize")
         start = time.perf_counter()

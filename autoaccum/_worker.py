@@ -58,13 +58,16 @@ COMPILATION_CACHE = "AUTOACCUM_COMPILATION_CACHE"
 def use_compilation_cache() -> Path | None:
     """Turns on JAX's persistent compilation cache, for programs of any size and compile time, in the folder this
     process's JAX is given (``JAX_COMPILATION_CACHE_DIR``, or set in its config), else ``<cache folder>/jax``
-    (`autoaccum._tune.study.cache_folder`); a worker is given its caller's (`Worker`), so all share one. Returns the
+    (`autoaccum._storage.cache_folder`); a worker is given its caller's (`Worker`), so all share one. Returns the
     folder; None where `COMPILATION_CACHE` is ``0`` or the folder cannot be made (then compiling works as before)."""
     import jax
 
     if os.environ.get(COMPILATION_CACHE, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
-    from autoaccum._tune.study import cache_folder
+    try:
+        from autoaccum._storage import cache_folder
+    except ImportError:  # (until the study's storage leaves autoaccum._tune: remove then)
+        from autoaccum._tune.study import cache_folder  # type: ignore[no-redef]
 
     folder = Path(_cache_dir() or cache_folder()[0] / "jax")
     try:
