@@ -49,12 +49,25 @@ from autoaccum._device import DeviceInfo, oom_kills
 from autoaccum._json import JsonMixin
 
 OOM_MARKERS = (
-    "RESOURCE_EXHAUSTED", "std::bad_alloc", "Out of memory", "out of memory", "Cannot allocate memory",
-    "threads to join the rendezvous, but only",
+    "RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "std::bad_alloc", "MemoryError",
+    "Cannot allocate memory", "threads to join the rendezvous, but only",
 )  # fmt: skip
-"""Text in a dead child's output that says it died of a failed allocation. The last: on a CPU mesh (every
-device a thread of the capped child), a device whose allocation failed never reaches the step's collective,
-and XLA aborts the others when they have waited for it (`_CPU_COLLECTIVE_TIMEOUT`)."""
+"""Text that says an allocation failed: XLA's status, the CPU cap's failed allocation (XLA's "Out of memory
+allocating N bytes", C++'s ``bad_alloc``, Python's ``MemoryError``, ``ENOMEM``). The last: on a CPU mesh (every
+device a thread of the capped child), a device whose allocation failed never reaches the step's collective, and
+XLA aborts the others when they have waited for it (`_CPU_COLLECTIVE_TIMEOUT`)."""
+
+
+def says_out_of_memory(text: str) -> bool:
+    """The one rule for "does not fit" in a message or a dead child's output: it holds one of `OOM_MARKERS`.
+
+    Example:
+      >>> says_out_of_memory("INTERNAL: Error dispatching computation: Out of memory allocating 8 bytes")
+      True
+      >>> says_out_of_memory("INTERNAL: something else")
+      False
+    """
+    return any(m in text for m in OOM_MARKERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +117,10 @@ def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outc
             return Outcome(
                 "error", message=f"the trial's child was killed by {name} ({why}: not counted as out of memory)."
             )
-        marker = next((m for m in OOM_MARKERS if m in output), None)
-        if marker is not None:
+        if says_out_of_memory(output):
             return Outcome("oom", message=f"the trial's child died of {name} after an allocation failure: {tail}")
         return Outcome("error", message=f"the trial's child crashed with {name}; its output ends: {tail or '(none)'}")
-    if any(m in output for m in ("MemoryError", "std::bad_alloc", "RESOURCE_EXHAUSTED")):
+    if says_out_of_memory(output):
         return Outcome("oom", message=f"the trial's child ran out of memory: {tail}")
     return Outcome(
         "error", message=f"the trial's child exited with status {returncode}; its output ends: {tail or '(none)'}"

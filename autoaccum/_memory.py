@@ -35,6 +35,13 @@ class StepMemory:
     bytes_accessed: float
 
 
+def live_bytes(analysis: Any) -> int:
+    """The one formula for what a compiled program needs (XLA's ``memory_analysis()``): arguments + outputs +
+    temporaries - aliased (donated) bytes."""
+    m = analysis
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
 def analyse(
     programs: Sequence[Program], batch_size: int = 0, compiler_options: Mapping[str, Any] | None = None
 ) -> tuple[StepMemory, list[jax.stages.Compiled]]:
@@ -52,9 +59,7 @@ def analyse(
         m = c.memory_analysis()
         if m is None:
             raise RuntimeError(f"XLA gives no memory analysis on {jax.devices()[0].platform}; cannot predict memory.")
-        live = (
-            m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-        ) + program.resident_bytes
+        live = live_bytes(m) + program.resident_bytes
         if best is None or live > best[0]:
             best = (live, m)
         cost = c.cost_analysis() or {}

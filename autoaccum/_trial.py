@@ -5,14 +5,10 @@ caller's process (``isolate=False``). A trial gets the parameters'
 shapes and dtypes only (`Job`), and makes the arrays itself: a probe of a 7B-parameter model writes no 28 GB
 file. The example batch travels as it is (a few rows).
 
-What "does not fit" means in a trial, exactly (`is_oom`; for a child that dies, `autoaccum._isolation`):
-
-* XLA raises ``JaxRuntimeError`` with status ``RESOURCE_EXHAUSTED`` (at compile or at run);
-* on the CPU, XLA's runtime reports a failed allocation under the capped address space as
-  ``INTERNAL: Error dispatching computation: Out of memory allocating N bytes`` (the buffer allocator's own
-  message, seen under ``RLIMIT_AS``), or Python raises ``MemoryError``, or an ``OSError`` with ``ENOMEM``;
-  any other XLA error under the cap counts only if the same step then runs without the cap (`measured`:
-  XLA's CPU kernels report some failed allocations as e.g. ``INTERNAL: YNNPACK operation failed``);
+What "does not fit" means in a trial (`is_oom`): an XLA error, or for a child that dies its output, that
+`autoaccum._isolation.says_out_of_memory`; a ``MemoryError`` or an ``OSError`` with ``ENOMEM``. Under the CPU cap,
+any other XLA error counts only if the same step then runs without the cap (`measured`: XLA's CPU kernels report
+some failed allocations as e.g. ``INTERNAL: YNNPACK operation failed``).
 
 Anything else (an exception from the user's loss, ...) is a trial error, reported with its message.
 """
@@ -42,13 +38,11 @@ import optax
 
 from autoaccum._batch import abstract, abstract_batch, device_copy, resize_batch
 from autoaccum._device import memory_stats
-from autoaccum._isolation import Outcome
+from autoaccum._isolation import Outcome, says_out_of_memory
 from autoaccum.strategies import Program, PyTree, layout_of, leading_size
 
 if TYPE_CHECKING:
     from autoaccum._update import Update
-
-_CPU_OOM_MESSAGE = "Out of memory allocating"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,18 +193,9 @@ def is_oom(exc: BaseException) -> bool:
       >>> is_oom(ValueError("RESOURCE_EXHAUSTED"))
       False
     """
-    if isinstance(exc, MemoryError):
+    if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
         return True
-    if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
-        return True
-    if isinstance(exc, jax.errors.JaxRuntimeError):
-        message = str(exc)
-        return (
-            message.startswith("RESOURCE_EXHAUSTED")
-            or "RESOURCE_EXHAUSTED:" in message
-            or (message.startswith("INTERNAL") and _CPU_OOM_MESSAGE in message)
-        )
-    return False
+    return isinstance(exc, jax.errors.JaxRuntimeError) and says_out_of_memory(str(exc))
 
 
 def materialize(params: PyTree, seed: int = 0) -> PyTree:
@@ -273,6 +258,8 @@ def compile_trial(
     are the same for every microbatch size, strategy and knob (0.5 s of each of the example transformer's
     trials, a tenth of its compiling).
     """
+    from autoaccum._memory import live_bytes
+
     rows = size if rows is None else rows
     makers = {} if makers is None else makers
     start = time.perf_counter()
@@ -303,7 +290,7 @@ def compile_trial(
         for program in programs:
             analysis = program.lowered.compile().memory_analysis()  # likewise kept by the strategy's jitted functions
             if analysis is not None:
-                extra.append(analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+                extra.append(live_bytes(analysis) - analysis.argument_size_in_bytes)
     seconds = time.perf_counter() - start
     return Compiled(job, size, device, update, make_params, init, resize, seconds, max(extra) if extra else None)
 
@@ -321,38 +308,63 @@ def run_trial(
     raises; the callers decide which errors mean "does not fit".
     """
     job, update, device = compiled.job, compiled.update, compiled.device
-    times = []
     with on_device(job, device):
         params = compiled.make_params()
-        opt_state = compiled.init(params)
-        batch = compiled.resize(device_copy(job.batch))
-        state = job.inputs(1)[2]
-        jax.block_until_ready((params, opt_state, batch, state))
+        made = [params, compiled.init(params), compiled.resize(device_copy(job.batch)), job.inputs(1)[2]]
+        del params
+        jax.block_until_ready(made)
     with on_device(job, device, running=True):
         inputs = memory_stats(device).get("bytes_in_use")  # a GPU's live bytes now; None on the CPU
         before = proc_status("VmSize")
-        start = time.perf_counter()
-        params, opt_state, loss, state = jax.block_until_ready(step(update, params, opt_state, batch, state))
-        first = time.perf_counter() - start
-        if time_first and not warmup:
-            times.append(first)
-        for i in range(warmup + steps - len(times)):
-            settle(before)
-            resume = time.perf_counter()
-            params, opt_state, loss, state = jax.block_until_ready(step(update, params, opt_state, batch, state))
-            if i >= warmup:
-                times.append(time.perf_counter() - resume)
+        out, first, times = run_steps(
+            update, made, steps=steps, warmup=warmup, time_first=time_first, between=functools.partial(settle, before)
+        )
     used = peak()
     if used is None and inputs is not None and compiled.step_bytes is not None:
         # A GPU's peak_bytes_in_use never goes down: in a process that ran bigger work before (a reused tuning
         # worker; the compiler's autotuning), it says nothing of this step. Then: the live bytes with the
         # inputs made, plus what the step's largest program allocates beyond them (XLA's buffer assignment).
         used = inputs + compiled.step_bytes
-    del params, opt_state, loss, batch, state
+    del out
     return Outcome(
         "fits", seconds=statistics.median(times), first_seconds=first, peak_bytes=used,
         compile_seconds=compiled.seconds, times=times,
     )  # fmt: skip
+
+
+def run_steps(
+    update: Update,
+    inputs: list[Any],
+    *,
+    steps: int,
+    warmup: int,
+    time_first: bool = False,
+    between: Callable[[], None] = lambda: None,
+    time_limit: float | None = None,
+) -> tuple[tuple[Any, ...], float, list[float]]:
+    """The one timing loop: calls ``update`` on ``inputs`` (``[params, opt_state, batch, state]``, emptied so that no
+    donated buffer is held here) ``1 + warmup + steps`` times (``steps`` with ``time_first``, the first timed too),
+    each call ended by ``jax.block_until_ready`` and the next one preceded by ``between()``; returns the last call's
+    ``(params, opt_state, loss, state)``, the first call's seconds and the timed calls' seconds.
+
+    Raises:
+      TimeoutError: the calls so far took over ``time_limit`` seconds.
+    """
+    start = time.perf_counter()
+    batch = inputs[2]
+    out = jax.block_until_ready(step(update, *inputs))
+    inputs.clear()
+    first = time.perf_counter() - start
+    times = [first] if time_first and not warmup else []
+    for i in range(warmup + steps - len(times)):
+        if time_limit is not None and time.perf_counter() - start > time_limit:
+            raise TimeoutError(f"over {time_limit:g} s after {i} of {warmup + steps} steps")
+        between()
+        resume = time.perf_counter()
+        out = jax.block_until_ready(step(update, out[0], out[1], batch, out[3]))
+        if i >= warmup:
+            times.append(time.perf_counter() - resume)
+    return out, first, times
 
 
 def settle(before: int | None, timeout: float = 1.0) -> None:

@@ -64,10 +64,7 @@ def use_compilation_cache() -> Path | None:
 
     if os.environ.get(COMPILATION_CACHE, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
-    try:
-        from autoaccum._storage import cache_folder
-    except ImportError:  # (until the study's storage leaves autoaccum._tune: remove then)
-        from autoaccum._tune.study import cache_folder  # type: ignore[no-redef]
+    from autoaccum._storage import cache_folder
 
     folder = Path(_cache_dir() or cache_folder()[0] / "jax")
     try:
@@ -429,11 +426,10 @@ def time_update(
     warmup: int = 1,
     state: PyTree | None = None,
     time_limit: float | None = None,
-    timer: Callable[[], float] = time.perf_counter,
 ) -> Timing:
-    """Times ``update`` on ``batch`` in this process (``isolate=False``): one compiling call, ``warmup`` calls, then
-    ``steps`` timed calls, each ending with ``jax.block_until_ready``. Works on copies of ``params`` and ``state``
-    (the update donates its inputs); ``state`` is given exactly when the update was built with ``has_state``.
+    """Times ``update`` on ``batch`` in this process (``isolate=False``) with `autoaccum._trial.run_steps`: one
+    compiling call, ``warmup`` calls, then ``steps`` timed calls. Works on copies of ``params`` and ``state`` (the
+    update donates its inputs); ``state`` is given exactly when the update was built with ``has_state``.
 
     Raises:
       TrialFailed: XLA ran out of memory, or the calls so far exceeded ``time_limit`` seconds.
@@ -441,25 +437,18 @@ def time_update(
     import jax
     import jax.numpy as jnp
 
-    from autoaccum._trial import is_oom, step
+    from autoaccum._trial import is_oom, run_steps
 
     params = jax.tree.map(jnp.array, params)
     state = None if state is None else jax.tree.map(jnp.array, state)
     try:
-        opt_state = update.init(params)
-        start = timer()
-        params, opt_state, _, state = jax.block_until_ready(step(update, params, opt_state, batch, state))
-        compile_seconds = timer() - start
-        times = []
-        for i in range(warmup + steps):
-            if time_limit is not None and timer() - start > time_limit:
-                raise TrialFailed(f"timed out: over {time_limit:g} s after {i} of {warmup + steps} steps")
-            t = timer()
-            params, opt_state, _, state = jax.block_until_ready(step(update, params, opt_state, batch, state))
-            if i >= warmup:
-                times.append(timer() - t)
+        made = [params, update.init(params), batch, state]
+        del params, state
+        _, first, times = run_steps(update, made, steps=steps, warmup=warmup, time_limit=time_limit)
+    except TimeoutError as e:
+        raise TrialFailed(f"timed out: {e}") from e
     except (jax.errors.JaxRuntimeError, MemoryError) as e:
         if is_oom(e):
             raise TrialFailed(f"out of memory: {(str(e) or type(e).__name__).splitlines()[0][:300]}") from e
         raise
-    return Timing(statistics.median(times), compile_seconds, steps, tuple(times))
+    return Timing(statistics.median(times), first, steps, tuple(times))
