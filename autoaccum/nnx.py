@@ -126,7 +126,7 @@ class ModelUpdate:
     `autoaccum.build_update` for the exact semantics, ``loss_reduction`` included); the model's other state
     (batch statistics, RNG counters) is threaded through the microbatches in order. ``optimizer.step`` advances
     by one per call. The strategy accumulates the gradient, then ``optimizer.update(model, grads)`` (nnx's own)
-    applies it in one ``nnx.jit`` program. Programs are built per model structure and cached.
+    applies it in a ``jax.jit`` program of its own. Programs are built per model structure and cached.
     """
 
     def __init__(self, loss_fn: Callable[..., Any], options: dict[str, Any], plan: Plan | None = None) -> None:
@@ -147,24 +147,22 @@ class ModelUpdate:
         return f, self._cache[key]
 
     @staticmethod
-    def _apply(model: nnx.Module, optimizer: nnx.Optimizer, out: tuple[Any, ...]) -> Any:
-        """The accumulated gradient applied by ``optimizer.update`` (nnx's own), after the model's new state."""
-        params, grads, loss, state = out
-        nnx.update(model, params, state)  # the arrays the accumulation was given (donated, so returned)
-        grads = jax.tree.unflatten(jax.tree.structure(nnx.state(model, optimizer.wrt)), jax.tree.leaves(grads))
-        _optimizer_update(model, optimizer, grads)
+    def _apply(model: nnx.Module, optimizer: nnx.Optimizer, graphdef: Any, out: tuple[Any, ...]) -> Any:
+        """The accumulated gradient applied by ``optimizer.update`` (nnx's own), with the model's new state."""
+        params, grads, loss, state = out  # params: the arrays the accumulation was given (donated, so returned)
+        _optimizer_update(model, optimizer, graphdef, (params, state), grads)
         return loss
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
         """One update on ``batch``; returns the loss (``(loss, aux)`` with ``has_aux``)."""
         f, update = self._prepare(model, optimizer)
-        return self._apply(model, optimizer, update(f.params, update.init(f.params), batch, f.state))
+        return self._apply(model, optimizer, f.graphdef, update(f.params, update.init(f.params), batch, f.state))
 
     def stream(self, model: nnx.Module, optimizer: nnx.Optimizer, microbatches: Iterable[PyTree]) -> Any:
         """One update on microbatches that arrive one at a time (`autoaccum.Update.stream`); returns the loss."""
         f, update = self._prepare(model, optimizer)
         out = update.stream(f.params, update.init(f.params), microbatches, f.state)
-        return self._apply(model, optimizer, out)
+        return self._apply(model, optimizer, f.graphdef, out)
 
     def compiled_for(self, model: nnx.Module, optimizer: nnx.Optimizer) -> _Update:
         """The functional `autoaccum.Update` this step accumulates with for ``model`` (its spec, its ``programs``).
@@ -377,22 +375,29 @@ def _from_plan(loss_fn: Any, plan: Any, given: dict[str, Any]) -> tuple[Callable
 _APPLY: dict[Any, Callable[..., Any]] = {}
 
 
-def _optimizer_update(model: nnx.Module, optimizer: nnx.Optimizer, grads: PyTree) -> None:
-    """nnx's own ``optimizer.update(model, grads)``, in one program compiled per structure (keyed as nnx.jit keys
-    its cache, by the treedef of the GraphDef), through ``jax.jit`` on the split state: nnx.jit itself does not run
-    at every jax release autoaccum supports."""
-    graphdef, state = nnx.split((model, optimizer))
-    key = jax.tree.structure(graphdef)
+def _optimizer_update(
+    model: nnx.Module, optimizer: nnx.Optimizer, graphdef: Any, split: tuple[PyTree, PyTree], grads: PyTree
+) -> None:
+    """nnx's own ``optimizer.update(model, grads)`` on the model split as ``graphdef`` and ``split`` (its ``wrt``
+    parameters, the rest), which are then written into ``model``: one program compiled per structure (keyed as
+    nnx.jit keys its cache, by the treedefs of the GraphDefs), through ``jax.jit`` on the pure arrays (nnx.jit
+    itself does not run at every jax release autoaccum supports). The model is not split again here: only the
+    optimizer is."""
+    optimizer_def, optimizer_state = nnx.split(optimizer)
+    key = (jax.tree.structure(graphdef), jax.tree.structure(optimizer_def))
     if key not in _APPLY:
 
-        def apply(state: Any, grads: PyTree) -> tuple[Any, Any]:
-            model, optimizer = nnx.merge(graphdef, state)
-            optimizer.update(model, grads)
-            return nnx.state(model), nnx.state(optimizer)
+        def apply(params: PyTree, rest: PyTree, optimizer_state: Any, grads: PyTree) -> tuple[Any, Any]:
+            model = nnx.merge(graphdef, params, rest)
+            optimizer = nnx.merge(optimizer_def, optimizer_state)
+            wrt = jax.tree.structure(nnx.state(model, optimizer.wrt))  # the gradient as nnx.grad gives it
+            optimizer.update(model, jax.tree.unflatten(wrt, jax.tree.leaves(grads)))
+            return _as_pure(nnx.state(model, optimizer.wrt)), nnx.state(optimizer)
 
-        _APPLY[key] = jax.jit(apply, donate_argnums=0)
-    model_state, optimizer_state = _APPLY[key](state, grads)
-    nnx.update(model, model_state)
+        _APPLY[key] = jax.jit(apply, donate_argnums=(0, 2))  # the parameters and the optimizer state
+    params, rest = split
+    params, optimizer_state = _APPLY[key](params, rest, optimizer_state, grads)
+    nnx.update(model, params, rest)
     nnx.update(optimizer, optimizer_state)
 
 
