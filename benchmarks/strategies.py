@@ -16,12 +16,16 @@ Two more rows are autoaccum's own: every strategy again with ``has_state=True``,
 PRNG key, splitting it and returning the new one (a dropout-like pattern whose draw is added times zero, so the
 math and the one-step check are unchanged): the cost of threading a model state through the accumulation, as
 the stateless / stateful throughput ratio of the same strategy (goal: at most ``--state-goal`` overhead).
-These rows are not candidates for "our best". Smaller tables follow for the built-in image workloads (``--also``,
-default ``mlp cnn``): the plain full-batch step, our strategies and the same three baselines. Every table has
-a row for ``build_update``'s default (``strategy="auto"``, which runs ``scan``, or ``loop`` on XLA:CPU for a loss
-with a convolution), and a summary table ends the run, a row per workload, with the two goals: the default
-within ``--default-goal`` (1.10x) of the fastest hand-written time, and our best at least ``--goal`` (1.00) of
-their best throughput, on every workload.
+These rows are not candidates for "our best", nor is the row for ``autoaccum.value_and_grad`` inside a
+step of the user's (a ``jax.jit`` step calling it, then ``optimizer.update`` and ``optax.apply_updates``, donating
+``params`` and ``opt_state``), timed against ``build_update``'s ``scan`` at the same unroll, the same accumulation
+(goal: at most ``--your-step-goal`` slower): after each table, ``--pair-rounds`` rounds of these two and the
+default alone give the median of their per-round time ratio. Smaller tables follow for the built-in image
+workloads (``--also``, default ``mlp cnn``): the plain full-batch step, our strategies and the same three
+baselines. Every table has a row for ``build_update``'s default (``strategy="auto"``, which runs ``scan``, or
+``loop`` on XLA:CPU for a loss with a convolution), and a summary table ends the run, a row per workload, with the
+two goals: the default within ``--default-goal`` (1.10x) of the fastest hand-written time, and our best at least
+``--goal`` (1.00) of their best throughput, on every workload.
 
 Every method does the same work: ``B`` examples per step in ``k = B // m`` microbatches of ``m``, the
 workload's optimizer (AdamW) stepping once per ``B`` examples, ``params`` and ``opt_state`` donated. A cheap
@@ -65,6 +69,7 @@ from autoaccum import strategies, workloads
 PyTree = Any
 State = tuple[Any, ...]
 STATEFUL = "autoaccum, has_state"
+YOUR_STEP = "autoaccum, your step"
 DEFAULT = "default (strategy=auto)"
 
 
@@ -86,7 +91,8 @@ class Method:
     Attributes:
       name: the row label.
       by: ``"autoaccum"`` (one of our strategies), ``STATEFUL`` (one of ours with a PRNG-key model state),
-        ``"hand-written"`` (a baseline) or ``"reference"``.
+        ``YOUR_STEP`` (``autoaccum.value_and_grad`` in a step of the user's), ``"hand-written"`` (a baseline) or
+        ``"reference"``.
       init: ``init(params) -> state``; the state's first item is always ``params``.
       step: ``step(state) -> state``, one step on the benchmark's batch (captured), donating ``state``.
     """
@@ -159,6 +165,25 @@ def ours_stateful(
         return params, opt_state, key
 
     return Method(label, STATEFUL, lambda params: (params, update.init(params), jax.random.key(0)), step)
+
+
+def in_your_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, batch: PyTree, m: int) -> Method:
+    """``autoaccum.value_and_grad`` inside a user-written ``jax.jit`` step that applies the optimizer itself,
+    donating ``params`` and ``opt_state`` as ``build_update`` does."""
+    grad_fn = autoaccum.value_and_grad(loss_fn, microbatch_size=m)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def update(params: PyTree, opt_state: PyTree, batch: PyTree) -> State:
+        loss, grads = grad_fn(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return Method(
+        "value_and_grad in your jit step",
+        YOUR_STEP,
+        lambda params: (params, optimizer.init(params)),
+        lambda state: update(state[0], state[1], batch)[:2],
+    )
 
 
 def manual(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, microbatches: list[PyTree]) -> Method:
@@ -293,11 +318,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--default-goal", type=float, default=1.10, help="largest default / fastest hand-written time, per workload"
     )
+    p.add_argument(
+        "--pair-rounds",
+        type=int,
+        default=40,
+        help="rounds of value_and_grad in your step, build_update's scan and the default alone, side by side",
+    )
+    p.add_argument(
+        "--your-step-goal",
+        type=float,
+        default=0.03,
+        help="largest value_and_grad-in-your-step overhead over build_update's scan (time ratio - 1)",
+    )
     p.add_argument("--atol", type=float, default=1e-4, help="one-step check: params tolerance (~0.1 lr)")
     p.add_argument("--grad-atol", type=float, default=1e-6, help="one-step check: Adam first-moment tolerance")
     args = p.parse_args(argv)
-    if min(args.batch, args.microbatch, args.steps, args.rounds) < 1 or args.warmup < 1:
-        p.error("--batch, --microbatch, --steps, --rounds and --warmup must be >= 1")
+    if min(args.batch, args.microbatch, args.steps, args.rounds, args.warmup) < 1 or args.pair_rounds < 2:
+        p.error("--batch, --microbatch, --steps, --rounds and --warmup must be >= 1, --pair-rounds >= 2")
     if args.round_ms < 0:
         p.error(f"--round-ms must be >= 0 (0: exactly --steps steps a round), got {args.round_ms:g}")
     if args.batch % args.microbatch:
@@ -426,6 +463,41 @@ def picked_by_default(w: Any, m: int) -> str:
     return str(update.accumulation.choose(w.params, w.batch).name)
 
 
+def your_step_line(workload: str, times: dict[str, list[float]], picked: str, goal: float) -> str:
+    """``value_and_grad`` in the user's step against ``build_update``'s ``scan`` at its default unroll (the same
+    accumulation): the median over rounds of their per-round time ratio (the two ran side by side in each round),
+    with its quartiles. Where the default also runs that program, its ratio to the scan row (the same program
+    read twice) gives this run's noise."""
+    scan = f"scan unroll={strategies.get('scan').options['unroll'][0]}"
+    yours = next(name for name in times if name.startswith("value_and_grad"))
+
+    def ratios(name: str) -> str:
+        r = [a / b for a, b in zip(times[name], times[scan], strict=True)]
+        q = statistics.quantiles(r, n=4)
+        return f"{statistics.median(r):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})"
+
+    ratio = statistics.median(a / b for a, b in zip(times[yours], times[scan], strict=True))
+    verdict = "met" if ratio <= 1 + goal else "NOT met"
+    line = (
+        f"{workload}: value_and_grad in your step / build_update {scan} (time, per round, {len(times[scan])} rounds) "
+        f"= {ratios(yours)}, goal <= {1 + goal:g}: {verdict}"
+    )
+    if picked == "scan" and scan.endswith("=1"):
+        line += f"; noise: the default / {scan} (the same program) = {ratios(DEFAULT)}"
+    return line
+
+
+def time_your_step(
+    workload: str, methods: list[Method], states: dict[str, State], picked: str, args: argparse.Namespace
+) -> None:
+    """``--pair-rounds`` rounds of ``value_and_grad`` in the user's step, ``build_update``'s scan and the default
+    alone (shuffled each round, as `time_rounds`), then `your_step_line`."""
+    scan = f"scan unroll={strategies.get('scan').options['unroll'][0]}"
+    pair = [x for x in methods if x.name in (DEFAULT, scan) or x.by == YOUR_STEP]
+    times = time_rounds(pair, states, argparse.Namespace(**{**vars(args), "rounds": args.pair_rounds}))
+    print(your_step_line(workload, times, picked, args.your_step_goal))
+
+
 def print_summary(rows: list[Summary], args: argparse.Namespace) -> None:
     print(
         "| workload | default runs | default / their best (time) | our best | their best | our best / their best "
@@ -458,6 +530,7 @@ def workload_table(args: argparse.Namespace, name: str) -> int | Summary:
         manual(w.loss_fn, w.optimizer, microbatches),
         multisteps(w.loss_fn, w.optimizer, microbatches),
         microbatch(w.loss_fn, w.optimizer, w.batch, m),
+        in_your_step(w.loss_fn, w.optimizer, w.batch, m),
     ]
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(w.params))
     print(
@@ -477,8 +550,10 @@ def workload_table(args: argparse.Namespace, name: str) -> int | Summary:
     print(
         f"\n{name}: default ({row.picked}) {b / row.default:,.0f} ex/s; our best {row.ours[0]} "
         f"({b / row.ours[1]:,.0f} ex/s); their best {row.theirs[0]} ({b / row.theirs[1]:,.0f} ex/s); "
-        f"full batch {b / full:,.0f} ex/s\n"
+        f"full batch {b / full:,.0f} ex/s"
     )
+    time_your_step(name, methods, states, row.picked, args)
+    print()
     return row
 
 
@@ -506,6 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         manual(loss_fn, opt, microbatches),
         multisteps(loss_fn, opt, microbatches),
         microbatch(loss_fn, opt, batch, m),
+        in_your_step(loss_fn, opt, batch, m),
     ]
 
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(w.params))
@@ -543,6 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     rows = [summarize("transformer", methods, medians, picked_by_default(w, m))]
+    time_your_step("transformer", methods, states, rows[0].picked, args)
     for name in args.also:
         row = workload_table(args, name)
         if not isinstance(row, Summary):
