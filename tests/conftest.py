@@ -23,10 +23,6 @@ def has_gpu() -> bool:
         return False
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: over about 20 s on 2 shared cores (deselect with -m 'not slow')")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if has_gpu():
         return
