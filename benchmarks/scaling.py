@@ -252,12 +252,17 @@ def time_config(w: autoaccum.Workload, config: dict[str, Any], steps: int, limit
 
 
 def grid_configs(batch: int, bound: int) -> list[dict[str, Any]]:
-    """Every strategy (default options) at every power-of-two size up to ``bound`` that divides ``batch``; the
+    """Every strategy (its options' first values) at every power-of-two size up to ``bound`` that divides ``batch``; the
     whole batch in one step once (every strategy runs the plain step there)."""
     sizes = [2**i for i in range(batch.bit_length()) if 2**i <= bound and batch % 2**i == 0]
-    names = list(autoaccum.strategies.available())
+    defaults = {
+        name: {k: v[0] for k, v in autoaccum.strategies.get(name).options.items()}
+        for name in autoaccum.strategies.available()
+        if name != "auto"
+    }
+    names = list(defaults)
     return [
-        {"microbatch_size": m, "strategy": name, "options": {}, "remat": None}
+        {"microbatch_size": m, "strategy": name, "options": defaults[name], "remat": None}
         for m in sizes
         for name in (names[:1] if m == batch else names)
     ]
@@ -422,7 +427,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=64, help="effective batch, sequences [default: 64]")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence [default: 64]")
     parser.add_argument("--limit", default="256MiB", help="memory limit [default: 256MiB]")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per grid configuration [default: 3]")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per grid configuration [default: 5]")
     parser.add_argument("--no-grid", action="store_true", help="tunes only")
     parser.add_argument("--tune-timeout", type=float, default=1800.0, help="seconds one tune may take")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
