@@ -18,8 +18,8 @@ sequences of ``--seq-len`` tokens under ``--limit``):
   matmul, a copy). Reported: the Spearman rank correlation of predicted with measured step times, and the best of
   the 3 configurations predicted fastest over the timed best.
 
-Run: ``python benchmarks/scaling.py [--size 0.17M ...] [--large] [--runs 3] [--json]``; prints a Markdown table
-(``--json``: JSON instead), progress on stderr.
+Run: ``python benchmarks/scaling.py [--size 0.17M ...] [--large] [--runs 3] [--json] [--out FILE]``; prints a
+Markdown table (``--json``: JSON instead; ``--out``: JSON to a file after each model), progress on stderr.
 """
 
 from __future__ import annotations
@@ -431,6 +431,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-grid", action="store_true", help="tunes only")
     parser.add_argument("--tune-timeout", type=float, default=1800.0, help="seconds one tune may take")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--out", type=Path, help="also write the JSON report here, after each model")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
@@ -459,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     for name, shape in models(args):
         report["models"].append(measure_model(name, shape, args))
+        if args.out is not None:  # after each model: what a long run measured survives its end
+            args.out.write_text(json.dumps(report, indent=1, default=str))
     report["machine"]["load_after"] = os.getloadavg()
     report["seconds"] = time.time() - started
     print(json.dumps(report, indent=1, default=str) if args.json else markdown(report["models"]))
