@@ -100,7 +100,9 @@ def quiet_plugin_start() -> None:
     """Installs `_QuietWithoutDriver` on jax's backend logger when this machine has no NVIDIA driver (no
     ``/proc/driver/nvidia``); called when autoaccum is imported, before jax starts its backends."""
     if not has_driver():
-        logger = logging.getLogger("jax._src.xla_bridge")
+        from autoaccum._jax_private import BACKEND_LOGGER
+
+        logger = logging.getLogger(BACKEND_LOGGER)
         if not any(isinstance(f, _QuietWithoutDriver) for f in logger.filters):
             logger.addFilter(_QuietWithoutDriver())
 
@@ -259,26 +261,25 @@ def _devices(config: str, count: int) -> tuple[Any, ...]:
             # jax registers the plugin only after checking the CUDA libraries it would run with, which a machine
             # without a GPU lacks (unless JAX_PLATFORMS leaves cuda out): load its compiler directly.
             c_api = _c_api()
-            from jax._src.lib import xla_client
+            from autoaccum._jax_private import xla_client
 
-            made = xla_client.make_c_api_device_topology(c_api, "", topology=topology, target_config=config)
-            return tuple(made._make_compile_only_devices())  # type: ignore[attr-defined]
+            made = xla_client().make_c_api_device_topology(c_api, "", topology=topology, target_config=config)
+            return tuple(made._make_compile_only_devices())
 
 
 @functools.lru_cache(maxsize=1)
 def _c_api() -> Any:
     """The CUDA plugin's PJRT C API, loaded from its library when jax did not register it."""
-    from jax._src import xla_bridge
-    from jax._src.lib import xla_client
+    from autoaccum._jax_private import xla_bridge, xla_client
 
-    registered = xla_bridge._backend_factories.get("cuda")
+    registered = xla_bridge()._backend_factories.get("cuda")
     if registered is not None and registered.c_api is not None:
         return registered.c_api
-    if xla_client.pjrt_plugin_loaded("cuda"):
+    if xla_client().pjrt_plugin_loaded("cuda"):
         raise GpuCompilerUnavailable(
             "the CUDA plugin is loaded but not registered with jax; start Python with JAX_PLATFORMS=cpu (or cuda)."
         )
-    return xla_client.load_pjrt_plugin_dynamically("cuda", str(_plugin_library()))
+    return xla_client().load_pjrt_plugin_dynamically("cuda", str(_plugin_library()))
 
 
 def gpu_mesh(
@@ -342,13 +343,12 @@ def check_gpu(compiled: jax.stages.Compiled) -> None:
 
 
 def _cost(module: Any) -> dict[str, float]:
-    from jax._src import xla_bridge
-    from jax._src.lib import _jax
+    from autoaccum._jax_private import jaxlib_extension, xla_bridge
 
     for platform in ("cpu", None):  # XLA's HLO cost analysis runs on any client that implements it
         try:
-            backend = xla_bridge.get_backend(platform)
-            return dict(_jax.hlo_module_cost_analysis(backend, module))
+            backend = xla_bridge().get_backend(platform)
+            return dict(jaxlib_extension().hlo_module_cost_analysis(backend, module))
         except (RuntimeError, NotImplementedError, jax.errors.JaxRuntimeError):
             continue
     return {}
@@ -369,7 +369,9 @@ def gpu_cost(compiled: jax.stages.Compiled, lowered: jax.stages.Lowered) -> tupl
         moved += float(cost.get("bytes accessed", 0.0))
     calls, call_bytes = _custom_calls(compiled.as_text() or "")
     moved = max(moved + calls + call_bytes, 0.0)  # the analysis counts each custom call (cuBLAS) as -1 byte
-    unoptimised = _cost(lowered._lowering.hlo().as_hlo_module())  # Lowered.cost_analysis(), on a client that has it
+    from autoaccum._jax_private import lowered_hlo
+
+    unoptimised = _cost(lowered_hlo(lowered))  # Lowered.cost_analysis(), on a client that has it
     return max(flops, float(unoptimised.get("flops", 0.0))), moved
 
 

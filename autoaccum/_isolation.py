@@ -179,9 +179,9 @@ def backend_name(info: DeviceInfo) -> str:
         return info.platform
     client = getattr(info.device, "client", None)
     if client is not None:
-        from jax._src import xla_bridge  # the registry of initialised backends, by name
+        from autoaccum._jax_private import xla_bridge  # the registry of initialised backends, by name
 
-        for name, backend in xla_bridge.backends().items():
+        for name, backend in xla_bridge().backends().items():
             if backend is client and name != "gpu":
                 return str(name)
     return "rocm" if any(v in info.name for v in ("AMD", "Radeon", "Instinct")) else "cuda"

@@ -181,9 +181,9 @@ def device_target_config(devices: Sequence[Any]) -> str:
     Raises:
       TargetConfigError: this jax cannot serialize a topology, or the devices are not CUDA GPUs.
     """
-    from jax._src.lib import _jax
+    from autoaccum._jax_private import jaxlib_extension
 
-    topology = _jax.get_topology_for_devices(list(devices))
+    topology = jaxlib_extension().get_topology_for_devices(list(devices))
     serialize = getattr(topology, "serialize", None)
     if serialize is None:
         import jax
