@@ -87,7 +87,7 @@ def test_changed_loss_and_optimizer_never_resume_the_old_study(tmp_path: Path, m
 
     calls: list[tuple[int, str]] = []
     kw: dict[str, Any] = dict(
-        microbatch_bound=12, strategies=["scan", "loop"], measure=constant_measure(calls), race_rounds=0
+        microbatch_bound=12, strategies=["scan", "loop"], budget=4, measure=constant_measure(calls), race_rounds=0
     )
     first = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1), **kw)
     assert first.resumed_trials == 0 and first.new_trials >= len(calls) > 0  # one-step configurations: timed once
