@@ -716,22 +716,9 @@ def estimate(
     check_bool(accumulation, "accumulation")
     platform, compiler, target_name = jax.default_backend(), "", None
     if target is not None:
-        from autoaccum._gpu_compile import compiler_status, describe, on_gpu
-
-        description = describe(target)  # an unknown target fails here, naming the known ones
-        target_name = description.name
-        if memory_limit is None and not isinstance(target, Path):
-            memory_limit = Target.gpu(target_name).memory_limit_bytes
-        elif memory_limit is None:  # a card of the user's own: the GPU policy of `Accelerator.memory_limit_bytes`
-            memory_limit = usable_bytes(description.memory_bytes)
-        if compiler_status() is None:
-            from autoaccum._gpu_compile import GPU_COMPILER_OPTIONS
-
-            platform, compiler = "gpu", f"XLA:GPU {description.arch} (compile-only)"
-            compiler_options = {**GPU_COMPILER_OPTIONS, **(compiler_options or {})}
-            params, batch, state = on_gpu(target, params, batch, state)
-        else:
-            compiler = "XLA:CPU (proxy)"
+        platform, compiler, target_name, memory_limit, compiler_options, params, batch, state = _for_target(
+            target, memory_limit, compiler_options, params, batch, state
+        )
     if memory_limit is None:
         from autoaccum._device import detect_device, resolve_memory_limit
 
@@ -740,7 +727,6 @@ def estimate(
         limit = parse_bytes(memory_limit, "memory_limit")
     extra_limits = [parse_bytes(x, "refine_for") for x in refine_for]
     compile_options = {**COMPILER_OPTIONS, **(compiler_options or {})}
-    top = max(cap, effective_batch or 0)
     layout = layout_of(params, batch, state)
     g = 1 if layout is None else layout.shards  # on a mesh: global sizes, multiples of the batch's shards
     if cap < g:
@@ -756,19 +742,9 @@ def estimate(
         loss_fn, optimizer, params, batch, state, None if target is None else "gpu", strategy=strategy,
         has_aux=has_aux, loss_reduction=loss_reduction, **options,
     )  # fmt: skip
-    strategy = build["strategy"]
-    with _Measurer(
-        loss_fn,
-        params,
-        batch,
-        optimizer,
-        state,
-        build,
-        compile_options,
-        workers,
-        COMPILE_ONLY_GPU if platform == "gpu" and target is not None else platform,
-        on_compile,
-    ) as measurer:
+    where = COMPILE_ONLY_GPU if platform == "gpu" and target is not None else platform
+    measurer = _Measurer(loss_fn, params, batch, optimizer, state, build, compile_options, workers, where, on_compile)
+    with measurer:
         s1 = units(min(max(FIRST_SIZE, 2 * g), cap))
         sizes = [(s1, s1)]
         if accumulation:  # 2 and 4 microbatches of s1, and 2 of s1 plus a smaller last one
@@ -776,70 +752,27 @@ def estimate(
         measurer.submit(sizes)
         opt_future = measurer.optimizer_cost()
         (single1,) = measurer.measure(sizes[:1])
-        plans = effective_batch is not None and accumulation
         largest = cap if effective_batch is None or not accumulation else effective_batch  # a plan's microbatch <= B
         s2 = units(_second_size(single1, measurer.state_bytes, limit, largest))
-        if s2 == s1:
-            s2 = s1 + g
-        measurer.measure([(s2, s2)])
-        acc_fixed = per_batch = per_remainder = None
-        acc_runtime = 0.0
+        measurer.measure([(s2 if s2 != s1 else s1 + g, s2 if s2 != s1 else s1 + g)])
+        fields: dict[str, Any] = dict(
+            strategy=build["strategy"], options=measurer.options, memory_limit_bytes=limit, microbatch_cap=cap,
+            platform=platform, shards=g, compiler=compiler, target=target_name,
+        )  # fmt: skip
         if accumulation:
-            acc2, acc4, uneven = measurer.measure(sizes[1:])
-            # accumulating step at (s1, B) = one-microbatch step at s1 + accumulation_bytes + per_batch * B
-            # (XLA's figures), plus the runtime's difference between the two steps (per microbatch example)
-            acc_fixed, per_batch = _affine(
-                [acc2.batch_size, acc4.batch_size],
-                [acc2.peak_bytes - single1.peak_bytes, acc4.peak_bytes - single1.peak_bytes],
-            )
-            expected = single1.peak_bytes + acc_fixed + per_batch * uneven.batch_size
-            per_remainder = max(0.0, (uneven.peak_bytes - expected) / (uneven.batch_size % s1 or 1))
-            acc_fixed, per_batch = max(acc_fixed, 0.0), max(per_batch, 0.0)
-            acc_runtime = (max(p.runtime_bytes for p in (acc2, acc4, uneven)) - single1.runtime_bytes) / s1
+            fields.update(_accumulation(single1, *measurer.measure(sizes[1:])))
+        else:
+            fields.update(accumulation_bytes=None, per_batch_example_bytes=None, remainder_bytes_per_example=None)
         opt = opt_future.result()
 
         def current() -> Estimate:
-            singles = sorted(
-                (p for p in measurer.points.values() if p.batch_size == p.microbatch_size),
-                key=lambda p: p.microbatch_size,
-            )
-            xs = [p.microbatch_size for p in singles]
-            flops_fixed, flops_slope = _affine(xs, [p.flops - opt.flops for p in singles])
-            moved_fixed, moved_slope = _affine(xs, [p.bytes_accessed - opt.bytes_accessed for p in singles])
-            return Estimate(
-                strategy=strategy,
-                options=measurer.options,
-                memory_limit_bytes=limit,
-                points=tuple(measurer.points.values()),
-                accumulation_bytes=acc_fixed,
-                per_batch_example_bytes=per_batch,
-                remainder_bytes_per_example=per_remainder,
-                accumulation_runtime_bytes_per_example=acc_runtime,
-                cost=StepCost(
-                    flops_fixed=flops_fixed,
-                    flops_per_example=flops_slope,
-                    bytes_accessed_fixed=moved_fixed,
-                    bytes_accessed_per_example=moved_slope,
-                    optimizer_flops=opt.flops,
-                    optimizer_bytes_accessed=opt.bytes_accessed,
-                    compute_dtype=_compute_dtype(measurer.params),
-                    devices=g,
-                    reduction_bytes=float(sum(x.size for x in jax.tree.leaves(params)) * 4) if g > 1 else 0.0,
-                ),
-                microbatch_cap=cap,
-                platform=platform,
-                seconds=time.perf_counter() - start,
-                shards=g,
-                compiler=compiler,
-                target=target_name,
-            )
+            return _fitted(measurer, opt, params, seconds=time.perf_counter() - start, **fields)
 
         est = current()
+        plans = effective_batch is not None and accumulation
+        top = max(cap, effective_batch or 0)
         for _ in range(2):  # refine at the predicted answers until they are near a measurement (usually once)
-            budgets = (limit, *extra_limits)
-            wanted = {
-                est.largest_microbatch(b, effective_batch) if plans else est.largest_microbatch(b) for b in budgets
-            }
+            wanted = {est.largest_microbatch(b, effective_batch if plans else None) for b in (limit, *extra_limits)}
             done = {m for m, total in measurer.points if m == total}
             todo = [m for m in sorted(wanted) if 1 <= m <= top and not any(abs(m - k) <= NEAR * k for k in done)]
             if not todo:
@@ -847,6 +780,70 @@ def estimate(
             measurer.measure([(m, m) for m in todo])
             est = current()
     return est
+
+
+def _for_target(
+    target: str | Path, memory_limit: int | str | None, compiler_options: dict[str, Any] | None, *trees: PyTree
+) -> tuple[Any, ...]:
+    """``(platform, compiler, target name, memory_limit, compiler_options, params, batch, state)`` of an estimate
+    for a catalogued GPU or a target description: the card's limit by default; its compile-only devices and
+    XLA's GPU compiler where the ``gpu-plan`` extra is installed, else the CPU compiler's figures as a proxy."""
+    from autoaccum._gpu_compile import compiler_status, describe, on_gpu
+
+    description = describe(target)  # an unknown target fails here, naming the known ones
+    if memory_limit is None and not isinstance(target, Path):
+        memory_limit = Target.gpu(description.name).memory_limit_bytes
+    elif memory_limit is None:  # a card of the user's own: the GPU policy of `Accelerator.memory_limit_bytes`
+        memory_limit = usable_bytes(description.memory_bytes)
+    if compiler_status() is not None:
+        return (jax.default_backend(), "XLA:CPU (proxy)", description.name, memory_limit, compiler_options, *trees)
+    from autoaccum._gpu_compile import GPU_COMPILER_OPTIONS
+
+    options = {**GPU_COMPILER_OPTIONS, **(compiler_options or {})}
+    compiler = f"XLA:GPU {description.arch} (compile-only)"
+    return ("gpu", compiler, description.name, memory_limit, options, *on_gpu(target, *trees))
+
+
+def _accumulation(single: Point, acc2: Point, acc4: Point, uneven: Point) -> dict[str, float]:
+    """The accumulating step's terms from three measurements at ``single``'s microbatch: at ``(s, B)`` it is the
+    one-microbatch step at ``s`` + ``accumulation_bytes`` + ``per_batch_example_bytes`` * B (XLA's figures), plus
+    an uneven split's extra per example of its last microbatch, plus the runtime's difference between the two
+    steps (per microbatch example)."""
+    s = single.microbatch_size
+    fixed, per_batch = _affine(
+        [acc2.batch_size, acc4.batch_size], [acc2.peak_bytes - single.peak_bytes, acc4.peak_bytes - single.peak_bytes]
+    )
+    expected = single.peak_bytes + fixed + per_batch * uneven.batch_size
+    runtime = max(p.runtime_bytes for p in (acc2, acc4, uneven)) - single.runtime_bytes
+    return dict(
+        accumulation_bytes=max(fixed, 0.0),
+        per_batch_example_bytes=max(per_batch, 0.0),
+        remainder_bytes_per_example=max(0.0, (uneven.peak_bytes - expected) / (uneven.batch_size % s or 1)),
+        accumulation_runtime_bytes_per_example=runtime / s,
+    )
+
+
+def _fitted(measurer: _Measurer, opt: _Analysis, params: PyTree, **fields: Any) -> Estimate:
+    """The `Estimate` of the points measured so far: ``fields`` and the cost analysis fitted per example."""
+    singles = sorted(
+        (p for p in measurer.points.values() if p.batch_size == p.microbatch_size), key=lambda p: p.microbatch_size
+    )
+    xs = [p.microbatch_size for p in singles]
+    flops_fixed, flops_slope = _affine(xs, [p.flops - opt.flops for p in singles])
+    moved_fixed, moved_slope = _affine(xs, [p.bytes_accessed - opt.bytes_accessed for p in singles])
+    g = fields["shards"]
+    cost = StepCost(
+        flops_fixed=flops_fixed,
+        flops_per_example=flops_slope,
+        bytes_accessed_fixed=moved_fixed,
+        bytes_accessed_per_example=moved_slope,
+        optimizer_flops=opt.flops,
+        optimizer_bytes_accessed=opt.bytes_accessed,
+        compute_dtype=_compute_dtype(measurer.params),
+        devices=g,
+        reduction_bytes=float(sum(x.size for x in jax.tree.leaves(params)) * 4) if g > 1 else 0.0,
+    )
+    return Estimate(points=tuple(measurer.points.values()), cost=cost, **fields)
 
 
 def _second_size(first: Point, state_bytes: int, limit: int, top: int) -> int:
