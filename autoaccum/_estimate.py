@@ -142,6 +142,8 @@ class Estimate(JsonMixin):
         GPU compiler, ``"XLA:CPU (proxy)"`` for a target planned from the CPU compiler's figures, ``""`` (this
         machine's own compiler) without a target.
       target: the catalogued accelerator given as ``target`` (``None`` without one).
+      calibration_bytes: added to every prediction on this device (`bytes_at` with ``runtime``): what a step
+        measured here showed the compile-only figures miss (`calibrate`); 0 as compiled.
     """
 
     strategy: str
@@ -159,6 +161,7 @@ class Estimate(JsonMixin):
     shards: int = 1
     compiler: str = ""
     target: str | None = None
+    calibration_bytes: float = 0.0
 
     json_format = "autoaccum.estimate/1"
     json_properties = ("fixed_bytes", "per_example_bytes", "max_microbatch")
@@ -179,7 +182,8 @@ class Estimate(JsonMixin):
         pts = self.single_points
         i = int(np.searchsorted([p.microbatch_size for p in pts], m))
         a, b = pts[min(max(i - 1, 0), len(pts) - 2)], pts[min(max(i, 1), len(pts) - 1)]
-        ya, yb = (a.total_bytes, b.total_bytes) if runtime else (a.peak_bytes, b.peak_bytes)
+        c = self.calibration_bytes
+        ya, yb = (a.total_bytes + c, b.total_bytes + c) if runtime else (a.peak_bytes, b.peak_bytes)
         slope = max((yb - ya) / (b.microbatch_size - a.microbatch_size), 1.0)
         return ya - slope * a.microbatch_size, slope
 
@@ -230,6 +234,25 @@ class Estimate(JsonMixin):
             if runtime:
                 peak += self.accumulation_runtime_bytes_per_example * m
         return math.ceil(peak)
+
+    def calibrate(self, microbatch_size: int, peak_bytes: int, *, measured: Estimate | None = None) -> Estimate:
+        """This estimate calibrated by a step measured on this device: ``peak_bytes`` at ``microbatch_size`` examples
+        (one microbatch per step, as the probe runs it) of ``measured``'s step (default this one's; another
+        setting's estimate, e.g. another remat policy, borrows the measurement of the probed one). What the
+        compile-only figures miss there is taken not to grow with the step (the runtime's own needs; on the CPU,
+        memory mapped before the cap, which a step reuses and the cap does not count), and added to every
+        prediction on this device (`calibration_bytes`).
+
+        Example:
+          >>> from autoaccum import workloads
+          >>> w = workloads.linear()
+          >>> est = estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="64MiB")
+          >>> calibrated = est.calibrate(16, est.bytes_at(16) + 2**20)
+          >>> calibrated.bytes_at(64) - est.bytes_at(64)  # XLA's figure alone (runtime=False) stays
+          1048576
+        """
+        missed = peak_bytes - (self if measured is None else measured).bytes_at(microbatch_size)
+        return dataclasses.replace(self, calibration_bytes=self.calibration_bytes + missed)
 
     def largest_microbatch(
         self, memory_limit: int | str, batch_size: int | None = None, *, runtime: bool = True

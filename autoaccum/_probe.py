@@ -171,10 +171,21 @@ class ProbeResult(JsonMixin):
         """
         g = self.granularity
         top = min(self.microbatch_cap, other.microbatch_cap)
-        answer = min(other.largest_microbatch(max(1, self.memory_limit_bytes - (self.missed_bytes or 0))), top)
+        answer = min(self.calibrated(other).largest_microbatch(self.memory_limit_bytes), top)
         if answer < top:
             answer = math.floor(answer * FIRST_MARGIN)
         return answer // g * g
+
+    def calibrated(self, other: Estimate) -> Estimate:
+        """``other`` (an estimate of the probed step, or of another setting of it) calibrated by the largest fitting
+        trial (`Estimate.calibrate`; its peak as measured, else the limit, the most it can have used); ``other``
+        as it is without a fitting trial or an estimate."""
+        fits = [t for t in self.trials if t.fits]
+        if self.estimate is None or not fits:
+            return other
+        largest = max(fits, key=lambda t: t.microbatch_size)
+        peak = largest.peak_bytes or self.memory_limit_bytes
+        return other.calibrate(largest.microbatch_size, peak, measured=self.estimate)
 
     @property
     def missed_bytes(self) -> int | None:
@@ -185,12 +196,9 @@ class ProbeResult(JsonMixin):
         A difference, not a ratio: what the estimate misses is taken not to grow with the step (the runtime's own
         needs; on the CPU, memory mapped before the cap, which a step reuses and the cap does not count).
         """
-        fits = [t for t in self.trials if t.fits]
-        if self.estimate is None or not fits:
+        if self.estimate is None or not any(t.fits for t in self.trials):
             return None
-        largest = max(fits, key=lambda t: t.microbatch_size)
-        peak = largest.peak_bytes or self.memory_limit_bytes
-        return peak - self.estimate.bytes_at(largest.microbatch_size)
+        return int(self.calibrated(self.estimate).calibration_bytes - self.estimate.calibration_bytes)
 
     def predicted_peak(self, other: Estimate, microbatch_size: int, batch_size: int | None = None) -> int:
         """The peak bytes ``other`` (an estimate of another setting, or of this one with ``accumulation=True``)
@@ -213,7 +221,7 @@ class ProbeResult(JsonMixin):
           >>> found.predicted_peak(acc, 16, 64) > found.predicted_peak(acc, 16)
           True
         """
-        return other.bytes_at(microbatch_size, batch_size) + (self.missed_bytes or 0)
+        return self.calibrated(other).bytes_at(microbatch_size, batch_size)
 
     @property
     def step_seconds(self) -> float | None:
