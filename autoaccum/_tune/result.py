@@ -85,7 +85,7 @@ class TuneResult(JsonMixin):
         (not in the JSON; None otherwise).
       seconds: this run's wall time.
       phases: this run's seconds per phase (`PHASES`): probe runs, estimates, worker starts, the trials' compiles
-        and their timed steps, the race, the final build.
+        and their timed steps, the trials that failed (out of memory, timed out), the race, the final build.
       units: ``seconds`` over one compile plus five steps of the picked program, as its trial measured them (None
         where unmeasured): the tune's cost, whatever the machine's speed.
     """
@@ -116,7 +116,7 @@ class TuneResult(JsonMixin):
     json_format = "autoaccum.tune/1"
 
 
-PHASES = ("probe", "estimate", "worker_start", "compile", "steps", "race", "build")
+PHASES = ("probe", "estimate", "worker_start", "compile", "steps", "failed", "race", "build")
 """The phases of a tune's wall time (`TuneResult.phases`)."""
 
 

@@ -138,6 +138,9 @@ def _open_study(
         with contextlib.suppress(KeyError):  # no such study yet: nothing to delete
             optuna.delete_study(study_name=name, storage=storage)
     study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
+    with warnings.catch_warnings():  # "experimental" in some Optuna releases
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(["examples/s"])  # what a dashboard labels the value
     stored = study.user_attrs.get("space")
     if stored is None:
         space = Space.bound(job, max_microbatch, clock)
@@ -205,6 +208,8 @@ def _result(
     if runners:  # the race's winner, at the median of every step it was timed
         top = next(t for t in study.get_trials(deepcopy=False) if t.number == runners[0].trial)
         throughput = eb / runners[0].quartiles[1]
+    if study.user_attrs.get("plan_trial") != top.number:
+        study.set_user_attr("plan_trial", top.number)  # the plan's trial, for whoever looks at the study
     strategy, options = labels[top.params["strategy"]]
     chosen = job.knob_space.setting_of(top.params)
     m = int(top.params["microbatch_size"])

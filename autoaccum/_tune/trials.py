@@ -179,6 +179,7 @@ class Trials:
         try:
             timing = self.time_one(m, label, setting, WARMUP)
         except TrialFailed as e:
+            self.clock.seconds["failed"] += time.perf_counter() - began
             trial.set_user_attr("reason", str(e))
             if str(e).startswith("out of memory"):
                 # The accumulating step also holds the whole batch and the accumulator, in buffers of its strategy's
@@ -219,6 +220,9 @@ class Trials:
                 # The same program (one accumulation step; scan unrolled 2 or 8 times over two steps): timing it
                 # again would only let noise pick between identical programs.
                 trial.set_user_attr("same_program_as", other.number)
+                for name in ("times", "peak_bytes"):  # (read where the trial is shown: the dashboard)
+                    if name in other.user_attrs:
+                        trial.set_user_attr(name, other.user_attrs[name])
                 return float(other.value)  # type: ignore[arg-type]
         return None
 

@@ -349,7 +349,8 @@ def _print_table(console: Console, result: Any) -> None:
     for i, runner in enumerate(result.race):
         outcome = "winner: the plan" if i == 0 else "finished" if runner.out_after is None else ""
         if runner.out_after is not None:
-            outcome = f"out after round {runner.out_after}"
+            failed = runner.rounds < runner.out_after  # (its re-timing in that round failed: out of memory)
+            outcome = f"{'failed in' if failed else 'out after'} round {runner.out_after}"
         rows.append([
             str(runner.trial), str(runner.rounds), str(len(runner.times)),
             "" if runner.relative is None else f"{runner.relative:.3f}",
