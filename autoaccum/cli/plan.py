@@ -21,6 +21,10 @@ NOTE = (
     "use more. Step time is a roofline ESTIMATE (XLA's FLOPs and bytes accessed against the datasheet peaks), "
     "a lower bound rather than a measurement."
 )
+DEMO_GPUS = ("H100", "L4")
+"""The cards ``--demo`` plans for without ``--gpu``: the large and the small end of the catalogue. Each card is
+six compilations of GPT-2 small by XLA's GPU compiler; add others with ``--gpu`` (e.g. ``--gpu A100-40GB``)."""
+
 GPU_NOTE = (
     "XLA:GPU sm_XY (compile-only): XLA's own GPU compiler for that card, on compile-only devices (no GPU used). "
     "XLA:CPU (proxy): the CPU compiler's figures stand in for the card's."
@@ -107,13 +111,13 @@ def plan(
 ) -> None:
     """Predict microbatch, accumulation steps, peak memory and step time on each target, before any run.
 
-    WORKLOAD is path/to/file.py:function or package.module:function returning an autoaccum.Workload;
-    --demo plans a model people size (GPT-2 small at sequence 1024, built from shapes only; --large adds a ~1B
-    transformer). Targets are catalogued accelerators (--gpu) and bare memory limits (--memory-limit); with
-    neither, this machine's default device. With the gpu-plan extra (pip install "autoaccum[gpu-plan]",
-    jax-cuda12-plugin at jax's version) each catalogued GPU is compiled for by XLA's GPU compiler itself,
-    without a GPU; otherwise the CPU compiler's figures stand in (labelled "XLA:CPU (proxy)"). The targets are
-    compiled for at once, a line for each compilation.
+    WORKLOAD is path/to/file.py:function or package.module:function returning an autoaccum.Workload; --demo plans a
+    model people size (GPT-2 small at sequence 1024, built from shapes only, on H100 and L4 unless --gpu names
+    cards; --large adds a ~1B transformer). Targets are catalogued accelerators (--gpu) and bare memory limits
+    (--memory-limit); with neither, this machine's default device. With the gpu-plan extra (pip install
+    "autoaccum[gpu-plan]", jax-cuda12-plugin at jax's version) each catalogued GPU is compiled for by XLA's GPU
+    compiler itself, without a GPU; otherwise the CPU compiler's figures stand in (labelled "XLA:CPU (proxy)"). The
+    targets are compiled for at once, a line for each compilation.
 
     \b
     Exit codes: 0 planned (on a target where not even one example fits, "nothing fits" is its answer);
@@ -152,8 +156,8 @@ def plan(
     if demo and workload is None:
         from autoaccum.workloads import planning_demos
 
-        if not targets:  # the cards people plan for
-            targets = [Target.gpu(name, mem_fraction, safety_margin) for name in ("H100", "A100-40GB", "L4")]
+        if not targets:
+            targets = [Target.gpu(name, mem_fraction, safety_margin) for name in DEMO_GPUS]
         code = 0
         for i, w in enumerate(planning_demos(large=large)):
             total = w.batch_size if effective_batch is None else effective_batch
