@@ -19,7 +19,9 @@ sequences of ``--seq-len`` tokens under ``--limit``):
   the 3 configurations predicted fastest over the timed best.
 
 Run: ``python benchmarks/scaling.py [--size 0.17M ...] [--large] [--runs 3] [--json] [--out FILE]``; prints a
-Markdown table (``--json``: JSON instead; ``--out``: JSON to a file after each model), progress on stderr.
+Markdown table (``--json``: JSON instead; ``--out``: JSON to a file after each model; ``--render A.json ...``: the
+table of earlier reports), progress on stderr. ``tune s`` is the tune's own wall time (the result's ``seconds``),
+``process s`` its command's (Python and JAX start-up, loading the workload, printing).
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def tune_figures(run: dict[str, Any]) -> dict[str, Any]:
         "tune_seconds": result.get("seconds"),
         "phases": phases,
         "phases_from": "result" if result.get("phases") else "derived",
-        "other_seconds": run["wall_seconds"] - sum(phases.values()),
+        "other_seconds": (result.get("seconds") or run["wall_seconds"]) - sum(phases.values()),
         "trials": len(result["trials"]),
         "pick_trial": pick["number"],
         "probe_bound": (result.get("probe") or {}).get("max_microbatch"),
@@ -381,7 +383,8 @@ def _spread(values: list[float], digits: int = 1) -> str:
     return mid if len(values) == 1 else f"{mid} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
-HEADER = ["parameters", "tune s", "units", "pick's compile s", "pick's step s", "pick", *PHASES, "other"]
+HEADER = ["parameters", "runs", "tune s", "process s", "units", "pick's compile s", "pick's step s", "pick", *PHASES]
+HEADER += ["other"]
 HEADER += ["grid s", "grid best ex/s", "pick / grid best", "cost rho", "cost top-3 / best"]
 
 
@@ -395,9 +398,13 @@ def table_row(m: dict[str, Any]) -> list[str]:
     picks = ", ".join(sorted({_label(t["pick"]) for t in ok})) or "; ".join(
         str(t.get("error"))[:80] for t in m["tunes"]
     )
-    row = [f"{m['parameters'] / 1e6:.2f}M", col("wall_seconds", 0), col("units"), col("pick_compile_seconds")]
+    for t in ok:  # the tune's own wall time where the result carries it, else its process's
+        t.setdefault("seconds", t.get("tune_seconds") or t["wall_seconds"])
+        t["other"] = t["seconds"] - sum(t["phases"].values())
+    row = [f"{m['parameters'] / 1e6:.2f}M", str(len(ok)), col("seconds", 0), col("wall_seconds", 0), col("units")]
+    row += [col("pick_compile_seconds")]
     row += [col("pick_step_seconds", 3), picks]
-    row += [_spread([t["phases"][p] for t in ok if p in t["phases"]]) for p in PHASES] + [col("other_seconds")]
+    row += [_spread([t["phases"][p] for t in ok if p in t["phases"]]) for p in PHASES] + [col("other")]
     grid = m.get("grid")
     if not grid:
         return [*row, "-", "-", "-", "-", "-"]
@@ -432,6 +439,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tune-timeout", type=float, default=1800.0, help="seconds one tune may take")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", type=Path, help="also write the JSON report here, after each model")
+    parser.add_argument("--render", type=Path, nargs="+", help="print the table of these JSON reports; measure nothing")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")
@@ -453,6 +461,9 @@ def models(args: argparse.Namespace) -> list[tuple[str, tuple[int, int, int]]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:  # tables from earlier reports
+        print(markdown([m for path in args.render for m in json.loads(path.read_text())["models"]]))
+        return 0
     started = time.time()
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg(), "jax": jax.__version__},
