@@ -10,8 +10,12 @@ tuner measured it.)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+import jax
+import numpy as np
 
 from autoaccum._catalog import DEFAULT_SAFETY_MARGIN, Accelerator, lookup, usable_bytes
 from autoaccum._checks import check_positive_int
@@ -240,3 +244,43 @@ def _compiler(model: MemoryModel, target: Target) -> str:
     if target.accelerator is None or compiled_for is None or target.accelerator == compiled_for or "proxy" in own:
         return own
     return f"{own.replace(' (compile-only)', '')} for {compiled_for} (proxy)"
+
+
+def fit_cost(
+    sizes: Sequence[int],
+    flops: Sequence[float],
+    bytes_accessed: Sequence[float],
+    optimizer: tuple[float, float],
+    params: Any,
+    devices: int = 1,
+) -> StepCost:
+    """The roofline cost of a step (`StepCost`) from XLA's cost analysis of one-microbatch steps at ``sizes`` (their
+    ``flops`` and ``bytes_accessed``, less the optimizer step's, ``optimizer = (flops, bytes accessed)``), fitted per
+    example by least squares; the compute dtype is the floating dtype holding most of ``params``'s bytes; on a mesh
+    of ``devices``, a float32 reduction of every parameter per step.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> cost = fit_cost([8, 16], [180.0, 340.0], [90.0, 170.0], (20.0, 10.0), jnp.ones(3))
+      >>> round(cost.flops_fixed), round(cost.flops_per_example), cost.compute_dtype
+      (0, 20, 'float32')
+    """
+    xs = np.asarray(sizes, float)
+    flops_slope, flops_fixed = np.polyfit(xs, np.asarray(flops, float) - optimizer[0], 1)
+    moved_slope, moved_fixed = np.polyfit(xs, np.asarray(bytes_accessed, float) - optimizer[1], 1)
+    by_dtype: dict[str, int] = {}
+    for leaf in jax.tree.leaves(params):
+        dtype = np.dtype(leaf.dtype)
+        if np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16":
+            by_dtype[dtype.name] = by_dtype.get(dtype.name, 0) + int(np.prod(leaf.shape)) * dtype.itemsize
+    return StepCost(
+        flops_fixed=float(flops_fixed),
+        flops_per_example=float(flops_slope),
+        bytes_accessed_fixed=float(moved_fixed),
+        bytes_accessed_per_example=float(moved_slope),
+        optimizer_flops=optimizer[0],
+        optimizer_bytes_accessed=optimizer[1],
+        compute_dtype=max(by_dtype, key=lambda k: by_dtype[k]) if by_dtype else "float32",
+        devices=devices,
+        reduction_bytes=float(sum(x.size for x in jax.tree.leaves(params)) * 4) if devices > 1 else 0.0,
+    )

@@ -16,8 +16,7 @@ The measurements are fitted to a model of fixed + per-example bytes:
   resident on the device (with any copy of it the strategy makes).
 
 On the CPU, the prediction for this machine adds what XLA's CPU runtime allocates outside its accounting
-(`runtime_bytes`: a fixed few MiB, and what a convolution materialises: Eigen's patches, or with YNNPACK, XLA:CPU's
-default, the padded input and the packed right-hand side; `conv_patch_bytes` reads which from the compiled HLO),
+(`autoaccum._cpu_runtime`: a fixed few MiB, and what a convolution materialises, read from the compiled HLO),
 so that it compares with what `autoaccum.probe` measures; plans for a catalogued GPU or TPU use XLA's figure alone.
 
 Step times come from ``Compiled.cost_analysis()`` (FLOPs and bytes accessed per microbatch, and for the
@@ -40,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,9 +50,10 @@ import numpy as np
 import optax
 
 from autoaccum._batch import abstract, abstract_batch
-from autoaccum._capacity import Capacity, Target, capacity
+from autoaccum._capacity import Capacity, Target, capacity, fit_cost
 from autoaccum._catalog import DEFAULT_SAFETY_MARGIN, Accelerator, usable_bytes
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
+from autoaccum._cpu_runtime import CPU_RUNTIME_BYTES, runtime_bytes
 from autoaccum._deprecated import renamed
 from autoaccum._json import JsonMixin
 from autoaccum._memory import analyse
@@ -337,161 +336,6 @@ class Estimate(JsonMixin):
         return capacity(
             self, self.cost, effective_batch, target, mem_fraction=mem_fraction, safety_margin=safety_margin
         )
-
-
-def _compute_dtype(params: PyTree) -> str:
-    """The floating dtype holding most of ``params``'s bytes (``"float32"`` when there is none)."""
-    by_dtype: dict[str, int] = {}
-    for leaf in jax.tree.leaves(params):
-        dtype = np.dtype(leaf.dtype)
-        if np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16":
-            by_dtype[dtype.name] = by_dtype.get(dtype.name, 0) + tree_bytes(leaf)
-    return max(by_dtype, key=lambda k: by_dtype[k]) if by_dtype else "float32"
-
-
-# -- what the CPU runtime needs beyond XLA's accounting ------------------------------------------------------
-
-CPU_RUNTIME_BYTES = 8 * 2**20
-"""Bytes a CPU step's process grows by beyond XLA's buffer accounting, whatever the step: the runtime's
-thread-local malloc arenas and bookkeeping. Measured once (jax 0.10.2, x86-64 Linux, glibc with
-``MALLOC_ARENA_MAX=2``, as the probe runs trials): a trial's address space grew by 6.5-8 MB more than
-XLA's figure at the smallest sizes of the MLP, CNN and transformer workloads."""
-
-_SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(\w+)\[([0-9,]*)\]")
-_CONV = re.compile(r"convolution\(%([^\s,)]+),\s*%([^\s,)]+)\).*?window=\{([^}]*)\}.*?dim_labels=(\w+)_(\w+)->(\w+)")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
-_CALLS = re.compile(r"calls=%([^\s,)]+)")
-
-YNN_PACK_MIN_ROWS = 61
-"""A YNNPACK dot (a convolution is one over its input's stencil) copies its right-hand side into a packed
-buffer of its own when the product has at least this many rows (output positions): measured on x86-64 with
-jax 0.10.2, a 49 MB right-hand side cost nothing extra at 60 rows and exactly its size from 61 rows up."""
-
-YNN_PACK_MAX_COLUMNS = 128
-"""The packed right-hand side holds at most this many of its columns (output features) at a time: measured,
-``K x min(N, 128)`` elements for N from 16 to 512."""
-
-
-def _ynn_computations(hlo_text: str) -> set[str]:
-    """Names of the computations that XLA:CPU hands to YNNPACK (fusions of kind ``__ynn_fusion``)."""
-    return {m.group(1) for line in hlo_text.splitlines() if "__ynn_fusion" in line for m in _CALLS.finditer(line)}
-
-
-def _window(spec: str, key: str) -> list[str]:
-    """One field of an HLO ``window={...}`` (``size=3x3`` -> ``["3", "3"]``), ``[]`` when absent."""
-    m = re.search(rf"\b{key}=(\S+)", spec)
-    return m.group(1).split("x") if m else []
-
-
-def conv_patch_bytes(hlo_text: str) -> int:
-    """The largest buffer a convolution of a compiled CPU program materialises outside XLA's accounting.
-
-    What it is depends on the runtime that computes the convolution, which the compiled HLO text says (0
-    without any convolution):
-
-    * XLA:CPU's Eigen runtime (YNNPACK fusions off, or a convolution YNNPACK does not take, e.g. one with at
-      most 16 input and output features) computes it as a matrix product over its input patches and
-      materialises them: ``output positions x window x input features`` (225,792 bytes per example for the
-      CNN's 3x3x32 input-gradient convolution, within 1.5% of the address-space growth measured);
-    * YNNPACK (a convolution inside a ``__ynn_fusion``, XLA:CPU's default for most float convolutions) reads
-      the patches as a view of its input and materialises only the padded input (when ``pad=`` is not all
-      zero), or else the patches; and its dot packs the right-hand side (the kernel; for a weight gradient,
-      the output gradient, as large as the batch) into ``K x min(N, 128)`` elements when the product has at
-      least `YNN_PACK_MIN_ROWS` rows. Measured per convolution (jax 0.10.2, x86-64): a 3x3 SAME convolution
-      of 1024 x 14x14x64 grew the address space by its 64 MiB padded input beyond XLA's figure, its VALID
-      twin by its 162 MiB of patches, the weight gradient of 1024 x 14x14x32 -> 64 by its 32 MiB padded
-      input plus its 49 MiB output gradient.
-
-    The programs' convolutions run one after the other, so the largest of them counts.
-
-    Example:
-      >>> text = '''
-      ... %x = f32[8,14,14,32]{3,2,1,0} parameter(0)
-      ... %k = f32[3,3,32,16]{3,2,1,0} parameter(1)
-      ... %c = f32[8,14,14,16]{3,2,1,0} convolution(%x, %k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
-      ... '''
-      >>> conv_patch_bytes(text) == 8 * 14 * 14 * (3 * 3 * 32) * 4  # Eigen: the patches
-      True
-      >>> ynn = '''
-      ... %ynn (p: f32[8,14,14,32], q: f32[3,3,32,64]) -> f32[8,14,14,64] {
-      ...   %p = f32[8,14,14,32] parameter(0)
-      ...   %q = f32[3,3,32,64] parameter(1)
-      ...   ROOT %c = f32[8,14,14,64] convolution(%p, %q), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
-      ... }
-      ... ENTRY %main (x: f32[8,14,14,32], k: f32[3,3,32,64]) -> f32[8,14,14,64] {
-      ...   %x = f32[8,14,14,32] parameter(0)
-      ...   %k = f32[3,3,32,64] parameter(1)
-      ...   %f = f32[8,14,14,64] fusion(%x, %k), calls=%ynn, backend_config={"fusion_config":{"kind":"__ynn_fusion"}}
-      ... }
-      ... '''
-      >>> conv_patch_bytes(ynn) == 8 * 16 * 16 * 32 * 4 + (3 * 3 * 32) * 64 * 4  # YNNPACK: padded input, packed kernel
-      True
-    """
-    lines = hlo_text.splitlines()
-    shapes: dict[str, tuple[str, list[int]]] = {}
-    for line in lines:
-        m = _SHAPE.match(line)
-        if m:
-            shapes[m.group(1)] = (m.group(2), [int(d) for d in m.group(3).split(",") if d])
-    ynn = _ynn_computations(hlo_text)
-    computation = ""
-    largest = 0
-    for line in lines:
-        header = _COMPUTATION.match(line)
-        if header:
-            computation = header.group(1)
-            continue
-        shape, conv = _SHAPE.match(line), _CONV.search(line)
-        if shape is None or conv is None or conv.group(1) not in shapes or conv.group(2) not in shapes:
-            continue
-        dtype, out_dims = shapes[shape.group(1)]
-        lhs_dtype, lhs_dims = shapes[conv.group(1)]
-        _, rhs_dims = shapes[conv.group(2)]
-        window_spec, lhs_labels, rhs_labels, out_labels = conv.group(3, 4, 5, 6)
-        if (
-            len(lhs_labels) != len(lhs_dims)
-            or len(rhs_labels) != len(rhs_dims)
-            or len(out_labels) != len(out_dims)
-            or "f" not in lhs_labels
-            or "o" not in rhs_labels
-        ):
-            continue
-        positions = math.prod(d for d, label in zip(out_dims, out_labels, strict=True) if label != "f")
-        window = math.prod(int(w) for w in _window(window_spec, "size"))
-        patches = positions * window * lhs_dims[lhs_labels.index("f")] * _itemsize(dtype)
-        if computation not in ynn:  # Eigen's im2col
-            largest = max(largest, patches)
-            continue
-        pads = [[int(p) for p in pad.split("_")] for pad in _window(window_spec, "pad")]
-        if any(p != 0 for pad in pads for p in pad):
-            padded = [
-                d + (sum(pads[int(label)]) if label.isdigit() and int(label) < len(pads) else 0)
-                for d, label in zip(lhs_dims, lhs_labels, strict=True)
-            ]
-            materialised = math.prod(max(d, 0) for d in padded) * _itemsize(lhs_dtype)
-        else:
-            materialised = patches
-        columns = rhs_dims[rhs_labels.index("o")]
-        depth = math.prod(rhs_dims) // max(columns, 1)
-        packed = depth * min(columns, YNN_PACK_MAX_COLUMNS) * _itemsize(dtype) if positions >= YNN_PACK_MIN_ROWS else 0
-        largest = max(largest, materialised + packed)
-    return largest
-
-
-def _itemsize(hlo_dtype: str) -> int:
-    bits = re.search(r"(\d+)$", hlo_dtype)
-    return 1 if hlo_dtype == "pred" or bits is None else max(1, int(bits.group(1)) // 8)
-
-
-def runtime_bytes(platform: str, compiled: Sequence[jax.stages.Compiled]) -> int:
-    """What the ``platform``'s runtime needs beyond XLA's accounting for these programs (0 off the CPU).
-
-    On the CPU: `CPU_RUNTIME_BYTES` plus the largest `conv_patch_bytes` of the programs. On GPUs and TPUs
-    XLA's buffer assignment includes the convolution workspaces, so nothing is added.
-    """
-    if platform != "cpu":
-        return 0
-    return CPU_RUNTIME_BYTES + max((conv_patch_bytes(c.as_text() or "") for c in compiled), default=0)
 
 
 # -- measuring -------------------------------------------------------------------------------------------------
@@ -789,7 +633,7 @@ def estimate(
         opt = opt_future.result()
 
         def current() -> Estimate:
-            return _fitted(measurer, opt, params, seconds=time.perf_counter() - start, **fields)
+            return _fitted(measurer, opt, seconds=time.perf_counter() - start, **fields)
 
         est = current()
         plans = effective_batch is not None and accumulation
@@ -846,26 +690,15 @@ def _accumulation(single: Point, acc2: Point, acc4: Point, uneven: Point) -> dic
     )
 
 
-def _fitted(measurer: _Measurer, opt: _Analysis, params: PyTree, **fields: Any) -> Estimate:
-    """The `Estimate` of the points measured so far: ``fields`` and the cost analysis fitted per example."""
+def _fitted(measurer: _Measurer, opt: _Analysis, **fields: Any) -> Estimate:
+    """The `Estimate` of the points measured so far: ``fields``, and the roofline cost fit (`fit_cost`)."""
     singles = sorted(
         (p for p in measurer.points.values() if p.batch_size == p.microbatch_size), key=lambda p: p.microbatch_size
     )
-    xs = [p.microbatch_size for p in singles]
-    flops_fixed, flops_slope = _affine(xs, [p.flops - opt.flops for p in singles])
-    moved_fixed, moved_slope = _affine(xs, [p.bytes_accessed - opt.bytes_accessed for p in singles])
-    g = fields["shards"]
-    cost = StepCost(
-        flops_fixed=flops_fixed,
-        flops_per_example=flops_slope,
-        bytes_accessed_fixed=moved_fixed,
-        bytes_accessed_per_example=moved_slope,
-        optimizer_flops=opt.flops,
-        optimizer_bytes_accessed=opt.bytes_accessed,
-        compute_dtype=_compute_dtype(measurer.params),
-        devices=g,
-        reduction_bytes=float(sum(x.size for x in jax.tree.leaves(params)) * 4) if g > 1 else 0.0,
-    )
+    cost = fit_cost(
+        [p.microbatch_size for p in singles], [p.flops for p in singles], [p.bytes_accessed for p in singles],
+        (opt.flops, opt.bytes_accessed), measurer.params, fields["shards"],
+    )  # fmt: skip
     return Estimate(points=tuple(measurer.points.values()), cost=cost, **fields)
 
 

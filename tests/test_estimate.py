@@ -15,7 +15,7 @@ import pytest
 import autoaccum
 from autoaccum import Estimate, Target, workloads
 from autoaccum._catalog import UnknownAcceleratorError
-from autoaccum._estimate import CPU_RUNTIME_BYTES, conv_patch_bytes
+from autoaccum._cpu_runtime import CPU_RUNTIME_BYTES, conv_patch_bytes
 from autoaccum._memory import step_memory
 from autoaccum._probe import Trial, TrialRunner, prepare
 
