@@ -96,7 +96,11 @@ def settled_configurations(trials: list[optuna.trial.FrozenTrial]) -> list[tuple
     ]
 
 
-@pytest.mark.parametrize(("n_trials", "settles"), [(5, 5), (GRID, GRID)], ids=["tpe-budget=5", "grid-every-point"])
+@pytest.mark.parametrize(
+    ("n_trials", "settles"),
+    [(5, 5), pytest.param(GRID, GRID, marks=pytest.mark.slow)],  # the whole grid: the same sharing, more trials
+    ids=["tpe-budget=5", "grid-every-point"],
+)
 def test_two_workers_share_the_budget_and_measure_each_configuration_once(
     postgres: str, tmp_path: Path, n_trials: int, settles: int
 ) -> None:

@@ -23,7 +23,12 @@ def test_there_are_examples() -> None:
     } <= {p.name for p in EXAMPLES}
 
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+# linear.py (a few seconds) stands for all in `pytest -q`; the others train real models for tens of seconds.
+@pytest.mark.parametrize(
+    "script",
+    [pytest.param(p, marks=[] if p.name == "linear.py" else [pytest.mark.slow]) for p in EXAMPLES],
+    ids=lambda p: p.name,
+)
 def test_example_runs(script: Path) -> None:
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
@@ -33,7 +38,12 @@ def test_example_runs(script: Path) -> None:
 BENCHMARKS = sorted((Path(__file__).parent.parent / "benchmarks").glob("*.py"))
 
 
-@pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
+# Each script's --help imports jax and autoaccum in a fresh interpreter: one stands for all in `pytest -q`.
+@pytest.mark.parametrize(
+    "script",
+    [pytest.param(p, marks=[pytest.mark.slow] if i else []) for i, p in enumerate(BENCHMARKS)],
+    ids=lambda p: p.name,
+)
 def test_benchmarks_run_as_scripts(script: Path) -> None:
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
