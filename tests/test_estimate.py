@@ -49,7 +49,10 @@ def test_the_fit_is_xla_figure_at_every_compiled_size() -> None:
     assert est.to_dict()["max_microbatch"] == m
 
 
-@pytest.mark.parametrize(("name", "limit"), [("mlp", "32MiB"), ("cnn", "24MiB"), ("transformer", "64MiB")])
+@pytest.mark.parametrize(
+    ("name", "limit"),
+    [("mlp", "32MiB"), ("cnn", "24MiB"), pytest.param("transformer", "64MiB", marks=pytest.mark.slow)],
+)
 def test_the_fast_analysis_compilations_give_the_default_figures(name: str, limit: str) -> None:
     """The analysis compilations skip LLVM optimisation and, for one-microbatch steps on the CPU, use XLA's
     older loop emitter (`CPU_SINGLE_STEP_OPTIONS`): their peak is the default compilation's, or above it by at
@@ -207,7 +210,9 @@ def capped_runs(w: autoaccum.Workload, cap: str, sizes: list[int]) -> list[Trial
         return [run(m) for m in sizes]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[] if n == "mlp" else [pytest.mark.slow]) for n in CASES]
+)  # mlp: seconds
 def test_max_microbatch_is_within_20_percent_of_the_probe(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe's boundary ``b`` (``b`` fits, ``b + 1`` does not) lies within 20% of the estimate ``e``.
 
