@@ -123,13 +123,13 @@ def _check_numbers(kw: dict[str, Any], effective_batch: int) -> None:
     if kw["budget"] is not None:
         check_positive_int(kw["budget"], "budget")
     largest = effective_batch
-    if kw["max_microbatch"] is not None:
-        largest = min(largest, check_positive_int(kw["max_microbatch"], "microbatch_bound"))
+    if kw["microbatch_bound"] is not None:
+        largest = min(largest, check_positive_int(kw["microbatch_bound"], "microbatch_bound"))
     check_positive_int(kw["min_microbatch"], "min_microbatch")
     if kw["min_microbatch"] > largest:
         raise ValueError(
             f"`min_microbatch`={kw['min_microbatch']} is above the largest microbatch that may be timed ({largest}: "
-            f"`effective_batch`={effective_batch}, `microbatch_bound`={kw['max_microbatch']}); lower it."
+            f"`effective_batch`={effective_batch}, `microbatch_bound`={kw['microbatch_bound']}); lower it."
         )
     timeout = kw["timeout"]
     if timeout is not None and not timeout > 0:
@@ -167,11 +167,11 @@ class Space:
 
     Attributes:
       bounds: per setting, the largest microbatch predicted to fit one microbatch's step (the probe's for the
-        default setting, the calibrated estimate's for the others; ``max_microbatch`` for all when given).
+        default setting, the calibrated estimate's for the others; ``microbatch_bound`` for all when given).
       fitting: per setting, the candidate sizes within its bound, at least ``min_microbatch``, whose accumulating
         step is not predicted over the limit.
       predicted_over: per setting (by its text), the candidates left out as predicted over the limit.
-      probed: the probe's result (None with ``max_microbatch``).
+      probed: the probe's result (None with ``microbatch_bound``).
     """
 
     bounds: dict[Setting, int]
@@ -199,8 +199,8 @@ class Space:
         return cls(bounds, fitting, dict(data["predicted_over"]), probed)
 
     @classmethod
-    def bound(cls, job: Job, max_microbatch: int | None, clock: Clock | None = None) -> Space:
-        """Probes the default setting (unless ``max_microbatch`` is given), and bounds every other setting by its
+    def bound(cls, job: Job, microbatch_bound: int | None, clock: Clock | None = None) -> Space:
+        """Probes the default setting (unless ``microbatch_bound`` is given), and bounds every other setting by its
         compile-only estimate calibrated by the probe (`ProbeResult.bound_for`). Where the effective batch needs
         accumulating, a size whose accumulating step (which also holds the accumulator and the whole batch) the
         calibrated estimate predicts over the limit is left out (`ProbeResult.predicted_peak`).
@@ -211,7 +211,7 @@ class Space:
         settings, eb, default = job.settings, job.effective_batch, job.settings[0]
         clock = clock or Clock()
         probed = None
-        if max_microbatch is None:
+        if microbatch_bound is None:
             with clock.phase("probe"):
                 probed = probe(
                     job.loss_for(default), job.params, job.batch, optimizer=job.optimizer, strategy=job.names[0],
@@ -221,8 +221,8 @@ class Space:
                     sizes=[m for m in probe_sizes(eb) if m >= job.min_microbatch],
                     **({} if job.children else {"isolate": False}),  # type: ignore[arg-type]
                 )  # fmt: skip
-            max_microbatch = probed.max_microbatch
-        bounds = dict.fromkeys(settings, max_microbatch)
+            microbatch_bound = probed.max_microbatch
+        bounds = dict.fromkeys(settings, microbatch_bound)
         accumulating: dict[Setting, Estimate] = {}
         if probed is not None:
             with clock.phase("estimate"):

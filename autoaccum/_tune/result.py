@@ -67,7 +67,7 @@ class TuneResult(JsonMixin):
         without a race.
       memory_limit_bytes: the limit every trial ran under (per device).
       peak_bytes: the plan's measured peak memory in its trial (per device; None where not measured).
-      probe: the probe's result, or ``None`` when a bound was given (``max_microbatch``).
+      probe: the probe's result, or ``None`` when a bound was given (``microbatch_bound``).
       study_name: the Optuna study (named after `fingerprint` unless given).
       storage: where the study lives (an RDB URL, or ``":memory:"``).
       fingerprint: a hash of what determines the answer (the lowered update, hence the loss's body, the

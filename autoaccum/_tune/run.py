@@ -97,7 +97,7 @@ def _full_batch(job: Job) -> PyTree:
     return jax.tree.map(lambda r, x: jax.device_put(r, x.sharding), resized, batch)
 
 
-def _fingerprint(job: Job, limit: int | None, max_microbatch: int | None) -> str:
+def _fingerprint(job: Job, limit: int | None, bound: int | None) -> str:
     """A hash of what determines a tune's answer: the lowered full-batch update (the loss's body, the optimizer,
     shapes, dtypes) and the search's inputs (the limit as resolved, the strategies, the knobs, the bounds given),
     the device and the versions. Nothing measured is in it, so a finished study is found before anything runs."""
@@ -111,7 +111,7 @@ def _fingerprint(job: Job, limit: int | None, max_microbatch: int | None) -> str
     batch_s = abstract_batch(job.batch, job.effective_batch)
     programs = plain.programs(params_s, jax.eval_shape(plain.init, params_s), batch_s, *state_s)
     searched = {
-        "strategies": list(job.labels), "knobs": job.knob_space.params(), "max_microbatch": max_microbatch,
+        "strategies": list(job.labels), "knobs": job.knob_space.params(), "max_microbatch": bound,
         "min_microbatch": job.min_microbatch,
     }  # fmt: skip
     return fingerprint(
@@ -128,7 +128,7 @@ def _open_study(
     storage: optuna.storages.BaseStorage,
     name: str,
     fresh: bool,
-    max_microbatch: int | None,
+    bound: int | None,
     clock: Clock,
 ) -> tuple[optuna.Study, Space]:
     """The study ``name`` (created, or resumed) and the sizes each setting may time: stored with the study by the
@@ -143,7 +143,7 @@ def _open_study(
         study.set_metric_names(["examples/s"])  # what a dashboard labels the value
     stored = study.user_attrs.get("space")
     if stored is None:
-        space = Space.bound(job, max_microbatch, clock)
+        space = Space.bound(job, bound, clock)
         stored = study.user_attrs.get("space")  # another worker's, if it finished first
         if stored is None:
             study.set_user_attr("space", space.to_dict(job.settings))
@@ -354,7 +354,7 @@ def tune(
     job = Job.check(
         loss_fn, params, batch, optimizer=optimizer, effective_batch=effective_batch, strategies=strategies,
         memory_limit=memory_limit, budget=budget, timeout=timeout, fresh=fresh, has_aux=has_aux, state=state,
-        loss_reduction=loss_reduction, max_microbatch=bound, min_microbatch=min_microbatch,
+        loss_reduction=loss_reduction, microbatch_bound=bound, min_microbatch=min_microbatch,
         trial_timeout=trial_timeout, compile_timeout=compile_timeout, isolate=isolate, children=children,
         race_rounds=race_rounds,
         knob_space=KnobSpace(check_remat_values(remat), check_dtype_values(accumulator_dtype), knobs),

@@ -56,7 +56,7 @@ def program_key(m: int, variant: tuple[str, Mapping[str, Any]], effective_batch:
     return (name, m, tuple(sorted(get_strategy(name).program_options(options, steps).items())))
 
 
-def microbatch_candidates(effective_batch: int, max_microbatch: int) -> list[int]:
+def microbatch_candidates(effective_batch: int, cap: int) -> list[int]:
     """Sizes to try: divisors of the effective batch first, then powers of two and the least size that takes as
     few accumulation steps as the bound (`fewest_steps`).
 
@@ -70,7 +70,7 @@ def microbatch_candidates(effective_batch: int, max_microbatch: int) -> list[int
       >>> microbatch_candidates(128, 55)  # 55 takes 3 steps, and so does 43 (43 + 43 + 42)
       [1, 2, 4, 8, 16, 32, 43]
     """
-    bound = min(effective_batch, max_microbatch)
+    bound = min(effective_batch, cap)
     divisors = [d for d in range(1, bound + 1) if effective_batch % d == 0]
     extra = {1 << i for i in range(bound.bit_length()) if 1 << i <= bound} | {fewest_steps(effective_batch, bound)}
     return divisors + sorted(extra - set(divisors))
