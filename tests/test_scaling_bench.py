@@ -103,10 +103,11 @@ def test_a_tiny_run_reports_every_figure(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (model,) = json.loads(done.stdout)["models"]
     (tune,) = model["tunes"]
+    seconds = tune["tune_seconds"] or tune["wall_seconds"]  # the tune's own wall time where its result has it
     assert tune["units"] == pytest.approx(
-        tune["wall_seconds"] / (tune["pick_compile_seconds"] + 5 * tune["pick_step_seconds"]), rel=1e-9
+        seconds / (tune["pick_compile_seconds"] + 5 * tune["pick_step_seconds"]), rel=1e-6
     )
-    assert sum(tune["phases"].values()) <= tune["wall_seconds"]
+    assert sum(tune["phases"].values()) <= seconds <= tune["wall_seconds"]
     grid = model["grid"]
     timed = [r for r in grid["rows"] if "step_seconds" in r]
     assert grid["best_examples_per_second"] == max(r["examples_per_second"] for r in timed)
