@@ -330,9 +330,9 @@ def resolve_strategy(
         return build
     has_state = build.get("has_state", state is not None)
     kw = {k: v for k, v in build.items() if k != "has_state"}
-    update = build_update(
-        loss_fn, optimizer, microbatch_size=leading_size(batch), donate=False, has_state=has_state, **kw
-    )
+    # Auto looks at one microbatch's loss: one example's, as the caller's preflight traces it (a loss that fails
+    # only on larger batches fails in the worker, where its report names the user's file).
+    update = build_update(loss_fn, optimizer, microbatch_size=1, donate=False, has_state=has_state, **kw)
     auto: Any = update.accumulation  # an `Auto`
     chosen = auto.choose(params, batch, auto.carried(() if state is None else state), platform)
     kept = {k: v for k, v in build.items() if k not in Auto.options or k in chosen.options}

@@ -291,11 +291,11 @@ def test_probe_on_a_mesh_runs_the_sharded_step_in_children_that_see_the_mesh() -
     mesh = mesh_of(AxisType.Explicit)
     params = {"w1": jnp.zeros((64, 1024)), "w2": jnp.zeros((1024,))}
     batch = {"x": jnp.zeros((64, 64)), "y": jnp.zeros((64,))}
-    kwargs = {"optimizer": optax.sgd(0.1), "memory_limit": "256MiB", "max_microbatch": 1024, "granularity": 3}
+    kwargs = {"optimizer": optax.sgd(0.1), "memory_limit": "256MiB", "microbatch_cap": 1024, "granularity": 3}
     sharded = autoaccum.probe(loss_fn, place(params, mesh, P()), place(batch, mesh, P("data")), **kwargs)
     single = autoaccum.probe(loss_fn, params, batch, **kwargs)
     assert sharded.granularity == 24 and single.granularity == 3  # lcm(3, 8 shards)
-    assert sharded.max_microbatch == 1008 and single.max_microbatch == 1023  # both reach max_microbatch
+    assert sharded.max_microbatch == 1008 and single.max_microbatch == 1023  # both reach the cap
     assert all(t.microbatch_size % 24 == 0 for t in sharded.trials)
     mesh_peak, single_peak = sharded.trials[-1].peak_bytes, single.trials[-1].peak_bytes
     assert mesh_peak is not None and single_peak is not None
