@@ -228,6 +228,8 @@ class Worker:
         self.job, self.device, self.limit, self.settings = job, device, limit, [dict(s) for s in settings]
         self.compile_timeout, self.step_timeout = compile_timeout, step_timeout
         self.restarts = 0
+        self.start_seconds = 0.0
+        """Seconds spent starting the worker (the child's imports and set-up, until it is ready), restarts too."""
         self.compiles = 0
         """Configurations the worker compiled (not found among the programs it keeps, `MAX_CACHED`)."""
         self._dir: Path | None = None
@@ -272,10 +274,20 @@ class Worker:
 
     def _attempt(self, request: Request) -> tuple[Outcome, bool]:
         """`ask`'s one try, and whether to try once more (the worker was killed from outside)."""
-        if self._proc is None:
-            self._start()
-        assert self._proc is not None and self._proc.stdin is not None
         self._kills = oom_kills()
+        if self._proc is None:
+            began = time.perf_counter()
+            self._start()
+            ready = self._read(self.compile_timeout)
+            self.start_seconds += time.perf_counter() - began
+            if ready is None:
+                return self._dead()
+            if ready is _TIMEOUT:
+                self._stop()
+                return Outcome(
+                    "error", message=f"timed out: the worker did not start in {self.compile_timeout:g} s"
+                ), False
+        assert self._proc is not None and self._proc.stdin is not None
         try:
             self._proc.stdin.write((json.dumps(dataclasses.asdict(request)) + "\n").encode())
             self._proc.stdin.flush()
@@ -405,6 +417,7 @@ def serve(payload_path: str, answers_fd: int, limit: int) -> None:
     warm_up(device)
     answers = os.fdopen(answers_fd, "w", buffering=1)
     server = Server(job, settings, platform, device, limit)
+    answers.write(json.dumps({"event": "ready"}) + "\n")
 
     def compiled(cached: bool) -> None:
         answers.write(json.dumps({"event": "compiled", "cached": cached}) + "\n")

@@ -17,6 +17,7 @@ from autoaccum._tune.result import Clock
 from autoaccum._tune.space import microbatch_candidates, probe_sizes, variants
 from autoaccum._units import format_bytes, parse_bytes
 from autoaccum._update import build_update, resolve_strategy
+from autoaccum._worker import Request, Worker
 from autoaccum.strategies import Layout, PyTree, check_params, layout_of, leading_size
 from autoaccum.strategies import available as available_strategies
 from autoaccum.strategies import get as get_strategy
@@ -199,7 +200,9 @@ class Space:
         return cls(bounds, fitting, dict(data["predicted_over"]), probed)
 
     @classmethod
-    def bound(cls, job: Job, microbatch_bound: int | None, clock: Clock | None = None) -> Space:
+    def bound(
+        cls, job: Job, microbatch_bound: int | None, clock: Clock | None = None, worker: Worker | None = None
+    ) -> Space:
         """Probes the default setting (unless ``microbatch_bound`` is given), and bounds every other setting by its
         compile-only estimate calibrated by the probe (`ProbeResult.bound_for`). Where the effective batch needs
         accumulating, a size whose accumulating step (which also holds the accumulator and the whole batch) the
@@ -226,7 +229,7 @@ class Space:
         accumulating: dict[Setting, Estimate] = {}
         if probed is not None:
             with clock.phase("estimate"):
-                accumulating = _estimates(job, probed, bounds)
+                accumulating = _estimates(job, probed, bounds, worker)
         fitting: dict[Setting, list[int]] = {}
         over: dict[str, list[int]] = {}
         for setting, b in bounds.items():
@@ -252,21 +255,22 @@ def _predicted_to_fit(probed: ProbeResult | None, accumulating: Estimate | None,
     return probed.predicted_peak(accumulating, m, effective_batch) <= probed.memory_limit_bytes
 
 
-def _estimates(job: Job, probed: ProbeResult, bounds: dict[Setting, int]) -> dict[Setting, Estimate]:
-    """Sets every other setting's bound in ``bounds`` from its estimate; returns each setting's estimate of its
-    accumulating step, where the effective batch needs accumulating."""
+def _estimates(
+    job: Job, probed: ProbeResult, bounds: dict[Setting, int], worker: Worker | None
+) -> dict[Setting, Estimate]:
+    """Sets every other setting's bound in ``bounds`` from its estimate (in ``worker`` where there is one);
+    returns each setting's estimate of its accumulating step, where the effective batch needs accumulating."""
     accumulates = probed.max_microbatch < job.effective_batch
     default = job.settings[0]
     accumulating: dict[Setting, Estimate] = {}
     for setting in job.settings:
         if setting == default and not accumulates:
             continue  # the probe measured it
-        predicted = estimate(
-            job.loss_for(setting), job.params, job.batch, optimizer=job.optimizer, strategy=job.names[0],
-            memory_limit=probed.memory_limit_bytes, microbatch_cap=probed.microbatch_cap, accumulation=accumulates,
-            effective_batch=job.effective_batch if accumulates else None, state=job.state,
-            has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"], **setting.build,
-        )  # fmt: skip
+        kw = {
+            "microbatch_cap": probed.microbatch_cap, "accumulation": accumulates,
+            "effective_batch": job.effective_batch if accumulates else None,
+        }  # fmt: skip
+        predicted = _estimate(job, setting, probed.memory_limit_bytes, worker, kw)
         if setting != default:
             bounds[setting] = probed.bound_for(predicted)
         if accumulates:
@@ -279,3 +283,19 @@ def _estimates(job: Job, probed: ProbeResult, bounds: dict[Setting, int]) -> dic
             "`memory_limit`" + (" or lower `min_microbatch`." if floor > 1 else ".")
         )
     return accumulating
+
+
+def _estimate(job: Job, setting: Setting, limit: int, worker: Worker | None, kw: dict[str, Any]) -> Estimate:
+    """``setting``'s compile-only estimate (`autoaccum.estimate`'s ``kw``): in ``worker``, else here."""
+    if worker is None:
+        return estimate(
+            job.loss_for(setting), job.params, job.batch, optimizer=job.optimizer, strategy=job.names[0],
+            memory_limit=limit, state=job.state, has_aux=job.loss_kw["has_aux"],
+            loss_reduction=job.loss_kw["loss_reduction"], **setting.build, **kw,
+        )  # fmt: skip
+    build = {"strategy": job.names[0], **setting.build}
+    request = Request(build, 1, job.effective_batch, kind="estimate", setting=job.settings.index(setting), estimate=kw)
+    outcome = worker.ask(request)
+    if outcome.status != "fits" or outcome.estimate is None:
+        raise RuntimeError(f"the compile-only estimate of {setting} failed in the worker: {outcome.message}")
+    return Estimate.from_dict(outcome.estimate)

@@ -126,14 +126,24 @@ class Clock:
 
     start: float = dataclasses.field(default_factory=time.perf_counter)
     seconds: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    started: Callable[[], float] = lambda: 0.0
+    """The seconds the worker has spent starting so far (`autoaccum._worker.Worker.start_seconds`)."""
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        began = time.perf_counter()
+        began, starts = time.perf_counter(), self.started()
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - began
+            self.spend(name, began, starts)
+
+    def spend(self, name: str, began: float, starts: float, compiling: float = 0.0) -> None:
+        """Adds the seconds since ``began`` to ``name``, but the worker's starts since (``starts`` then) and
+        ``compiling`` seconds, which go to their own phases."""
+        start = self.started() - starts
+        self.seconds["worker_start"] += start
+        self.seconds["compile"] += compiling
+        self.seconds[name] += time.perf_counter() - began - start - compiling
 
 
 def record(trial: optuna.trial.FrozenTrial, effective_batch: int, labels: dict[str, Any]) -> TrialRecord:

@@ -130,6 +130,7 @@ def _open_study(
     fresh: bool,
     bound: int | None,
     clock: Clock,
+    worker: Worker | None,
 ) -> tuple[optuna.Study, Space]:
     """The study ``name`` (created, or resumed) and the sizes each setting may time: stored with the study by the
     worker that bounded them first (the probe runs once per study), else bounded now (`Space.bound`). A trial
@@ -143,7 +144,7 @@ def _open_study(
         study.set_metric_names(["examples/s"])  # what a dashboard labels the value
     stored = study.user_attrs.get("space")
     if stored is None:
-        space = Space.bound(job, bound, clock)
+        space = Space.bound(job, bound, clock, worker)
         stored = study.user_attrs.get("space")  # another worker's, if it finished first
         if stored is None:
             study.set_user_attr("space", space.to_dict(job.settings))
@@ -151,6 +152,16 @@ def _open_study(
         space = Space.from_dict(stored, job.settings)
     _resume(study)
     return study, space
+
+
+def _worker(job: Job, setup: Any, compile_timeout: float | None, step_timeout: float | None) -> Worker:
+    """The worker that estimates and times the tune's configurations under the probe's limit; it makes each
+    setting's loss from the knobs (the factory travels, pickled)."""
+    worker_job = setup.job if job.knobs is None else dataclasses.replace(setup.job, loss_fn=job.knobs)
+    return Worker(
+        worker_job, setup.device, setup.memory_limit_bytes, compile_timeout=compile_timeout, step_timeout=step_timeout,
+        settings=[s.values for s in job.settings],
+    )  # fmt: skip
 
 
 def _sample(job: Job, space: Space, study: optuna.Study, seed: int, budget: int | None) -> tuple[int, bool, bool]:
@@ -373,25 +384,19 @@ def tune(
     limit = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
     limit = limit if setup is None else setup.memory_limit_bytes
     key = _fingerprint(job, limit, bound)
-    study, space = _open_study(job, opened, study_name or f"autoaccum-{key}", fresh, bound, clock)
-    settles, exhaustive, searched_only = _sample(job, space, study, seed, budget)
-    resumed = len(settled_configs(study))
     full_batch = _full_batch(job)
     with contextlib.ExitStack() as stack:
-        if setup is None:
+        worker = None if setup is None else stack.enter_context(_worker(job, setup, compile_timeout, trial_timeout))
+        if worker is not None:
+            clock.started = functools.partial(getattr, worker, "start_seconds")
+        study, space = _open_study(job, opened, study_name or f"autoaccum-{key}", fresh, bound, clock, worker)
+        settles, exhaustive, searched_only = _sample(job, space, study, seed, budget)
+        resumed = len(settled_configs(study))
+        if worker is None:
             timer = measure or functools.partial(time_update, time_limit=trial_timeout)
             time_one = time_here(job, timer, full_batch)
-        else:  # the worker makes each setting's loss from the knobs (the factory travels, pickled)
-            worker_job = setup.job
-            if job.knobs is not None:
-                worker_job = dataclasses.replace(setup.job, loss_fn=job.knobs)  # type: ignore[arg-type]
-            worker = Worker(
-                worker_job, setup.device, setup.memory_limit_bytes, compile_timeout=compile_timeout,
-                step_timeout=trial_timeout, settings=[s.values for s in job.settings],
-            )  # fmt: skip
-            with clock.phase("worker_start"):
-                started = stack.enter_context(worker)
-            time_one = time_in_worker(job, started, setup.memory_limit_bytes)
+        else:
+            time_one = time_in_worker(job, worker, worker.limit)
         search = None if exhaustive else Search([space.fitting[s] for s in job.settings], list(job.labels),
                                                  job.effective_batch, functools.partial(_program, job))  # fmt: skip
         trials = Trials(job, space, study, settles, search, time_one, on_trial, searched_only, clock)

@@ -175,11 +175,11 @@ class Trials:
         reused = self._reused(trial, m, label, knob_params)
         if reused is not None:
             return reused
-        began = time.perf_counter()
+        began, starts = time.perf_counter(), self.clock.started()
         try:
             timing = self.time_one(m, label, setting, WARMUP)
         except TrialFailed as e:
-            self.clock.seconds["failed"] += time.perf_counter() - began
+            self.clock.spend("failed", began, starts)
             trial.set_user_attr("reason", str(e))
             if str(e).startswith("out of memory"):
                 # The accumulating step also holds the whole batch and the accumulator, in buffers of its strategy's
@@ -189,8 +189,7 @@ class Trials:
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
             raise
-        self.clock.seconds["compile"] += timing.compile_seconds
-        self.clock.seconds["steps"] += time.perf_counter() - began - timing.compile_seconds
+        self.clock.spend("steps", began, starts, timing.compile_seconds)
         trial.set_user_attr("compile_seconds", timing.compile_seconds)
         trial.set_user_attr("times", list(timing.times or (timing.seconds_per_step,)))
         if timing.peak_bytes is not None:
