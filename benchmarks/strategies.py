@@ -167,16 +167,23 @@ def ours_stateful(
     return Method(label, STATEFUL, lambda params: (params, update.init(params), jax.random.key(0)), step)
 
 
-def in_your_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, batch: PyTree, m: int) -> Method:
-    """``autoaccum.value_and_grad`` inside a user-written ``jax.jit`` step that applies the optimizer itself,
-    donating ``params`` and ``opt_state`` as ``build_update`` does."""
-    grad_fn = autoaccum.value_and_grad(loss_fn, microbatch_size=m)
+def jitted_step(grad_fn: Callable[..., Any], optimizer: optax.GradientTransformation) -> Callable[..., State]:
+    """``update(params, opt_state, batch) -> (params, opt_state, loss)`` applying ``grad_fn(params, batch) -> (loss,
+    grads)`` with ``optimizer``, jitted, donating ``params`` and ``opt_state`` as ``build_update`` does."""
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def update(params: PyTree, opt_state: PyTree, batch: PyTree) -> State:
         loss, grads = grad_fn(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
+
+    return update
+
+
+def in_your_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, batch: PyTree, m: int) -> Method:
+    """``autoaccum.value_and_grad`` inside a user-written ``jax.jit`` step that applies the optimizer itself,
+    donating ``params`` and ``opt_state`` as ``build_update`` does."""
+    update = jitted_step(autoaccum.value_and_grad(loss_fn, microbatch_size=m), optimizer)
 
     return Method(
         "value_and_grad in your jit step",
@@ -240,12 +247,7 @@ def microbatch(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformat
     value_and_grad = microbatching.microbatch(
         jax.value_and_grad(loss_fn), argnums=1, microbatch_size=m, accumulator=mean
     )
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def update(params: PyTree, opt_state: PyTree, batch: PyTree) -> State:
-        loss, grads = value_and_grad(params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    update = jitted_step(value_and_grad, optimizer)
 
     return Method(
         "optax.microbatching.microbatch",
