@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import subprocess
+import sys
 import types
 from typing import Any
 
@@ -276,6 +278,13 @@ def test_a_strategy_the_workload_file_registers_can_be_named(tmp_path: Any) -> N
             strategies.unregister("from_file")
     bad = CliRunner().invoke(main, ["probe", "autoaccum.workloads:linear", "--strategy", "from_nowhere"])
     assert bad.exit_code == 2 and "'from_nowhere' is not a registered strategy" in bad.output, bad.output
+
+
+# The layout: an installed autoaccum creates no top-level `strategies` module.
+def test_no_top_level_strategies_module() -> None:
+    code = "import importlib.util, autoaccum.strategies; print(importlib.util.find_spec('strategies'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
+    assert out.stdout.strip() == "None"
 
 
 def test_the_nnx_step_is_a_model_update_and_nnx_update_its_old_name() -> None:
