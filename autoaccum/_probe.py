@@ -57,7 +57,7 @@ from autoaccum._preflight import trace_loss
 from autoaccum._trial import Job, MeshSpec, is_oom, oom_outcome
 from autoaccum._units import format_bytes
 from autoaccum._update import resolve_strategy
-from autoaccum._worker import Request, Server, Worker, use_compilation_cache
+from autoaccum._worker import Request, Server, Worker
 from autoaccum.strategies import PyTree, check_params, leading_size, tree_bytes
 
 FIRST_MARGIN = 0.9
@@ -571,7 +571,6 @@ def probe(
     if sizes is not None:
         sizes = _check_sizes(sizes, setup)
     trace_loss(loss_fn, params, batch, state)  # the loss's own error, here, before any child starts
-    use_compilation_cache()
     with TrialRunner(setup, progress) as runner:
         model, why = runner.estimate()
         best = search(

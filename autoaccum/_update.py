@@ -23,6 +23,7 @@ from autoaccum.strategies import (
     Spec,
     Strategy,
     check_params,
+    layout_of,
     leading_size,
 )
 from autoaccum.strategies import get as get_strategy
@@ -330,9 +331,11 @@ def resolve_strategy(
         return build
     has_state = build.get("has_state", state is not None)
     kw = {k: v for k, v in build.items() if k != "has_state"}
-    # Auto looks at one microbatch's loss: one example's, as the caller's preflight traces it (a loss that fails
-    # only on larger batches fails in the worker, where its report names the user's file).
-    update = build_update(loss_fn, optimizer, microbatch_size=1, donate=False, has_state=has_state, **kw)
+    # Auto looks at one microbatch's loss: the smallest, one example (one per shard on a mesh), as the caller's
+    # preflight traces it (a loss that fails only on larger batches fails in the worker, which names the user's file).
+    layout = layout_of(params, batch, () if state is None else state)
+    smallest = 1 if layout is None else layout.shards
+    update = build_update(loss_fn, optimizer, microbatch_size=smallest, donate=False, has_state=has_state, **kw)
     auto: Any = update.accumulation  # an `Auto`
     chosen = auto.choose(params, batch, auto.carried(() if state is None else state), platform)
     kept = {k: v for k, v in build.items() if k not in Auto.options or k in chosen.options}

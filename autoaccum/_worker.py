@@ -58,8 +58,10 @@ COMPILATION_CACHE = "AUTOACCUM_COMPILATION_CACHE"
 def use_compilation_cache() -> Path | None:
     """Turns on JAX's persistent compilation cache, for programs of any size and compile time, in the folder this
     process's JAX is given (``JAX_COMPILATION_CACHE_DIR``, or set in its config), else ``<cache folder>/jax``
-    (`autoaccum._storage.cache_folder`); a worker is given its caller's (`Worker`), so all share one. Returns the
-    folder; None where `COMPILATION_CACHE` is ``0`` or the folder cannot be made (then compiling works as before)."""
+    (`autoaccum._storage.cache_folder`); a worker is given its caller's (`Worker`), so all share one. Called in the
+    workers only: the caller's JAX configuration is the user's (and XLA's GPU compiler, compiling for a card with no
+    client, cannot read a cache entry back). Returns the folder; None where `COMPILATION_CACHE` is ``0`` or the
+    folder cannot be made (then compiling works as before)."""
     import jax
 
     if os.environ.get(COMPILATION_CACHE, "1").strip().lower() in ("0", "false", "no", "off"):

@@ -317,6 +317,7 @@ def test_probe_payload_carries_shapes_not_weights() -> None:
 
 
 # Hung children: a per-trial time limit, reported as the trial's reason.
+@pytest.mark.slow
 def test_a_hung_trial_is_killed_and_reported() -> None:
     _, params, batch = probe_workloads.linear()
     with pytest.raises(autoaccum.ProbeError, match=r"timed out: (compiling|stepping .*) ran over 15 s") as caught:

@@ -36,6 +36,7 @@ def test_human_table_for_gpus_and_a_memory_budget() -> None:
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in out
 
 
+@pytest.mark.slow
 def test_json_output() -> None:
     result = run(CNN, "--effective-batch", "1024", "--gpu", "H100", "--memory-limit", "64MiB", "--json")
     check(result, 0)
@@ -134,6 +135,7 @@ def test_a_progress_line_for_each_compilation() -> None:
     assert result.output.index(lines[-1]) < result.output.index("predicted capacity")  # before the table
 
 
+@pytest.mark.slow
 def test_demo_plans_the_large_model_only_with_large(monkeypatch: pytest.MonkeyPatch) -> None:
     from autoaccum import workloads
 
@@ -170,6 +172,7 @@ def test_out_writes_a_predicted_plan_that_builds(tmp_path: Path) -> None:
     assert plan.build(w.loss_fn, w.optimizer, params=w.params).microbatch_size == plan.microbatch_size
 
 
+@pytest.mark.slow
 def test_devices_plans_a_data_parallel_mesh_per_device() -> None:
     """8 devices (this test process has 8 CPU devices): global microbatches in multiples of 8, memory per
     device (each holds an eighth of the activations), the gradient reduction's bytes in the step time."""

@@ -93,6 +93,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 # -- the CPU dry run ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dry_run_reports_every_stage_on_the_cpu(dry_run: dict[str, Any]) -> None:
     assert dry_run["format"] == kit.FORMAT and dry_run["preset"] == "tiny" and dry_run["platform"] == "cpu"
     assert list(dry_run["stages"]) == list(kit.STAGES)
@@ -101,6 +102,7 @@ def test_dry_run_reports_every_stage_on_the_cpu(dry_run: dict[str, Any]) -> None
     assert all(f"## {name}" in markdown for name in kit.STAGES) and NA in markdown
 
 
+@pytest.mark.slow
 def test_dry_run_devices(dry_run: dict[str, Any]) -> None:
     devices = dry_run["stages"]["devices"]
     on, off = devices["fresh_processes"]
@@ -113,6 +115,7 @@ def test_dry_run_devices(dry_run: dict[str, Any]) -> None:
     assert devices["target_config"]["exit_code"] == 1 and devices["target_config"]["file"] == NA
 
 
+@pytest.mark.slow
 def test_dry_run_probe_and_its_fresh_process_check(dry_run: dict[str, Any]) -> None:
     (case,) = dry_run["stages"]["probe"]["cases"]
     m, g = case["boundary"], case["granularity"]
@@ -127,6 +130,7 @@ def test_dry_run_probe_and_its_fresh_process_check(dry_run: dict[str, Any]) -> N
     assert check["resource_exhausted"] == NA  # XLA's GPU allocator's error
 
 
+@pytest.mark.slow
 def test_dry_run_estimate(dry_run: dict[str, Any]) -> None:
     (case,) = dry_run["stages"]["estimate"]["cases"]
     probed = dry_run["stages"]["probe"]["cases"][0]
@@ -142,6 +146,7 @@ def test_dry_run_estimate(dry_run: dict[str, Any]) -> None:
         assert h100["ratio"] == h100["max_microbatch"] / probed["boundary"]
 
 
+@pytest.mark.slow
 def test_dry_run_tune(dry_run: dict[str, Any]) -> None:
     tune = dry_run["stages"]["tune"]
     assert tune["trials"] >= 2 and tune["grid_programs"] >= 2 and tune["pick_over_grid_best"] > 0
@@ -150,6 +155,7 @@ def test_dry_run_tune(dry_run: dict[str, Any]) -> None:
     assert set(tune["side_by_side"]) == {"pick", "grid", "control"}
 
 
+@pytest.mark.slow
 def test_dry_run_throughput(dry_run: dict[str, Any]) -> None:
     throughput = dry_run["stages"]["throughput"]
     methods = {row["method"]: row for row in throughput["methods"]}

@@ -125,6 +125,7 @@ def test_sharded_batch_compiles_for_as_many_gpus(gpu_compiler: None) -> None:
 # -- the figures are the GPU compiler's, per generation ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_h100_and_a100_give_different_figures_for_the_same_step(gpu_compiler: None) -> None:
     w = workloads.mlp()
     update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=1024)
@@ -367,6 +368,7 @@ def test_plan_compiles_for_a_cards_own_description_file(gpu_compiler: None, tmp_
     assert mine["step_seconds"] is None and h100["step_seconds"] > 0  # a file holds no FLOP rates
 
 
+@pytest.mark.slow
 def test_plan_demo_plans_each_model(gpu_compiler: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """``autoaccum plan --demo``'s path, with its model shrunk (the real one, GPT-2 small at sequence 1024, takes
     minutes to compile on a CPU; here a tiny one) and one card, compiled for the card."""

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import multihost_worker as worker
 import numpy as np
 import optax
+import pytest
 
 ATOL = 1e-6  # float32, values near 1: a few ulps (the devices sum their rows in another order)
 PROCESSES, LOCAL_DEVICES = 2, 2
@@ -102,6 +103,7 @@ def reference(case: worker.Case) -> dict[str, Any]:
     return {"params": params, "losses": losses, "state": state}
 
 
+@pytest.mark.slow
 def test_two_processes_equal_the_single_process_step(tmp_path: Path) -> None:
     results = run_processes(tmp_path)
     for i, got in enumerate(results):

@@ -167,6 +167,7 @@ def test_plain_api_points_nnx_users_to_autoaccum_nnx() -> None:
         autoaccum.nnx.build_update(loss_fn, microbatch_size=2)(model, optax.sgd(0.1), batches()[0])  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_nnx_probe_estimate_and_tune_leave_the_model_alone() -> None:
     model, optimizer = make()
     before = jax.tree.map(jnp.copy, nnx.state(model))

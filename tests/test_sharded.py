@@ -303,6 +303,7 @@ def test_probe_on_a_mesh_runs_the_sharded_step_in_children_that_see_the_mesh() -
     assert single_peak - mesh_peak > 2 * 2**20, (single_peak, mesh_peak)
 
 
+@pytest.mark.slow
 def test_tune_on_a_mesh_searches_global_multiples_of_the_shards_and_the_fsdp_schedules() -> None:
     mesh = mesh_of(AxisType.Explicit)
     params, batch = mlp(seed=5)

@@ -386,6 +386,7 @@ def conv_loss(kernel: jax.Array, batch: jax.Array) -> jax.Array:
     return jnp.mean(jax.lax.conv_general_dilated(batch, kernel, (1, 1), "SAME", dimension_numbers=dims) ** 2)
 
 
+@pytest.mark.slow
 def test_auto_is_the_default_and_runs_loop_for_a_convolution_on_the_cpu() -> None:
     # XLA:CPU runs the gradient's convolutions in a loop body on its naive path (about 10x slower), so the
     # default runs a convnet from a host loop; a loss without convolutions runs as one scan.

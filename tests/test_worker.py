@@ -62,6 +62,7 @@ def test_a_trial_over_the_limit_fails_in_the_worker_which_restarts() -> None:
     assert params["w"].shape == (256, 8) and not params["w"].is_deleted()  # the caller's arrays untouched
 
 
+@pytest.mark.slow
 def test_a_crashing_and_a_hanging_trial_are_recorded_and_the_study_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TROUBLE_PARENT", str(os.getpid()))
     params, batch = problem(features=16)
@@ -211,6 +212,7 @@ def test_a_re_timing_of_a_program_the_worker_ran_before_times_its_first_call() -
         assert len(calls) == expected and len(outcome.times) == 3, (time_first, warmup, len(calls))
 
 
+@pytest.mark.slow
 def test_tune_on_an_8_device_cpu_mesh_times_its_trials_in_the_worker_under_the_cap() -> None:
     """Every trial of a tune on the 8 CPU devices of tests/conftest.py is timed in the worker, which sees the mesh:
     each records the peak the worker measured (per device), within the limit."""
@@ -233,6 +235,7 @@ def test_tune_on_an_8_device_cpu_mesh_times_its_trials_in_the_worker_under_the_c
         assert t.peak_bytes is not None and 0 < t.peak_bytes <= 256 * 2**20, t
 
 
+@pytest.mark.slow
 def test_a_second_worker_finds_the_programs_of_the_first_in_the_compilation_cache(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
