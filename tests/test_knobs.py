@@ -437,6 +437,7 @@ def test_nnx_tune_searches_a_knob_of_the_loss() -> None:
 # -- the built-in transformer's block_remat knob (the demo's) --------------------------------------------------
 
 
+@pytest.mark.slow
 def test_scanned_transformer_block_remat_keeps_the_gradient_and_lowers_the_estimate() -> None:
     """Each value of the scanned transformer's ``block_remat`` knob reaches the lowered program and gives the loss
     and gradient of no remat (the reference: ``jax.value_and_grad`` of the plain loss); remat lowers the compile-

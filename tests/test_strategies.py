@@ -169,6 +169,7 @@ def test_arguments_are_checked_once_per_signature_and_again_when_it_changes(
         update(params, opt_state, {"x": w.batch["x"], "y": w.batch["y"][:5]})
 
 
+@pytest.mark.slow
 def test_what_a_strategy_remembers_per_signature_is_bounded() -> None:
     # A loop over ever-new shapes (a data pipeline without padding) keeps at most MAX_SIGNATURES of each.
     w, update = linear_update(strategy="loop")

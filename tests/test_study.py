@@ -57,6 +57,7 @@ def wait_until(condition: object, worker: subprocess.Popen[str]) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_waiting_on_a_dead_workers_trial_prints_no_experimental_warning(tmp_path: Path) -> None:
     """A study resumed while a killed worker's trial is still running in it: the tuner waits for the trial's
     heartbeat to go stale (Optuna's ``fail_stale_trials``, "experimental"), then measures it. Its stderr stays

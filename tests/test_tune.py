@@ -312,6 +312,7 @@ def test_unopenable_sqlite_path(linear: autoaccum.Workload, tmp_path: Path) -> N
         )
 
 
+@pytest.mark.slow
 def test_two_workers_share_one_study(tmp_path: Path) -> None:
     """Two processes tune one study through one SQLite file: together they measure each configuration of the
     space exactly once, and both report the same best plan (PostgreSQL: tests/test_distributed_tuning.py)."""

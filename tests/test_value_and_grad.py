@@ -360,6 +360,7 @@ def net_and_batch(dropout: float, batch_size: int = 24) -> tuple[Net, Any]:
     return Net(dropout, rngs=nnx.Rngs(0, dropout=1)), batch
 
 
+@pytest.mark.slow
 def test_nnx_one_microbatch_equals_nnx_value_and_grad() -> None:
     model, batch = net_and_batch(dropout=0.0)
     reference = nnx.clone(model)

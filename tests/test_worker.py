@@ -88,6 +88,7 @@ def slow_small_loss(params: Any, batch: Any) -> jax.Array:
     return linear_loss(params, batch)
 
 
+@pytest.mark.slow
 def test_the_worker_keeps_the_fastest_programs_so_the_race_compiles_nothing_again() -> None:
     """The fastest configuration was timed first; after more configurations than the worker keeps, all slower,
     timing it again compiles nothing (the finalists of a tune are re-timed this way)."""
