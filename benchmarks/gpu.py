@@ -663,6 +663,7 @@ def stage_tune(report: Report, args: argparse.Namespace) -> None:
         trials=len(result.trials), bound=bound, probe_runs=None if result.probe is None else result.probe.runs,
         peak_bytes=peak, memory_limit_bytes=limit, peak_over_limit=None if peak is None else peak / limit,
         tune_seconds=tune_seconds, unit_seconds=unit, tune_units=tune_seconds / unit if unit else None,
+        tune_phases=result.phases, tune_result_units=result.units,
     )  # fmt: skip
     report.write()
     sizes = [m for m in microbatch_candidates(preset.tune_batch, bound) if m >= preset.tune_min_microbatch]
