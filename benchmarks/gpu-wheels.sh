@@ -6,10 +6,11 @@
 #
 # Each wheel is the version installed here when this checkout's environment has it (what the tests ran with) and
 # the requirement allows it, else the newest pip finds; one version of each is kept (two stop the whole install).
-# There, with `.whl` carried, the first command of a call installs them and the project:
+# It also builds this checkout's own wheel (rebuild after every change to autoaccum/). There, with `.whl` carried,
+# the first command of a call installs them all:
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-#     && export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps --no-build-isolation -e . || exit;
+#     && export PYTHONPATH=/tmp/site || exit;
 #
 # benchmarks/README.md ("GPU evidence") gives every command in order. Exit status: 0 when every wheel was saved.
 set -euo pipefail
@@ -41,7 +42,7 @@ tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile 
 torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer
 typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp"
 
-PRESENT="$present" DEST="$dest" "$python" - <<'EOF'
+ROOT="$root" PRESENT="$present" DEST="$dest" "$python" - <<'EOF'
 import importlib.metadata
 import os
 import re
@@ -117,6 +118,10 @@ while queue:
     wheel = download(req)
     print(f"{wheel.name}  ({wheel.stat().st_size / 2**20:.1f} MiB)")
     queue += needs(wheel)
+for old in wheels_of("autoaccum"):
+    old.unlink()
+subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), os.environ["ROOT"]], check=True)
+print(f"{wheels_of('autoaccum')[0].name}  (this checkout, built here: no build backend is needed there)")
 total = sum(p.stat().st_size for p in dest.glob("*.whl"))
 print(f"{len(list(dest.glob('*.whl')))} wheels in {dest}, {total / 2**20:.1f} MiB (a call carries at most 64 MiB)")
 EOF

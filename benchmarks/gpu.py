@@ -84,6 +84,9 @@ FORMAT = "autoaccum.gpu-kit/1"
 STAGES = ("devices", "probe", "estimate", "tune", "throughput")
 WITHIN = 0.05
 """Issue 13's goal: the GPU-compiled plan's largest microbatch within 5% of the real probe's boundary."""
+OUTSIDE = tempfile.gettempdir()
+"""Where the kit's own child processes start: from the checkout's root, ``python -c`` would import its
+``autoaccum/`` folder (no ``autoaccum.strategies``: setuptools maps ``strategies/`` there) over the installed one."""
 UNIT_STEPS = 5
 """Tune's cost is counted in units of one compile plus this many steps of the pick."""
 
@@ -359,7 +362,9 @@ def _fresh_device_reading(preallocate: bool) -> dict[str, Any]:
     env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
     if not preallocate:
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    done = subprocess.run([sys.executable, "-c", _DEVICE_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _DEVICE_CHILD], env=env, capture_output=True, text=True, timeout=300, cwd=OUTSIDE
+    )
     if done.returncode != 0:
         return {"preallocate": preallocate, "error": done.stderr[-2000:]}
     reading = json.loads(done.stdout.strip().splitlines()[-1])
@@ -392,7 +397,7 @@ def stage_devices(report: Report, args: argparse.Namespace) -> None:
         out["checks"] = _policy_checks(*readings)
     report.write()
     cli = [sys.executable, "-m", "autoaccum", "devices", "--target-config"]
-    done = subprocess.run(cli, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=300, cwd=OUTSIDE)
     if platform_name() != "gpu":
         out["target_config"] = {"exit_code": done.returncode, "file": NA_CPU, "message": done.stderr.strip()[-500:]}
     elif done.returncode == 0:
