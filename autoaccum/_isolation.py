@@ -195,8 +195,10 @@ def child_env(
 
     On a GPU: ``CUDA_VISIBLE_DEVICES`` selects the probed card (with a mesh, every card stays visible),
     ``XLA_CLIENT_MEM_FRACTION`` = ``limit`` /
-    the card's total (XLA's BFC allocator then hands out at most that), ``XLA_PYTHON_CLIENT_PREALLOCATE=false``
-    and the default allocator (the fraction is ignored by ``platform``), ``JAX_PLATFORMS`` naming the backend
+    the card's total, preallocated (``XLA_PYTHON_CLIENT_PREALLOCATE=true``: one region of exactly the limit, as a
+    training process holds its share; growing the pool instead splits it into regions that compilation's scratch
+    fragments, so that a size that fits in a fresh process ran out of memory after an earlier compile) and the
+    default allocator (the fraction is ignored by ``platform``), ``JAX_PLATFORMS`` naming the backend
     (``cuda``; ``rocm`` for a ROCm device). On the CPU: ``JAX_PLATFORMS=cpu``
     and glibc malloc made predictable under the cap: ``MALLOC_ARENA_MAX=1`` (no per-thread arenas, which reserve
     address space in 64 MiB heaps), ``MALLOC_MMAP_THRESHOLD_=65536`` (every large buffer is its own mapping,
@@ -220,7 +222,7 @@ def child_env(
             out["CUDA_VISIBLE_DEVICES"] = info.visible_id or "0"
         out.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
         out["XLA_CLIENT_MEM_FRACTION"] = f"{math.floor(limit / info.total_bytes * 1e6) / 1e6:.6f}"
-        out["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        out["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
         out.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None)
     elif info.platform == "cpu":
         for name, value in _CPU_MALLOC.items():

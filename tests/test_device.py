@@ -135,7 +135,7 @@ def test_gpu_child_is_capped_through_xla_and_sees_one_card(monkeypatch: pytest.M
     info = detect_device(FakeGpu(1))
     env = child_env(info, 20 * GiB, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".9", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"})
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-bbbb2222" and env["JAX_PLATFORMS"] == "cuda"
-    assert env["XLA_CLIENT_MEM_FRACTION"] == "0.250000" and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert env["XLA_CLIENT_MEM_FRACTION"] == "0.250000" and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in env and "XLA_PYTHON_CLIENT_ALLOCATOR" not in env
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     limit, source = resolve_memory_limit(info, None)  # nothing preallocated: JAX's 75% share of the card
