@@ -241,6 +241,9 @@ class Compiled:
     step_bytes: int | None = None
     """The most any of the step's programs allocates beyond its inputs (temporaries and outputs not aliased to
     an input, XLA's memory analysis, per device); None where unknown."""
+    need_bytes: int | None = None
+    """The least the step needs per device by XLA's buffer assignment (`autoaccum._memory.live_bytes` of its
+    largest program, plus what stays resident beside it): a lower bound of its peak; None where unknown."""
 
 
 def compile_trial(
@@ -280,7 +283,7 @@ def compile_trial(
             resized = jax.jit(functools.partial(resize_batch, size=rows), **out)
             makers["batch", rows] = resized.lower(abstract(device_copy(job.batch))).compile()
         make_params, init, resize = makers["params"], makers["init"], makers["batch", rows]
-        extra = []
+        extra, need = [], []
         try:
             programs = job.programs(update, rows)
         except NotImplementedError:
@@ -291,8 +294,11 @@ def compile_trial(
             analysis = program.lowered.compile().memory_analysis()  # likewise kept by the strategy's jitted functions
             if analysis is not None:
                 extra.append(live_bytes(analysis) - analysis.argument_size_in_bytes)
+                need.append(live_bytes(analysis) + program.resident_bytes)
     seconds = time.perf_counter() - start
-    return Compiled(job, size, device, update, make_params, init, resize, seconds, max(extra) if extra else None)
+    return Compiled(
+        job, size, device, update, make_params, init, resize, seconds, max(extra, default=None), max(need, default=None)
+    )
 
 
 def run_trial(

@@ -9,7 +9,8 @@ programs are compiled, ``{"event": "done", "outcome": ...}`` once the steps ran.
 * ``"estimate"``: the compile-only `autoaccum.Estimate` of the step (`Outcome.estimate`); nothing runs;
 * ``"fits"``: the probe's trial: one microbatch's step, run twice under the cap (`autoaccum._trial.measured`);
 * ``"time"``: a tuning trial: warm-up and timed steps on the effective batch, the compiled programs kept for the
-  finalists' re-timings (`MAX_CACHED`), the peak checked against the limit (`over_limit`).
+  finalists' re-timings (`MAX_CACHED`), the peak checked against the limit (`over_limit`); not run (out of
+  memory, the worker kept) where XLA's buffer assignment alone needs more than the limit, a lower bound of the peak.
 
 The parent restarts the worker after anything but a clean fit (`keeps_worker`): an allocation failure, an error, a
 crash (classified from the exit status and output: `autoaccum._isolation.classify_exit`) or a hang (killed with its
@@ -184,6 +185,13 @@ class Server:
             )
             self.rates[key] = 0.0
         compiled(ran_before)
+        if cached.need_bytes is not None and cached.need_bytes > self.limit:
+            del self.cache[key], self.rates[key]
+            return Outcome(
+                "oom", peak_bytes=cached.need_bytes, compile_seconds=cached.seconds,
+                message=f"not run: XLA's buffer assignment alone needs {cached.need_bytes:,} B, over the limit of "
+                f"{self.limit:,} B",
+            )  # fmt: skip
         # A program this worker ran before, re-timed with no warm-up (the race's re-timings): its first call is a
         # step like the others, and is timed.
         again = ran_before and not request.warmup
@@ -375,9 +383,10 @@ class Worker:
 
 
 def keeps_worker(outcome: Outcome) -> bool:
-    """Whether the worker that produced ``outcome`` may answer the next request: after a fit, and after a step that
-    ran to the end but measured a peak over the limit (`over_limit`: its memory was freed as a fit's is); not after
-    an allocation failure, an error, a crash or a hang.
+    """Whether the worker that produced ``outcome`` may answer the next request: after a fit, after a step that
+    ran to the end but measured a peak over the limit (`over_limit`: its memory was freed as a fit's is), and after
+    one not run because its compiled programs alone need more (`Server.answer`); not after an allocation failure,
+    an error, a crash or a hang.
 
     Example:
       >>> keeps_worker(Outcome("oom", peak_bytes=2048)), keeps_worker(Outcome("oom", message="Out of memory"))
