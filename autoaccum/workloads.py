@@ -222,8 +222,10 @@ def transformer(
       {'block_remat': (None, 'nothing_saveable')}
     """
     tokens = jax.random.randint(jax.random.key(seed), (batch_size, seq_len + 1), 0, vocab)
-    model = TransformerLM(vocab, dim, heads, layers, seq_len, scan_layers=scan_layers, rngs=nnx.Rngs(seed))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+    make = functools.partial(TransformerLM, vocab, dim, heads, layers, seq_len, scan_layers=scan_layers)
+    graphdef = nnx.split(nnx.eval_shape(lambda: make(rngs=nnx.Rngs(seed))), nnx.Param, ...)[0]  # type: ignore[misc]
+    # Initialised in one program: eagerly, each initializer compiles its own (3.9 s against 2.3 s for the demo).
+    params, rest = jax.jit(lambda: nnx.split(make(rngs=nnx.Rngs(seed)), nnx.Param, ...)[1:])()  # type: ignore[misc]
     make_loss = functools.partial(_lm_loss, graphdef, rest)
     knobs = None if block_remat is None else Knobs(make_loss, block_remat=block_remat)
     loss_fn = make_loss(None if knobs is None else knobs.default["block_remat"])

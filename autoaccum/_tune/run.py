@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import time
@@ -39,6 +40,9 @@ EXHAUSTIVE_UP_TO = 8
 """Without ``budget``, a space of at most this many configurations is searched whole (``GridSampler``); a larger
 one until the search proposes nothing more (`autoaccum._tune.search`)."""
 
+
+PRECOMPILE: contextvars.ContextVar[bool] = contextvars.ContextVar("precompile", default=True)
+"""Whether `tune` compiles the plan's update before it returns (the CLI, which never steps it, sets it False)."""
 
 _WAITING = optuna.trial.TrialState.WAITING
 _PRUNED = optuna.trial.TrialState.PRUNED
@@ -235,7 +239,8 @@ def _result(
     params_a = abstract(job.params)
     state_s = () if job.state is None else (abstract(job.state),)
     batch_s = abstract_batch(full_batch, eb)
-    for program in update_fn.programs(params_a, jax.eval_shape(update_fn.init, params_a), batch_s, *state_s):
+    opt_state_s = jax.eval_shape(update_fn.init, params_a)
+    for program in update_fn.programs(params_a, opt_state_s, batch_s, *state_s) if PRECOMPILE.get() else ():
         program.lowered.compile()
     name = study.study_name
     return TuneResult(

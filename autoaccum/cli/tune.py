@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -178,7 +180,7 @@ def tune(
             progress.console.print(f"  {_describe(record)}", markup=False, highlight=False)
 
         try:
-            with warnings_as_lines(make_console(stderr=True) if as_json else console):
+            with warnings_as_lines(make_console(stderr=True) if as_json else console), _not_compiled():
                 result = run_tune(
                     w.loss_fn if w.knobs is None else w.knobs,
                     w.params,
@@ -409,3 +411,18 @@ def _plot(result: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _not_compiled() -> contextlib.AbstractContextManager[Any]:
+    """Inside it, `autoaccum.tune` returns its plan's update uncompiled: the command line never steps it."""
+    from autoaccum._tune.run import PRECOMPILE
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:
+        token = PRECOMPILE.set(False)
+        try:
+            yield
+        finally:
+            PRECOMPILE.reset(token)
+
+    return scope()
