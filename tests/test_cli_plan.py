@@ -26,6 +26,7 @@ def check(result: Result, code: int) -> None:
     assert result.exit_code == code, f"exit {result.exit_code}\n{result.output}\n{result.exception!r}"
 
 
+@pytest.mark.slow  # (29 s; the GPU compiles: test_plan_compiles_each_gpu_target, the CLI: test_out_writes_...)
 def test_human_table_for_gpus_and_a_memory_budget() -> None:
     result = run(CNN, "--effective-batch", "1024", "--gpu", "A100-40GB", "--gpu", "l4", "--memory-limit", "64MiB")
     check(result, 0)

@@ -76,7 +76,7 @@ def test_each_policy_equals_the_full_batch_step(strategy: str, remat: str) -> No
     np.testing.assert_allclose(loss, expected_loss, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy", ["scan", "multisteps"])  # the wrapping is the Spec's, shared by all
+@pytest.mark.parametrize("strategy", ["scan", pytest.param("multisteps", marks=pytest.mark.slow)])  # one Spec for all
 def test_remat_with_aux_state_and_summed_losses(strategy: str) -> None:
     """has_aux, a PRNG key threaded as state and loss_reduction="sum" under a policy: the same update as without
     one, and the full batch's token mean (the dropout masks are drawn per microbatch, as without remat)."""
@@ -356,6 +356,7 @@ def make_deep_loss(block_remat: str | None = None) -> Any:
     return loss_fn
 
 
+@pytest.mark.slow  # (48 s; test_knob_bounds.py bounds a remat setting by its own estimate in 8 s)
 def test_each_setting_of_the_knobs_gets_its_own_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe runs once, for the default setting; the per-block remat setting's bound comes from its compile-only
     estimate, calibrated by the probe, and is far larger (the backward pass keeps a block's input, not its

@@ -427,7 +427,7 @@ def test_scan_unrolled_8_times_leaves_no_loop_at_up_to_8_steps(rows: int, loops:
     assert_trees_close(update(jnp.ones((3, 3, 1, 2)), update.init(kernel), batch)[0], expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["mlp", "transformer"])
+@pytest.mark.parametrize("name", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])  # (21 s)
 def test_scan_compiles_no_more_fusions_than_optax_microbatching(name: str) -> None:
     # The accumulated gradient is scaled once, by a multiply that XLA folds into the optimizer's own fusions: a
     # divide per element (or a scaling per microbatch) was a pass of its own over every gradient (mlp 64 fusions

@@ -164,7 +164,7 @@ def lm_token_mean(params: Any, batch: Any) -> jax.Array:
     return loss_sum / weight
 
 
-@pytest.mark.parametrize("microbatch_size", [3, 4])
+@pytest.mark.parametrize("microbatch_size", [pytest.param(3, marks=pytest.mark.slow), 4])  # (16 s; 4 is uneven too)
 def test_padded_lm_with_token_weights_is_the_whole_batch_token_mean(microbatch_size: int) -> None:
     params, batch = padded_next_token_lm()
     grad_fn = autoaccum.value_and_grad(lm_token_sums, microbatch_size=microbatch_size, loss_reduction="sum")
