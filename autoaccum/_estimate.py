@@ -1,27 +1,11 @@
-"""Capacity planning from compilation alone: what fits on which accelerator, predicted before any run.
+"""Capacity planning from compilation alone: the memory an update step needs at each microbatch size.
 
-`estimate` lowers the update step with ``jax.ShapeDtypeStruct`` arguments and asks XLA what the compiled
-program needs (``Compiled.memory_analysis()``: arguments + outputs + temporaries - aliased bytes) at a few
-microbatch sizes. Nothing is executed and nothing the size of the model or the batch is allocated, so it
-runs on any machine, a laptop CPU included, for models that would not fit on it.
-
-The measurements are fitted to a model of fixed + per-example bytes:
-
-* a step on one microbatch of ``m`` examples needs ``fixed_bytes + per_example_bytes * m`` (XLA's buffer
-  assignment is not exactly affine, so the fit is local: the measured points are joined piecewise-linearly
-  and the fit is refined by one compilation at the predicted answer unless a compiled size lies within `NEAR`
-  of it);
-* an accumulating step (a batch of ``B > m`` examples cut into microbatches of ``m``) needs that plus
-  ``accumulation_bytes + per_batch_example_bytes * B``: the gradient accumulator, and the whole batch
-  resident on the device (with any copy of it the strategy makes).
-
-On the CPU, the prediction for this machine adds what XLA's CPU runtime allocates outside its accounting
-(`autoaccum._cpu_runtime`: a fixed few MiB, and what a convolution materialises, read from the compiled HLO),
-so that it compares with what `autoaccum.probe` measures; plans for a catalogued GPU or TPU use XLA's figure alone.
-
-Step times come from ``Compiled.cost_analysis()`` (FLOPs and bytes accessed per microbatch, and for the
-optimizer step) against an accelerator's peak FLOP/s and bandwidth: a roofline *estimate* (a lower bound
-that real steps rarely reach), not a measurement.
+`estimate` lowers the update step with ``jax.ShapeDtypeStruct`` arguments and asks XLA what the compiled program
+needs (`autoaccum._memory.live_bytes`) at a few sizes; nothing is run or allocated. The points are joined
+piecewise-linearly (one-microbatch steps: ``fixed + per_example * m``); an accumulating step of ``B`` examples adds
+``accumulation_bytes + per_batch_example_bytes * B``. On the CPU a prediction for this machine adds what XLA's CPU
+runtime allocates outside its accounting (`autoaccum._cpu_runtime`). Step times are roofline estimates
+(`autoaccum._step_time`).
 
 Example:
   >>> import autoaccum
@@ -30,9 +14,8 @@ Example:
   >>> est = autoaccum.estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="32MiB")
   >>> est.bytes_at(est.max_microbatch) <= est.memory_limit_bytes < est.bytes_at(est.max_microbatch + 1)
   True
-  >>> capacity = est.capacity(1024, "A100-40GB")
-  >>> capacity.fits_in_one_step, capacity.accumulation_steps
-  (True, 1)
+  >>> est.capacity(1024, "A100-40GB").accumulation_steps
+  1
 """
 
 from __future__ import annotations
@@ -56,7 +39,7 @@ from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_
 from autoaccum._cpu_runtime import CPU_RUNTIME_BYTES, runtime_bytes
 from autoaccum._deprecated import renamed
 from autoaccum._json import JsonMixin
-from autoaccum._memory import analyse
+from autoaccum._memory import StepMemory, analyse
 from autoaccum._step_time import StepCost
 from autoaccum._units import parse_bytes
 from autoaccum._update import Update, build_update, resolve_strategy
@@ -66,25 +49,17 @@ DEFAULT_MAX_MICROBATCH = 16384
 """The largest microbatch the estimate and the probe consider when the caller gives no ``microbatch_cap``."""
 
 COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
-"""Options for the analysis compilations: no LLVM optimisation (about 2x faster to compile). Buffer
-assignment and cost analysis happen before code generation, so memory and cost figures are unchanged
-(``tests/test_estimate.py`` checks this against `autoaccum._memory.step_memory`)."""
+"""Options for the analysis compilations: no LLVM optimisation; buffer assignment and costs are unchanged."""
 
 CPU_SINGLE_STEP_OPTIONS: dict[str, Any] = {"xla_cpu_use_fusion_emitters": False}
-"""On the CPU, one-microbatch steps also compile with XLA's older loop emitter: about 2x faster again. Its
-buffer assignment for them was never below the default's; it was above it by at most 0.2% from 17 examples
-up (53 KB at 6615 examples of the MLP) and by at most 12 KB below that (1.6% at 3 examples of the CNN):
-measured over the built-in workloads, every strategy, sizes 1 to 6615, YNNPACK fusions on and off;
-``tests/test_estimate.py`` keeps checking it. Accumulating steps keep the default emitter: for them the older
-one skips a copy of the batch that the default makes (41% of the MLP's peak at 256 x 4 examples)."""
+"""On the CPU, one-microbatch steps also compile with XLA's older loop emitter (faster; the same figures to within
+0.5%: tests/test_estimate.py); accumulating steps keep the default, for which it skips a copy of the batch."""
 
 FIRST_SIZE = 32
-"""The microbatch size measured first (``microbatch_cap`` when smaller); the second is where it predicts the
-answer (`_second_size`)."""
+"""The microbatch size measured first (``microbatch_cap`` when smaller)."""
 
 NEAR = 0.1
-"""A predicted answer within this fraction of a compiled size is not compiled again: interpolating over so
-short a distance errs by well under 1% (XLA's bytes per example drift by a few % over a 4x range)."""
+"""A predicted answer within this fraction of a compiled size is not compiled again."""
 
 
 class Point(NamedTuple):
@@ -93,11 +68,9 @@ class Point(NamedTuple):
     Attributes:
       microbatch_size: examples per microbatch.
       batch_size: examples in the step's batch (``== microbatch_size`` for a step on one microbatch).
-      peak_bytes: XLA's predicted peak: arguments + outputs + temporaries - aliased bytes (the largest
-        over the step's programs, plus what stays resident outside them).
+      peak_bytes: XLA's predicted peak, the largest over the step's programs.
       flops, bytes_accessed: XLA's cost analysis of the step's programs.
-      runtime_bytes: what the platform's runtime needs beyond XLA's accounting (`runtime_bytes`; 0 on
-        GPUs and TPUs, whose buffer assignment covers everything).
+      runtime_bytes: what the platform's runtime needs beyond XLA's accounting (`runtime_bytes`; 0 off the CPU).
     """
 
     microbatch_size: int
@@ -115,9 +88,7 @@ class Point(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Estimate(JsonMixin):
-    """The predicted memory and cost of an update step as a function of the microbatch size.
-
-    Made by `estimate`; every figure comes from compiling, nothing was run.
+    """The predicted memory and cost of an update step as a function of the microbatch size (made by `estimate`).
 
     Attributes:
       strategy: the accumulation strategy measured, and ``options`` its options.
@@ -126,23 +97,17 @@ class Estimate(JsonMixin):
       accumulation_bytes: extra fixed bytes of an accumulating step (the accumulator, the loop's carry).
       per_batch_example_bytes: extra bytes per example of the whole batch in an accumulating step.
       remainder_bytes_per_example: extra bytes per example of an uneven split's smaller last microbatch.
-      accumulation_runtime_bytes_per_example: what the runtime needs beyond XLA's accounting in an
-        accumulating step, less what it needs in a one-microbatch step, per microbatch example (those three
-        above are XLA's figures alone). On the CPU the convolutions inside the accumulation loop get layouts
-        YNNPACK does not take and run on Eigen, with its patches, where a one-microbatch step's run on YNNPACK.
+      accumulation_runtime_bytes_per_example: the runtime's extra bytes in an accumulating step beyond a
+        one-microbatch step's, per microbatch example (the three above are XLA's figures alone).
       cost: XLA's cost analysis fitted per example, for roofline step times (`StepCost`).
-      microbatch_cap: microbatch sizes considered are at most this (the ``microbatch_cap`` it was given).
+      microbatch_cap: microbatch sizes considered are at most this.
       platform: the backend the step was compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
       seconds: how long the estimate took.
-      shards: on a mesh, the number of pieces the batch is sharded into: microbatch sizes are global and
-        multiples of it, and every byte figure is per device (XLA's analysis of the mesh's program); 1 on one
-        device.
-      compiler: which compiler answered: ``"XLA:GPU sm_90 (compile-only)"`` for a GPU target compiled by XLA's
-        GPU compiler, ``"XLA:CPU (proxy)"`` for a target planned from the CPU compiler's figures, ``""`` (this
-        machine's own compiler) without a target.
+      shards: the pieces a mesh's batch is sharded into (sizes are global multiples of it, bytes per device); 1.
+      compiler: ``"XLA:GPU sm_90 (compile-only)"``, ``"XLA:CPU (proxy)"`` for a target planned from the CPU
+        compiler's figures, or ``""`` (this machine's compiler) without a target.
       target: the catalogued accelerator given as ``target`` (``None`` without one).
-      calibration_bytes: added to every prediction on this device (`bytes_at` with ``runtime``): what a step
-        measured here showed the compile-only figures miss (`calibrate`); 0 as compiled.
+      calibration_bytes: added to every prediction on this device (`calibrate`); 0 as compiled.
     """
 
     strategy: str
@@ -164,8 +129,6 @@ class Estimate(JsonMixin):
 
     json_format = "autoaccum.estimate/1"
     json_properties = ("fixed_bytes", "per_example_bytes", "max_microbatch")
-
-    # -- memory -------------------------------------------------------------------------------------------
 
     @property
     def single_points(self) -> tuple[Point, ...]:
@@ -201,11 +164,10 @@ class Estimate(JsonMixin):
 
         Args:
           microbatch_size: examples per microbatch.
-          batch_size: examples per update; ``None`` (the default) means one microbatch (``= microbatch_size``).
-            A larger batch is accumulated over ``ceil(batch_size / microbatch_size)`` microbatches (the last one
-            smaller when ``microbatch_size`` does not divide it).
-          runtime: include what this platform's runtime needs beyond XLA's accounting (`Point.runtime_bytes`,
-            the CPU's); ``False`` gives XLA's figure alone, as for planning a GPU or TPU from a CPU.
+          batch_size: examples per update, accumulated over ``ceil(batch_size / microbatch_size)`` microbatches;
+            ``None``: one microbatch.
+          runtime: include what this platform's runtime needs beyond XLA's accounting (the CPU's) and the
+            calibration; ``False`` gives XLA's figure alone, as for planning a GPU or TPU from a CPU.
 
         Raises:
           ValueError: an accumulating step was asked of an estimate made with ``accumulation=False``.
@@ -235,19 +197,15 @@ class Estimate(JsonMixin):
         return math.ceil(peak)
 
     def calibrate(self, microbatch_size: int, peak_bytes: int, *, measured: Estimate | None = None) -> Estimate:
-        """This estimate calibrated by a step measured on this device: ``peak_bytes`` at ``microbatch_size`` examples
-        (one microbatch per step, as the probe runs it) of ``measured``'s step (default this one's; another
-        setting's estimate, e.g. another remat policy, borrows the measurement of the probed one). What the
-        compile-only figures miss there is taken not to grow with the step (the runtime's own needs; on the CPU,
-        memory mapped before the cap, which a step reuses and the cap does not count), and added to every
-        prediction on this device (`calibration_bytes`).
+        """This estimate plus what a step measured on this device showed the compile-only figures miss: ``peak_bytes``
+        at ``microbatch_size`` (one microbatch) of ``measured``'s step (default this one's; another setting's
+        estimate borrows the probed one's measurement). The difference is taken not to grow with the step.
 
         Example:
           >>> from autoaccum import workloads
           >>> w = workloads.linear()
           >>> est = estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="64MiB")
-          >>> calibrated = est.calibrate(16, est.bytes_at(16) + 2**20)
-          >>> calibrated.bytes_at(64) - est.bytes_at(64)  # XLA's figure alone (runtime=False) stays
+          >>> est.calibrate(16, est.bytes_at(16) + 2**20).bytes_at(64) - est.bytes_at(64)
           1048576
         """
         missed = peak_bytes - (self if measured is None else measured).bytes_at(microbatch_size)
@@ -256,14 +214,9 @@ class Estimate(JsonMixin):
     def largest_microbatch(
         self, memory_limit: int | str, batch_size: int | None = None, *, runtime: bool = True
     ) -> int:
-        """The largest microbatch predicted to fit in ``memory_limit`` (0 if none).
-
-        Args:
-          memory_limit: the budget, bytes or a string like ``"16GiB"``.
-          batch_size: examples per update, accumulated over microbatches (the answer is at most
-            ``batch_size``); ``None``: one microbatch per step (the answer is at most `microbatch_cap`).
-          runtime: as for `bytes_at`.
-        """
+        """The largest microbatch predicted to fit in ``memory_limit`` (bytes or ``"16GiB"``; 0 if none), with
+        ``batch_size`` examples per update (at most it; ``None``: one microbatch, at most `microbatch_cap`).
+        ``runtime``: as for `bytes_at`."""
         limit = parse_bytes(memory_limit)
         if batch_size is not None and self.bytes_at(batch_size, batch_size, runtime=runtime) <= limit:
             return batch_size  # the whole batch in one step
@@ -309,8 +262,6 @@ class Estimate(JsonMixin):
         """
         return self.capacity(effective_batch).accumulation_steps
 
-    # -- capacity -----------------------------------------------------------------------------------------
-
     def capacity(
         self,
         effective_batch: int,
@@ -323,10 +274,8 @@ class Estimate(JsonMixin):
 
         Args:
           effective_batch: examples per update (an int >= 1).
-          target: a `Target`, a catalogued accelerator or its name (``"A100-40GB"``), a memory limit
-            (int bytes or a string with a unit, ``"24GiB"``, used as given), or ``None`` for
-            `memory_limit_bytes`. A bare size is a limit on this machine's platform (on a CPU, the runtime's
-            needs beyond XLA's accounting count); an accelerator's peak is XLA's figure alone.
+          target: a `Target`, a catalogued accelerator or its name (``"A100-40GB"``: XLA's figure alone), a memory
+            limit on this machine's platform (bytes or ``"24GiB"``), or ``None`` for `memory_limit_bytes`.
           mem_fraction, safety_margin: for an accelerator, see `Accelerator.memory_limit_bytes`.
 
         Raises:
@@ -338,28 +287,15 @@ class Estimate(JsonMixin):
         )
 
 
-# -- measuring -------------------------------------------------------------------------------------------------
-
-
 COMPILE_ONLY_GPU = "gpu (compile-only)"
 """How `_analyse` is told its programs were laid out on compile-only GPU devices (`autoaccum._gpu_compile`)."""
 
 
-class _Analysis(NamedTuple):
-    peak_bytes: int
-    flops: float
-    bytes_accessed: float
-    runtime_bytes: int
+def _analyse(programs: Sequence[Program], options: dict[str, Any], platform: str | None = None) -> StepMemory:
+    """`autoaccum._memory.analyse`, with what the runtime needs beyond XLA's accounting.
 
-
-def _analyse(programs: Sequence[Program], options: dict[str, Any], platform: str | None = None) -> _Analysis:
-    """`autoaccum._memory.analyse`, plus what the runtime needs beyond XLA's accounting.
-
-    Our speed-up options (`COMPILER_OPTIONS`, `CPU_SINGLE_STEP_OPTIONS`) are only that: one this jaxlib does
-    not know is dropped and the programs compiled without it (the user's own options are never dropped).
-    ``platform=COMPILE_ONLY_GPU``: the programs are laid out on compile-only GPU devices
-    (`autoaccum._gpu_compile`); they must have compiled for GPUs, and their costs come from XLA's HLO cost
-    analysis of the GPU programs (`GPU_COMPILER_OPTIONS` are ours too: dropped if this jaxlib lacks one).
+    One of our own speed-up options that this jaxlib does not know is dropped (never the user's). On
+    `COMPILE_ONLY_GPU`, the programs must have compiled for GPUs, and their costs come from XLA's HLO cost analysis.
     """
     platform = platform or jax.default_backend()
     try:
@@ -372,24 +308,21 @@ def _analyse(programs: Sequence[Program], options: dict[str, Any], platform: str
         if "No such compile option" not in str(e) or not unknown:
             raise
         return _analyse(programs, {k: v for k, v in options.items() if k not in unknown}, platform)
-    if platform == COMPILE_ONLY_GPU:
-        from autoaccum._gpu_compile import check_gpu, gpu_cost
+    if platform != COMPILE_ONLY_GPU:
+        return memory._replace(runtime_bytes=runtime_bytes(platform, compiled))
+    from autoaccum._gpu_compile import check_gpu, gpu_cost
 
-        flops = moved = 0.0
-        for c, program in zip(compiled, programs, strict=True):
-            check_gpu(c)
-            f, b = gpu_cost(c, program.lowered)
-            flops, moved = flops + f, moved + b
-        return _Analysis(memory.peak_bytes, flops, moved, 0)
-    return _Analysis(memory.peak_bytes, memory.flops, memory.bytes_accessed, runtime_bytes(platform, compiled))
+    flops = moved = 0.0
+    for c, program in zip(compiled, programs, strict=True):
+        check_gpu(c)
+        f, b = gpu_cost(c, program.lowered)
+        flops, moved = flops + f, moved + b
+    return StepMemory(memory.peak_bytes, flops, moved, 0)
 
 
 class _Measurer:
-    """Lowers update steps at given sizes and compiles them in a thread pool, caching per size.
-
-    Tracing holds the GIL and XLA's compilation releases it: `submit` lowers a step and hands its compilation
-    to the pool, so the next step's tracing overlaps the previous step's compilation.
-    """
+    """Lowers update steps at given sizes and compiles them in a thread pool (XLA releases the GIL: the next step's
+    tracing overlaps the previous one's compiling), keeping each size's `Point`."""
 
     def __init__(
         self,
@@ -406,13 +339,11 @@ class _Measurer:
     ) -> None:
         self.platform = platform or jax.default_backend()
         self.on_compile = on_compile
-        self.params = abstract(params)
-        self.batch = batch
+        self.params, self.batch, self.optimizer = abstract(params), batch, optimizer
         self.state = () if state is None else (abstract(state),)
-        self.optimizer = optimizer
-        self.compiler_options = compiler_options
+        self.compiler_options = compiler_options  # (COMPILER_OPTIONS included)
         fast = CPU_SINGLE_STEP_OPTIONS if self.platform == "cpu" else {}
-        self.single_step_options = {**fast, **compiler_options}  # compiler_options holds COMPILER_OPTIONS
+        self.single_step_options = {**fast, **compiler_options}
         self._build: Callable[[int], Update] = lambda m: build_update(
             loss_fn, optimizer, microbatch_size=m, has_state=state is not None, **build
         )
@@ -421,7 +352,7 @@ class _Measurer:
         self.opt_state = jax.eval_shape(first.init, self.params)
         self.state_bytes = tree_bytes(self.params) + tree_bytes(self.opt_state) + tree_bytes(self.state)
         self._pool = ThreadPoolExecutor(workers)
-        self._pending: dict[tuple[int, int], Future[_Analysis]] = {}
+        self._pending: dict[tuple[int, int], Future[Point]] = {}
         self.points: dict[tuple[int, int], Point] = {}
 
     def __enter__(self) -> _Measurer:
@@ -441,29 +372,25 @@ class _Measurer:
                 lowering = time.perf_counter() - start
                 self._pending[m, total] = self._pool.submit(self._timed, (m, total), lowering, programs, options)
 
-    def _timed(
-        self, size: tuple[int, int] | None, lowering: float, programs: Sequence[Program], options: dict[str, Any]
-    ) -> _Analysis:
-        """`_analyse`, then ``on_compile`` with the size's `Point` (``None``: the optimizer step) and the seconds
-        taken, ``lowering`` included (the wait for a worker is not)."""
+    def _timed(self, size: tuple[int, int], lowering: float, programs: Sequence[Program], options: Any) -> Point:
+        """The `Point` of ``size`` (``(0, 0)``: the optimizer step), given to ``on_compile`` (``None`` for the
+        optimizer step) with the seconds taken, ``lowering`` included."""
         start = time.perf_counter()
-        r = _analyse(programs, options, self.platform)
+        point = Point._make((*size, *_analyse(programs, options, self.platform)))
         if self.on_compile is not None:
-            point = None if size is None else Point(*size, r.peak_bytes, r.flops, r.bytes_accessed, r.runtime_bytes)
-            self.on_compile(point, lowering + time.perf_counter() - start)
-        return r
+            self.on_compile(point if size != (0, 0) else None, lowering + time.perf_counter() - start)
+        return point
 
     def measure(self, sizes: Iterable[tuple[int, int]]) -> list[Point]:
         """`Point` for each ``(microbatch, batch_size)``, compiling those not measured yet."""
         sizes = list(dict.fromkeys(sizes))
         self.submit(sizes)
-        for m, total in sizes:
-            if (m, total) in self._pending:
-                r = self._pending.pop((m, total)).result()
-                self.points[m, total] = Point(m, total, r.peak_bytes, r.flops, r.bytes_accessed, r.runtime_bytes)
+        for size in sizes:
+            if size in self._pending:
+                self.points[size] = self._pending.pop(size).result()
         return [self.points[s] for s in sizes]
 
-    def optimizer_cost(self) -> Future[_Analysis]:
+    def optimizer_cost(self) -> Future[Point]:
         """Cost analysis of one optimizer step on gradients shaped like the parameters (compiled in the pool)."""
 
         def step(params: PyTree, opt_state: PyTree, grads: PyTree) -> tuple[PyTree, PyTree]:
@@ -473,13 +400,7 @@ class _Measurer:
         start = time.perf_counter()
         lowered = jax.jit(step, donate_argnums=(0, 1)).lower(self.params, self.opt_state, self.params)
         lowering = time.perf_counter() - start
-        return self._pool.submit(self._timed, None, lowering, [Program(lowered, 0)], self.compiler_options)
-
-
-def _affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``(intercept, slope)`` of ``ys`` against ``xs``."""
-    slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
-    return float(intercept), float(slope)
+        return self._pool.submit(self._timed, (0, 0), lowering, [Program(lowered, 0)], self.compiler_options)
 
 
 def estimate(
@@ -506,60 +427,43 @@ def estimate(
 ) -> Estimate:
     """Predicts, by compiling only, the peak memory of the update step at every microbatch size.
 
-    Compiles (never runs) the update that `autoaccum.build_update` would emit at a few sizes: a one-microbatch
-    step at `FIRST_SIZE` examples, then one where that first size predicts the answer (`_second_size`); with
-    ``accumulation``, three accumulating steps (two batch sizes, one uneven split); the optimizer step alone
-    (for step times); then one more at each predicted answer (`max_microbatch`, and the answer for each
-    ``refine_for`` budget) not within `NEAR` of a compiled size, to refine the fit where it matters. Each
-    step is traced while the previous one compiles. ``params`` and ``batch`` may be arrays or
-    ``jax.ShapeDtypeStruct``: only their shapes and dtypes are used, nothing is allocated.
-
-    On a mesh (``batch`` sharded along its example axis, ``params`` replicated or FSDP-sharded, as
-    `autoaccum.build_update` takes them; ``ShapeDtypeStruct`` with a ``sharding`` too) the programs compiled are
-    the mesh's: every byte figure is per device, microbatch sizes are global multiples of the batch's shards
-    (`Estimate.shards`).
+    Compiles (never runs) the update `autoaccum.build_update` would emit: one microbatch of `FIRST_SIZE`, then one
+    where that predicts the answer (`_second_size`); with ``accumulation``, three accumulating steps; the optimizer
+    step alone; then one at each predicted answer not within `NEAR` of a compiled size. ``params``, ``batch`` and
+    ``state`` may be arrays or ``jax.ShapeDtypeStruct``; on a mesh (the batch sharded along its examples) every
+    byte figure is per device and sizes are global multiples of the shards.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` (``-> (scalar, aux)`` with ``has_aux``).
-      params: the parameters pytree (arrays or ``jax.ShapeDtypeStruct``).
-      batch: an example batch; only its per-example shapes and dtypes matter, not its size.
-      optimizer: the optax optimizer training uses (required: its state is part of the memory).
-      strategy: the accumulation strategy (``autoaccum.strategies.available()``), or ``"auto"``
-        (`autoaccum.build_update`'s default): the one it picks for these arguments (with ``target``, on a GPU), which
-        `Estimate.strategy` names.
-      memory_limit: the limit `Estimate.max_microbatch` answers for: bytes or ``"16GiB"``; default: what
-        this machine's default device offers a step (the same policy as the probe's).
+      params: the parameters pytree.
+      batch: an example batch; only its per-example shapes and dtypes matter.
+      optimizer: the optax optimizer training uses (its state is part of the memory).
+      strategy: the accumulation strategy (``autoaccum.strategies.available()``), or ``"auto"``: the one
+        `autoaccum.build_update` picks (for a ``target``, on a GPU), which `Estimate.strategy` names.
+      memory_limit: the limit `Estimate.max_microbatch` answers for (bytes or ``"16GiB"``); default: what this
+        machine's default device offers a step (the probe's policy), or a ``target``'s.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      state: the model state, when ``loss_fn(params, batch, state) -> (loss, state)`` takes one (arrays or
-        ``jax.ShapeDtypeStruct``), as `autoaccum.build_update`'s ``has_state``.
+      state: the model state of ``loss_fn(params, batch, state) -> (loss, state)``, as `autoaccum.build_update`'s
+        ``has_state``.
       loss_reduction: ``"mean"`` or ``"sum"``, as for `autoaccum.build_update`.
-      microbatch_cap: `Estimate.max_microbatch` is at most this (default `DEFAULT_MAX_MICROBATCH`, as the
-        probe's ``microbatch_cap``).
-      accumulation: also measure accumulating steps (needed by `Estimate.capacity` and by ``bytes_at`` with a
-        ``batch_size``); ``False`` saves three compilations when only `max_microbatch` is wanted.
-      effective_batch: refine the fit for plans of this many examples per update (around the largest microbatch
-        of an accumulating step, rather than of a one-microbatch step, under each budget).
-      refine_for: more memory limits (bytes or strings) to refine the fit around, one compilation each, e.g.
-        the memory limit of each target of a capacity plan.
+      microbatch_cap: `Estimate.max_microbatch` is at most this (default `DEFAULT_MAX_MICROBATCH`).
+      accumulation: also measure accumulating steps (for `Estimate.capacity` and ``bytes_at`` with a
+        ``batch_size``); ``False`` saves three compilations.
+      effective_batch: refine the fit for plans of this many examples per update.
+      refine_for: more memory limits to refine the fit around, one compilation each.
       compiler_options: XLA options for the analysis compilations, on top of `COMPILER_OPTIONS`.
       workers: compilations run in parallel.
-      target: a catalogued GPU (``"H100"``, ``"A100-40GB"``, ... `autoaccum._gpu_compile.known_targets`) or the
-        path of a target description: compile with XLA's GPU compiler for that card, on compile-only devices
-        (the ``gpu-plan`` extra; no GPU needed), laid out as ``params`` and ``batch`` are (on a mesh, a mesh of
-        as many GPUs). ``memory_limit`` then defaults to the card's (`autoaccum.Target.gpu`). Without the
-        extra, the CPU compiler's figures stand in, labelled ``Estimate.compiler == "XLA:CPU (proxy)"``
-        (`autoaccum._gpu_compile.compiler_status` says why and what to install).
-      on_compile: called as each compilation finishes (in the thread that compiled it), with its `Point`
-        (``None`` for the optimizer step alone) and the seconds it took to lower and compile: for progress.
+      target: a catalogued GPU (``"H100"``, ...) or the path of a target description: compile with XLA's GPU compiler
+        for that card on compile-only devices (the ``gpu-plan`` extra); without it the CPU compiler's figures stand
+        in (``Estimate.compiler == "XLA:CPU (proxy)"``).
+      on_compile: called as each compilation finishes with its `Point` (``None`` for the optimizer step) and the
+        seconds it took to lower and compile.
       max_microbatch: deprecated name of ``microbatch_cap``.
       **options: the strategy's options (e.g. ``unroll=2``).
 
-    Returns:
-      An `Estimate`.
-
     Raises:
       TypeError, ValueError: bad arguments (named in the message), before anything is compiled; an unknown
-        ``target`` (`autoaccum._catalog.UnknownAcceleratorError`, naming the known ones).
+        ``target`` (naming the known ones).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -593,7 +497,6 @@ def estimate(
     else:
         limit = parse_bytes(memory_limit, "memory_limit")
     extra_limits = [parse_bytes(x, "refine_for") for x in refine_for]
-    compile_options = {**COMPILER_OPTIONS, **(compiler_options or {})}
     layout = layout_of(params, batch, state)
     g = 1 if layout is None else layout.shards  # on a mesh: global sizes, multiples of the batch's shards
     if cap < g:
@@ -610,6 +513,7 @@ def estimate(
         has_aux=has_aux, loss_reduction=loss_reduction, **options,
     )  # fmt: skip
     where = COMPILE_ONLY_GPU if platform == "gpu" and target is not None else platform
+    compile_options = {**COMPILER_OPTIONS, **(compiler_options or {})}
     measurer = _Measurer(loss_fn, params, batch, optimizer, state, build, compile_options, workers, where, on_compile)
     with measurer:
         s1 = units(min(max(FIRST_SIZE, 2 * g), cap))
@@ -621,7 +525,7 @@ def estimate(
         (single1,) = measurer.measure(sizes[:1])
         largest = cap if effective_batch is None or not accumulation else effective_batch  # a plan's microbatch <= B
         s2 = units(_second_size(single1, measurer.state_bytes, limit, largest))
-        measurer.measure([(s2 if s2 != s1 else s1 + g, s2 if s2 != s1 else s1 + g)])
+        measurer.measure([(s2, s2) if s2 != s1 else (s1 + g, s1 + g)])
         fields: dict[str, Any] = dict(
             strategy=build["strategy"], options=measurer.options, memory_limit_bytes=limit, microbatch_cap=cap,
             platform=platform, shards=g, compiler=compiler, target=target_name,
@@ -631,11 +535,7 @@ def estimate(
         else:
             fields.update(accumulation_bytes=None, per_batch_example_bytes=None, remainder_bytes_per_example=None)
         opt = opt_future.result()
-
-        def current() -> Estimate:
-            return _fitted(measurer, opt, seconds=time.perf_counter() - start, **fields)
-
-        est = current()
+        est = _fitted(measurer, opt, seconds=time.perf_counter() - start, **fields)
         plans = effective_batch is not None and accumulation
         top = max(cap, effective_batch or 0)
         for _ in range(2):  # refine at the predicted answers until they are near a measurement (usually once)
@@ -645,16 +545,16 @@ def estimate(
             if not todo:
                 break
             measurer.measure([(m, m) for m in todo])
-            est = current()
+            est = _fitted(measurer, opt, seconds=time.perf_counter() - start, **fields)
     return est
 
 
 def _for_target(
     target: str | Path, memory_limit: int | str | None, compiler_options: dict[str, Any] | None, *trees: PyTree
 ) -> tuple[Any, ...]:
-    """``(platform, compiler, target name, memory_limit, compiler_options, params, batch, state)`` of an estimate
-    for a catalogued GPU or a target description: the card's limit by default; its compile-only devices and
-    XLA's GPU compiler where the ``gpu-plan`` extra is installed, else the CPU compiler's figures as a proxy."""
+    """``(platform, compiler, target name, memory_limit, compiler_options, params, batch, state)`` of an estimate for
+    a GPU target: the card's limit by default; its compile-only devices and XLA's GPU compiler where the
+    ``gpu-plan`` extra is installed, else the CPU compiler's figures as a proxy."""
     from autoaccum._gpu_compile import compiler_status, describe, on_gpu
 
     description = describe(target)  # an unknown target fails here, naming the known ones
@@ -672,29 +572,23 @@ def _for_target(
 
 
 def _accumulation(single: Point, acc2: Point, acc4: Point, uneven: Point) -> dict[str, float]:
-    """The accumulating step's terms from three measurements at ``single``'s microbatch: at ``(s, B)`` it is the
-    one-microbatch step at ``s`` + ``accumulation_bytes`` + ``per_batch_example_bytes`` * B (XLA's figures), plus
-    an uneven split's extra per example of its last microbatch, plus the runtime's difference between the two
-    steps (per microbatch example)."""
+    """The accumulating step's terms from three measurements at ``single``'s microbatch (see `Estimate`)."""
     s = single.microbatch_size
-    fixed, per_batch = _affine(
-        [acc2.batch_size, acc4.batch_size], [acc2.peak_bytes - single.peak_bytes, acc4.peak_bytes - single.peak_bytes]
-    )
-    expected = single.peak_bytes + fixed + per_batch * uneven.batch_size
+    ys = [acc2.peak_bytes - single.peak_bytes, acc4.peak_bytes - single.peak_bytes]
+    slope, intercept = (float(v) for v in np.polyfit([float(acc2.batch_size), float(acc4.batch_size)], ys, 1))
+    expected = single.peak_bytes + intercept + slope * uneven.batch_size
     runtime = max(p.runtime_bytes for p in (acc2, acc4, uneven)) - single.runtime_bytes
     return dict(
-        accumulation_bytes=max(fixed, 0.0),
-        per_batch_example_bytes=max(per_batch, 0.0),
+        accumulation_bytes=max(intercept, 0.0),
+        per_batch_example_bytes=max(slope, 0.0),
         remainder_bytes_per_example=max(0.0, (uneven.peak_bytes - expected) / (uneven.batch_size % s or 1)),
         accumulation_runtime_bytes_per_example=runtime / s,
     )
 
 
-def _fitted(measurer: _Measurer, opt: _Analysis, **fields: Any) -> Estimate:
+def _fitted(measurer: _Measurer, opt: Point, **fields: Any) -> Estimate:
     """The `Estimate` of the points measured so far: ``fields``, and the roofline cost fit (`fit_cost`)."""
-    singles = sorted(
-        (p for p in measurer.points.values() if p.batch_size == p.microbatch_size), key=lambda p: p.microbatch_size
-    )
+    singles = sorted(p for p in measurer.points.values() if p.batch_size == p.microbatch_size)
     cost = fit_cost(
         [p.microbatch_size for p in singles], [p.flops for p in singles], [p.bytes_accessed for p in singles],
         (opt.flops, opt.bytes_accessed), measurer.params, fields["shards"],
@@ -703,13 +597,9 @@ def _fitted(measurer: _Measurer, opt: _Analysis, **fields: Any) -> Estimate:
 
 
 def _second_size(first: Point, state_bytes: int, limit: int, top: int) -> int:
-    """The second one-microbatch size to compile: where ``first`` predicts the answer under ``limit`` (at most
-    ``top``, the largest answer wanted, or 2 when ``top`` is 1: the fit needs two sizes).
-
-    The guess scales everything beyond the parameters and optimizer state (and the runtime's fixed bytes)
-    in proportion to the microbatch, from the first size alone. It lands near the answer when activations
-    dominate (then no further compilation is needed, see `NEAR`); otherwise the refinement corrects it. A
-    guess too close to ``first`` measures nothing new, so half (or twice) its size is taken instead.
+    """The second one-microbatch size to compile: where ``first`` predicts the answer under ``limit``, scaling
+    everything beyond the state (and the runtime's fixed bytes) with the microbatch; at most ``top`` (2 when
+    ``top`` is 1); half (or twice) ``first`` when that is within `NEAR` of it.
 
     Example:
       >>> first = Point(32, 32, peak_bytes=33 * 2**20, flops=0.0, bytes_accessed=0.0)  # 1 MiB fixed + 1 MiB each

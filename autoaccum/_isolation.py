@@ -1,26 +1,17 @@
 """Child processes that may run out of memory, crash or hang without taking the caller down.
 
-The caller writes a *payload* (`payload`: the job pickled with cloudpickle, parameters as shapes only), then
-`autoaccum._worker.Worker` starts a child (`child_command`: this interpreter, this process's `autoaccum`, from any
-working folder) under `child_env` (one device or the caller's mesh, its allocator capped on a GPU; glibc malloc
-made predictable on the CPU). A child that dies is classified from its exit status and output (`classify_exit`),
-and one killed from outside (not by the kernel's OOM killer) runs once more (`dead_child`). A child ends with its
-parent (`die_with_parent`); interrupted, the parent ends its children before it goes on.
-
-What "does not fit" means for a dead child, exactly (`classify_exit`):
-
-* it dies from a signal after an allocation failure it could not report: ``SIGABRT``/``SIGSEGV`` with
-  ``std::bad_alloc``, ``RESOURCE_EXHAUSTED``, ``Out of memory`` or ``Cannot allocate memory`` in its output
-  (C++ ``terminate`` on ``bad_alloc``), or ``SIGKILL`` from the kernel's OOM killer (an OOM-kill count,
-  `autoaccum._device.oom_kills`, rose while it ran; where none can be read, a ``SIGKILL`` is not taken for one).
-
-Anything else (a plain ``os.abort()``, a segfault with no allocation failure in the output, a kill from outside,
-a non-zero exit, a time-out) is an error, reported with its message.
+The caller pickles a job (`payload`); `autoaccum._worker.Worker` starts a child (`child_command`: this interpreter
+and this process's `autoaccum`, from any working folder) under `child_env`. A child ends with its parent
+(`die_with_parent`). A child that dies is classified by `classify_exit`: out of memory only after an allocation
+failure it could not report (`OOM_MARKERS` in its output, with ``SIGABRT``/``SIGSEGV`` or an exit status) or a
+``SIGKILL`` while an OOM-kill count rose (`autoaccum._device.oom_kills`); anything else is an error with its
+message, and a child killed from outside runs once more (`dead_child`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -52,20 +43,16 @@ OOM_MARKERS = (
     "RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "std::bad_alloc", "MemoryError",
     "Cannot allocate memory", "threads to join the rendezvous, but only",
 )  # fmt: skip
-"""Text that says an allocation failed: XLA's status, the CPU cap's failed allocation (XLA's "Out of memory
-allocating N bytes", C++'s ``bad_alloc``, Python's ``MemoryError``, ``ENOMEM``). The last: on a CPU mesh (every
-device a thread of the capped child), a device whose allocation failed never reaches the step's collective, and
-XLA aborts the others when they have waited for it (`_CPU_COLLECTIVE_TIMEOUT`)."""
+"""Text that says an allocation failed. The last: on a CPU mesh, a device whose allocation failed never reaches
+the step's collective, and XLA aborts the others (`_CPU_COLLECTIVE_TIMEOUT`)."""
 
 
 def says_out_of_memory(text: str) -> bool:
     """The one rule for "does not fit" in a message or a dead child's output: it holds one of `OOM_MARKERS`.
 
     Example:
-      >>> says_out_of_memory("INTERNAL: Error dispatching computation: Out of memory allocating 8 bytes")
-      True
-      >>> says_out_of_memory("INTERNAL: something else")
-      False
+      >>> says_out_of_memory("Out of memory allocating 8 bytes"), says_out_of_memory("INTERNAL: something else")
+      (True, False)
     """
     return any(m in text for m in OOM_MARKERS)
 
@@ -76,14 +63,12 @@ class Outcome(JsonMixin):
 
     Attributes:
       status: ``"fits"``, ``"oom"`` or ``"error"``.
-      seconds: the second (steady-state) update step's wall time, when it fit.
-      first_seconds: the first step's wall time (its programs were compiled before), when it fit.
-      peak_bytes: memory used at the peak, counted like the limit (CPU: growth of the address space since the
-        cap was set; GPU: XLA's ``peak_bytes_in_use``); None where not measurable.
+      seconds: the median timed step's wall time, when it fit; ``times`` each timed step's.
+      first_seconds: the first step's wall time (its programs compiled before), when it fit.
+      peak_bytes: memory used at the peak, counted like the limit; None where not measurable.
       message: the OOM or error message.
       compile_seconds: time spent compiling.
-      times: each timed step's wall time (``seconds`` is their median), when it fit.
-      estimate: a compile-only estimate's `autoaccum.Estimate` (as `to_dict` writes it), for an estimate request.
+      estimate: an estimate request's `autoaccum.Estimate`, as `to_dict` writes it.
     """
 
     status: str
@@ -97,13 +82,8 @@ class Outcome(JsonMixin):
 
 
 def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outcome:
-    """The outcome of a child that died without writing its result.
-
-    Args:
-      returncode: the child's exit status (``-N`` for signal ``N``).
-      output: the end of its stdout and stderr.
-      oom_killed: whether an OOM-kill count rose while it ran (`autoaccum._device.oom_kills`; None: unknown).
-    """
+    """The outcome of a child that died without answering: ``returncode`` (``-N`` for signal ``N``), the end of its
+    ``output``, and whether an OOM-kill count rose while it ran (None: unknown)."""
     tail = output.strip()[-1500:]
     if returncode < 0:
         try:
@@ -128,29 +108,17 @@ def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outc
 
 
 OUTSIDE_KILLS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
-"""Signals that end a child from outside (a user, a scheduler, a stray ``kill``): a child they end, unless the
-kernel's OOM killer sent it, runs once more (`dead_child`)."""
+"""Signals that end a child from outside; a child they end, unless for its memory, runs once more."""
 
 
 def dead_child(returncode: int, log: Path, kills_before: int | None) -> tuple[Outcome, bool]:
-    """A child that died without answering: its outcome (`classify_exit`, from the end of its ``log`` and whether an
-    OOM-kill count rose since ``kills_before``, `oom_kills` when it started), and whether to run it once more: it
-    was killed from outside (`OUTSIDE_KILLS`), not for its memory."""
+    """A dead child's outcome (`classify_exit` of the end of its ``log``, an OOM kill judged against
+    ``kills_before``), and whether to run it once more (killed from outside, `OUTSIDE_KILLS`)."""
     output = log.read_bytes()[-20000:].decode(errors="replace")
     after = oom_kills()
     oom_killed = None if kills_before is None or after is None else after > kills_before
     outcome = classify_exit(returncode, output, oom_killed)
     return outcome, -returncode in OUTSIDE_KILLS and outcome.status != "oom"
-
-
-def killed_again(outcome: Outcome) -> Outcome:
-    """``outcome`` of a child killed from outside a second time, after running once more (`dead_child`).
-
-    Example:
-      >>> killed_again(Outcome("error", message="killed by SIGKILL.")).message
-      'killed by SIGKILL. Run once more, it was killed again.'
-    """
-    return dataclasses.replace(outcome, message=f"{outcome.message} Run once more, it was killed again.")
 
 
 _CPU_MALLOC = {
@@ -159,17 +127,15 @@ _CPU_MALLOC = {
     "MALLOC_TOP_PAD_": "0",
     "MALLOC_TRIM_THRESHOLD_": "0",
 }
-
+"""glibc malloc made predictable under the CPU cap: no per-thread arenas, every large buffer its own mapping."""
 
 _CPU_COLLECTIVE_TIMEOUT = "--xla_cpu_collective_call_terminate_timeout_seconds=10"
-"""On a CPU mesh, a device whose allocation failed under the cap never reaches the step's collective; the
-others give up after this long (XLA's default: 40 s) and the trial counts as out of memory (`OOM_MARKERS`)."""
+"""On a CPU mesh, how long devices wait for one whose allocation failed (XLA's default: 40 s)."""
 
 
 def backend_name(info: DeviceInfo) -> str:
-    """The name of the JAX backend that runs ``info``'s device, as ``JAX_PLATFORMS`` takes it: ``"cpu"``,
-    ``"tpu"``, ``"cuda"`` or ``"rocm"``; never ``"gpu"``, which jax 0.11 resolves to every GPU backend it knows,
-    failing on the one not installed (seen on an H100 with jax 0.11.2: "Unable to initialize backend 'rocm'").
+    """The JAX backend of ``info``'s device as ``JAX_PLATFORMS`` takes it: ``"cpu"``, ``"tpu"``, ``"cuda"`` or
+    ``"rocm"``; never ``"gpu"``, which makes jax 0.11 start every GPU backend it knows.
 
     Example:
       >>> backend_name(DeviceInfo("cpu", "cpu", 2**33, 2**32, None))
@@ -190,31 +156,20 @@ def backend_name(info: DeviceInfo) -> str:
 def child_env(
     info: DeviceInfo, limit: int, env: Mapping[str, str] | None = None, *, devices: int = 1
 ) -> dict[str, str]:
-    """The environment of a child: one device (or a mesh's ``devices``: on the CPU ``JAX_NUM_CPU_DEVICES`` where
-    ``XLA_FLAGS`` does not set them), its allocator capped at ``limit``.
+    """The environment of a child: one device (or a mesh's ``devices``), its allocator capped at ``limit``.
 
-    On a GPU: ``CUDA_VISIBLE_DEVICES`` selects the probed card (with a mesh, every card stays visible),
-    ``XLA_CLIENT_MEM_FRACTION`` = ``limit`` /
-    the card's total, preallocated (``XLA_PYTHON_CLIENT_PREALLOCATE=true``: one region of exactly the limit, as a
-    training process holds its share; growing the pool instead splits it into regions that compilation's scratch
-    fragments, so that a size that fits in a fresh process ran out of memory after an earlier compile) and the
-    default allocator (the fraction is ignored by ``platform``), ``JAX_PLATFORMS`` naming the backend
-    (``cuda``; ``rocm`` for a ROCm device). On the CPU: ``JAX_PLATFORMS=cpu``
-    and glibc malloc made predictable under the cap: ``MALLOC_ARENA_MAX=1`` (no per-thread arenas, which reserve
-    address space in 64 MiB heaps), ``MALLOC_MMAP_THRESHOLD_=65536`` (every large buffer is its own mapping,
-    released when freed; no dynamic threshold), ``MALLOC_TOP_PAD_=0`` and ``MALLOC_TRIM_THRESHOLD_=0``. Without
-    them the same size fits in one child and not in the next (measured: +-50 examples at 100 MiB).
+    On a GPU: the probed card only (all of them for a mesh), ``XLA_CLIENT_MEM_FRACTION`` = ``limit`` / the card's
+    total, preallocated (one region of exactly the limit, as training holds it; a pool grown on demand is
+    fragmented by compilation's scratch). On the CPU: glibc malloc made predictable (`_CPU_MALLOC`), and on a mesh
+    ``JAX_NUM_CPU_DEVICES`` where ``XLA_FLAGS`` does not set the devices.
 
     Example:
-      >>> info = DeviceInfo("cpu", "cpu", 2**33, 2**32, None)
-      >>> child_env(info, 2**30, {})["JAX_PLATFORMS"]
+      >>> child_env(DeviceInfo("cpu", "cpu", 2**33, 2**32, None), 2**30, {})["JAX_PLATFORMS"]
       'cpu'
     """
     out = dict(os.environ if env is None else env)
     out["JAX_PLATFORMS"] = backend_name(info)
-    # XLA's informational log lines (e.g. a CUDA plugin installed for GPU-compiled plans on a machine with no
-    # driver says so in every process) would crowd a dead child's output, which is how its end is classified.
-    out.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    out.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # XLA's info lines would crowd the output a dead child is judged by
     if info.platform == "gpu":
         if info.total_bytes is None:
             raise ValueError(f"cannot cap {info.name}: its total memory is unknown (no NVML, no memory_stats).")
@@ -238,15 +193,18 @@ def child_env(
 def payload(job: Any, platform: str, functions: Sequence[Any] = ()) -> bytes:
     """``job`` pickled for a child: ``(sys.path, platform, cloudpickle bytes, file modules)``.
 
-    A module loaded from a file under a name a fresh interpreter cannot import (a workload file, which
-    `autoaccum.load_workload` loads as ``python file.py`` would run it) travels as its file's path: the child loads
-    the same file under the same name when the job refers to it (`load_payload`), so that every function, class and
-    schedule of the file reaches the child, each with its file and line in tracebacks. ``functions`` (the user's
-    loss) defined in other modules a fresh interpreter cannot import, with no file, are pickled by value, as
-    ``__main__``'s are; code pickled by value keeps its file's name too (`_dumps`).
+    A module loaded from a file under a name a fresh interpreter cannot import (a workload file) travels as its
+    path, and the child loads the same file under the same name (`load_payload`). ``functions`` (the user's loss)
+    from other such modules are pickled by value; code pickled by value keeps its file's name (`_dumps`).
     """
     files = _file_modules()
-    with _by_value([m for fn in functions for m in _unimportable_modules(fn) if m.__name__ not in files]):
+    names = [getattr(fn, "__module__", None) for fn in functions]
+    by_value = [
+        sys.modules[n] for n in names
+        if isinstance(n, str) and n in sys.modules and n != "__main__" and n not in files
+        and not _findable(n.partition(".")[0])
+    ]  # fmt: skip
+    with _by_value(by_value):
         body = _dumps(job)
     return pickle.dumps(([p for p in sys.path if p], platform, body, files))
 
@@ -263,8 +221,7 @@ def load_payload(payload_path: str) -> tuple[Any, str]:
 
 
 class _FileModules(importlib.abc.MetaPathFinder):
-    """Finds the parent's modules that it loaded from files under names of their own (`payload`), from their
-    files; asked after every other finder."""
+    """Finds the parent's modules loaded from files under names of their own (`payload`), after every other finder."""
 
     def __init__(self, files: Mapping[str, tuple[str, list[str] | None]]) -> None:
         self.files = dict(files)
@@ -286,8 +243,8 @@ def _findable(top: str) -> bool:
 
 
 def _file_modules() -> dict[str, tuple[str, list[str] | None]]:
-    """``{name: (file, package folders or None)}`` of the modules loaded from a file under a top-level name a
-    fresh interpreter cannot find (autoaccum's own aside: a child has it)."""
+    """``{name: (file, package folders or None)}`` of the modules loaded from a file under a top-level name a fresh
+    interpreter cannot find (autoaccum aside: a child has it)."""
     findable: dict[str, bool] = {__name__.partition(".")[0]: True}
     files = {}
     for name, module in list(sys.modules.items()):
@@ -304,8 +261,8 @@ def _file_modules() -> dict[str, tuple[str, list[str] | None]]:
 
 
 def _dumps(obj: Any) -> bytes:
-    """``cloudpickle.dumps(obj)``, with the code of functions pickled by value keeping its file's name (cloudpickle
-    3 names it ``<dynamic-code>``, and a child's traceback would not say where the user's line is)."""
+    """``cloudpickle.dumps(obj)``, the code of functions pickled by value keeping its file's name (cloudpickle 3
+    names it ``<dynamic-code>``, and a child's traceback would not say where the user's line is)."""
     with io.BytesIO() as file:
         _pickler()(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
         return file.getvalue()
@@ -334,17 +291,6 @@ def _code_in_file(rebuild: Any, args: tuple[Any, ...], filename: str) -> types.C
     return code.replace(co_filename=filename)
 
 
-def _unimportable_modules(fn: Any) -> list[ModuleType]:
-    modules: list[ModuleType] = []
-    name = getattr(fn, "__module__", None)
-    if not isinstance(name, str):
-        return modules
-    module = sys.modules.get(name)
-    if module is not None and name != "__main__" and not _findable(name.partition(".")[0]):
-        modules.append(module)
-    return modules
-
-
 @contextmanager
 def _by_value(modules: list[ModuleType]) -> Iterator[None]:
     import cloudpickle
@@ -369,15 +315,13 @@ spec.loader.exec_module(package)
 from autoaccum._child import main
 main()
 """
-"""A child's first lines (``python -c``): the parent's own `autoaccum` package, from where the parent has it
-(``python -m`` would put the working folder first on ``sys.path``, and a checkout of the repository there would
-shadow an installed autoaccum), and not the working folder on ``sys.path`` (``-c`` puts it first)."""
+"""A child's first lines: the parent's own `autoaccum` package, from where the parent has it, and not the working
+folder on ``sys.path`` (where a checkout of the repository would shadow an installed autoaccum)."""
 
 
 def child_command(payload_path: Path, args: Sequence[str]) -> list[str]:
-    """The command that starts a worker (`autoaccum._child.main`): this interpreter, running the `autoaccum` package
-    this process runs, from any working folder (`_BOOT`), told this process's id (it ends when this process does,
-    `die_with_parent`).
+    """The command that starts a worker (`autoaccum._child.main`) running this process's `autoaccum` (`_BOOT`),
+    told this process's id and thread (`die_with_parent`).
 
     Example:
       >>> command = child_command(Path("job.pkl"), ["5", "1024"])
@@ -394,40 +338,30 @@ def child_command(payload_path: Path, args: Sequence[str]) -> list[str]:
 
 
 def die_with_parent(parent: int, *, at_once: bool) -> None:
-    """Ends this process (a child) when its ``parent`` ends, so that no child outlives the run that started it (a
-    parent killed by SIGKILL cannot end them itself): at once on Linux when the parent started it from its main
-    thread (``PR_SET_PDEATHSIG``; the kernel sends it when the starting *thread* ends), else within a quarter of a
-    second (a thread that watches the parent's process id, which changes when the child is re-parented).
-    """
+    """Ends this process (a child) when its ``parent`` ends: at once on Linux when started from the parent's main
+    thread (``PR_SET_PDEATHSIG`` fires when the starting *thread* ends), else within a quarter of a second (a thread
+    watching the parent's id)."""
     if at_once and sys.platform.startswith("linux"):
-        _parent_death_signal(signal.SIGKILL)
+        with contextlib.suppress(OSError, AttributeError):  # no C library to ask, or one without prctl
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent ended before the line above
         os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent,), name="autoaccum-parent", daemon=True).start()
 
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.25)
+        os._exit(1)
 
-def _parent_death_signal(signum: int) -> None:
-    """Asks Linux to send ``signum`` to this process when its parent ends (``prctl(PR_SET_PDEATHSIG)``)."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # no C library to ask, or one without prctl
-        return
-    prctl(1, signum, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-
-
-def _watch_parent(parent: int, every: float = 0.25) -> None:
-    while os.getppid() == parent:
-        time.sleep(every)
-    os._exit(1)
+    threading.Thread(target=watch, name="autoaccum-parent", daemon=True).start()
 
 
 TEMP_PREFIX = "autoaccum-"
-"""The names of the temporary folders of children (`make_directory`): ``autoaccum-*`` in the temporary directory."""
+"""The prefix of the children's temporary folders (`make_directory`)."""
 
 
 def make_directory() -> Path:
-    """A new temporary folder for one job's children, with its owner (this process) written in its ``owner`` file,
-    made after removing the folders of earlier runs whose owner is gone (`remove_stale_directories`)."""
+    """A new temporary folder for one job's children, its owner (this process) in its ``owner`` file, made after
+    removing the folders of earlier runs whose owner is gone (`remove_stale_directories`)."""
     remove_stale_directories()
     directory = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
     (directory / "owner").write_text(_process_tag(os.getpid()))
@@ -435,10 +369,8 @@ def make_directory() -> Path:
 
 
 def remove_stale_directories(root: Path | None = None) -> list[Path]:
-    """Removes this user's ``autoaccum-*`` folders in ``root`` (default: the temporary directory) whose owner process
-    ended without removing them (killed by SIGKILL, or crashed), and returns them. A folder without an ``owner``
-    file (being made, or not one of ours) is left alone.
-    """
+    """Removes (and returns) this user's ``autoaccum-*`` folders in ``root`` (default: the temporary directory) whose
+    owner process has ended; a folder without an ``owner`` file is left alone."""
     root = Path(tempfile.gettempdir()) if root is None else root
     removed = []
     for directory in root.glob(TEMP_PREFIX + "*"):
@@ -455,8 +387,7 @@ def remove_stale_directories(root: Path | None = None) -> list[Path]:
 
 
 def _process_tag(pid: int) -> str:
-    """``"PID START"``: a process's id and its start time (Linux's ``/proc``; left out where unknown), which tell it
-    from a later process given the same id."""
+    """``"PID START"``: a process's id and start time, which tell it from a later process given the same id."""
     status = _process_status(pid)
     return str(pid) if status is None else f"{pid} {status[1]}"
 

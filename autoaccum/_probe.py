@@ -1,35 +1,13 @@
 """The probe: the largest microbatch whose full update step really runs on this device, found in few runs.
 
-A *trial* runs the update step training will run (`build_update` for the strategy, forward, backward and the
-optimizer step, effective batch = microbatch) on a batch of that many rows made by repeating the example
-batch, by default in a fresh child process under the memory limit (see `autoaccum._trial` for exactly what
-counts as "does not fit").
-
-The search (`search`) spends few real runs:
-
-1. a compile-only estimate (`autoaccum.estimate`: usually two sizes compiled, nothing executed) gives
-   a model ``bytes(m) = fixed + per_example * m`` and a predicted boundary;
-2. the first real trial runs a little below the prediction (90%); every trial that fits reports the memory it
-   used at its peak, counted exactly as the limit counts it, and re-anchors the model (two fitting trials
-   give the real slope), so the next trial aims at the boundary itself;
-3. when the model says the last fit is the largest, the next trial checks one step of ``granularity`` above
-   it (then 2, 4, ... steps if that fits too, bisecting once that would pass a failure); a failure also bounds
-   the model's slope from below (the step grew past the limit by then), so an estimate that under-counts
-   per example does not aim past it again; when the model still reaches past a failure the next trial moves
-   down by an eighth of the bracket, doubling; if two trials in a row fail to halve the bracket the next one
-   bisects, so the worst case stays logarithmic.
-
-The result is exact: ``max_microbatch`` fit and ``max_microbatch + granularity`` did not (or the ``max_microbatch``
-it was given was reached).
-
-Reproducibility on the CPU: the cap is on the child's address space, with glibc's malloc made predictable
-(`child_env`) and every program compiled before the cap is set. For steps whose kernels only use XLA's own
-buffers (the linear test workload) the memory a trial uses is then the same to within a few KiB from run to run
-(under a loaded machine a separate run at boundary + 1 has fit, on an 8 KiB margin, where the probe's did not).
-XLA:CPU also runs independent kernels concurrently and some of them (YNNPACK's dots) allocate their own
-workspace, so for such models (the demo transformer) a step's peak varies between runs by a few percent
-(measured: 188 to 267 MB for one size under a 256 MiB cap); the boundary is exact for the runs the probe
-made, and a separate run within that margin may disagree.
+A *trial* runs the update step training will run on a batch of one microbatch, in the worker under the memory limit
+(`autoaccum._trial` says what counts as "does not fit"). The search (`search`) starts a little below the compile-only
+estimate's boundary (`FIRST_MARGIN`); each fitting trial's measured peak re-anchors the model ``bytes(m) = fixed +
+per_example * m``, so the next trial aims at the boundary; when the model says the last fit is the largest it checks
+1, 2, 4, ... steps above it, a failure bounds the model's slope from below, and bisection keeps the worst case
+logarithmic. The result is exact for the runs made: ``max_microbatch`` fit and ``max_microbatch + granularity`` did
+not (or the cap was reached). On the CPU a step's peak can vary between runs by a few percent where XLA's kernels
+allocate their own workspace, so a separate run within that margin may disagree.
 """
 
 from __future__ import annotations
@@ -61,11 +39,10 @@ from autoaccum._worker import Request, Server, Worker
 from autoaccum.strategies import PyTree, check_params, leading_size, tree_bytes
 
 FIRST_MARGIN = 0.9
-"""The first real trial runs at this fraction of the compile-only prediction (XLA's estimate omits the
-runtime's own overheads); `ProbeResult.bound_for` takes its predictions at it too."""
+"""The first real trial runs at this fraction of the compile-only prediction; `ProbeResult.bound_for` too."""
 
 DEFAULT_TRIAL_TIMEOUT = 600.0
-"""Seconds a probe's child (one trial, or the estimate) may run before it is killed as hung."""
+"""Seconds a probe's trial (or its estimate) may run before it is killed as hung."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +52,10 @@ class Trial(JsonMixin):
     Attributes:
       microbatch_size: examples in the microbatch (= the effective batch of the trial's step).
       fits: whether the step compiled and ran under the limit.
-      seconds: the steady-state step time (the second step), when it fit.
+      seconds: the steady-state step time, when it fit; ``first_seconds``: the first step's.
       error: the trial's error message when it failed for another reason than memory, else None.
       peak_bytes: memory used at the peak, counted as the limit counts it (None where not measurable).
-      first_seconds: compile + first step, when it fit.
-      wall_seconds: the whole trial, child start-up included.
+      wall_seconds: the whole trial, as the caller waited for it.
       detail: why it did not fit (the OOM message), else None.
     """
 
@@ -101,19 +77,14 @@ class ProbeResult(JsonMixin):
       max_microbatch: the largest microbatch (a multiple of ``granularity``; one of ``sizes`` when given) whose
         update step ran; 0 if not even the least size fits.
       trials: every real run, in the order run.
-      device: the device probed.
-      memory_limit_bytes: the memory a trial could use.
-      limit_source: where that limit came from.
-      granularity: trial sizes are multiples of it.
-      microbatch_cap: the largest size the probe would try (the ``microbatch_cap`` it was given).
-      strategy: the accumulation strategy whose step was run.
-      options: its options.
+      device, memory_limit_bytes, limit_source: the device probed, the memory a trial could use and its source.
+      granularity: trial sizes are multiples of it; ``microbatch_cap``: the largest size the probe would try.
+      strategy, options: the accumulation strategy whose step was run, and its options.
       state_bytes: parameters plus optimizer state.
       estimate: the compile-only `autoaccum.Estimate` the search started from (None: none could be made).
-      isolate: whether trials ran in child processes.
-      seconds: the probe's wall time.
+      isolate: whether trials ran in the worker; ``seconds``: the probe's wall time.
       message: a one-line summary for people.
-      sizes: the only sizes tried, when the probe was given some (None: every multiple of ``granularity``).
+      sizes: the only sizes tried, when the probe was given some.
     """
 
     max_microbatch: int
@@ -151,14 +122,9 @@ class ProbeResult(JsonMixin):
         return _failed_above(self.trials, self.max_microbatch)
 
     def bound_for(self, other: Estimate) -> int:
-        """The largest microbatch predicted to fit for another setting of the probed step (another remat policy,
-        another value of the loss's own knobs), without probing it again: the largest size whose `predicted_peak`
-        (``other``'s compile-only estimate, made with this probe's ``microbatch_cap``, calibrated by what this
-        probe measured: `missed_bytes`; uncalibrated where that is None) is within the limit.
-
-        Where that is ``microbatch_cap`` (every size is predicted to fit) the answer is the cap; below it, the
-        answer, a prediction no trial has run, is taken at `FIRST_MARGIN` of itself, as the probe's first trial is;
-        0 where no size is predicted to fit. The result is a multiple of ``granularity``.
+        """The largest microbatch predicted to fit for another setting of the probed step (another remat policy, knob
+        values) without probing it: the largest size whose `predicted_peak` is within the limit, at `FIRST_MARGIN`
+        of itself below the cap (a prediction no trial ran), as a multiple of ``granularity``.
 
         Example:
           >>> from autoaccum import workloads
@@ -177,9 +143,8 @@ class ProbeResult(JsonMixin):
         return answer // g * g
 
     def calibrated(self, other: Estimate) -> Estimate:
-        """``other`` (an estimate of the probed step, or of another setting of it) calibrated by the largest fitting
-        trial (`Estimate.calibrate`; its peak as measured, else the limit, the most it can have used); ``other``
-        as it is without a fitting trial or an estimate."""
+        """``other`` (an estimate of the probed step or of another setting of it) calibrated by the largest fitting
+        trial's peak (else the limit, the most it can have used); as it is without a fitting trial or an estimate."""
         fits = [t for t in self.trials if t.fits]
         if self.estimate is None or not fits:
             return other
@@ -189,26 +154,15 @@ class ProbeResult(JsonMixin):
 
     @property
     def missed_bytes(self) -> int | None:
-        """What this probe's compile-only estimate misses on this device, in bytes (negative where it counts too
-        much): the peak of the largest fitting trial, as measured (where it was not: the limit, the most it can have
-        used), less the estimate's `Estimate.bytes_at` its size. None without a fitting trial or an estimate.
-
-        A difference, not a ratio: what the estimate misses is taken not to grow with the step (the runtime's own
-        needs; on the CPU, memory mapped before the cap, which a step reuses and the cap does not count).
-        """
+        """What this probe's compile-only estimate misses on this device, in bytes (`calibrated`): None without a
+        fitting trial or an estimate."""
         if self.estimate is None or not any(t.fits for t in self.trials):
             return None
         return int(self.calibrated(self.estimate).calibration_bytes - self.estimate.calibration_bytes)
 
     def predicted_peak(self, other: Estimate, microbatch_size: int, batch_size: int | None = None) -> int:
         """The peak bytes ``other`` (an estimate of another setting, or of this one with ``accumulation=True``)
-        predicts for ``microbatch_size`` examples per microbatch over ``batch_size`` per update (`Estimate.bytes_at`),
-        calibrated by what this probe measured: plus `missed_bytes`.
-
-        The probe runs one microbatch's step; an accumulating step also holds the accumulator and the whole
-        batch, and an uneven split a second program for its last microbatch (on the demo transformer the estimate
-        puts 22 x 6, 128 examples, at 40 MiB and 32 x 4 at 36). The tuner times no size this predicts above the
-        limit.
+        predicts for ``microbatch_size`` per microbatch over ``batch_size`` per update, `calibrated` by this probe.
 
         Example:
           >>> from autoaccum import workloads
@@ -323,14 +277,9 @@ def search(
     per_example_bytes: float | None = None,
     sizes: Sequence[int] | None = None,
 ) -> int:
-    """The largest multiple of ``granularity`` (up to ``max_microbatch``) for which ``run`` fits, exactly.
-
-    Model-guided bracketing, then bisection as a safeguard (see the module docstring). ``run(size)`` runs
-    one trial; the search only uses ``fits`` and ``peak_bytes`` of what it returns. ``predicted`` and
-    ``per_example_bytes`` are the compile-only estimate's answer and slope, when there is one. ``sizes``: only
-    these sizes are tried (those that are multiples of ``granularity``, up to ``max_microbatch``), and the
-    answer is the largest of them that fits (the next one of them did not): what the tuner needs, since it
-    only times its candidate sizes. Pure Python: testable on simulated devices.
+    """The largest multiple of ``granularity`` (up to ``max_microbatch``; one of ``sizes`` when given) for which
+    ``run`` fits, exactly (see the module docstring). ``run(size)`` runs one trial (its ``fits`` and ``peak_bytes``
+    are used); ``predicted`` and ``per_example_bytes`` are the compile-only estimate's answer and slope. Pure Python.
 
     Example:
       >>> run = lambda m: Trial(m, 100 + 3 * m <= 1000, 0.0, peak_bytes=100 + 3 * m)
@@ -387,14 +336,9 @@ def search(
 def _predict(
     points: list[tuple[int, int]], limit: int, per_granule: float | None, failed: int | None = None
 ) -> float | None:
-    """Granules at which the model meets ``limit``: the slope measured between the largest fitting trial and
-    one well below it (else the estimate's), anchored at whichever fitting trial in the upper half gives the
-    most cautious answer (a trial that under-reports its peak must not push the next one over the edge).
-
-    A failure at ``failed`` granules bounds the slope from below: from a fit at ``k`` using ``u`` bytes, the
-    step grew by more than ``limit - u`` bytes by ``failed``. A slope under that bound (an estimate that
-    under-counts per example) would aim every next trial past the failure again, so it is raised to it.
-    """
+    """Granules at which the model meets ``limit``: the slope measured between the largest fitting trial and one
+    well below it (else the estimate's), at least what a failure at ``failed`` implies (more than ``limit - u``
+    bytes from a fit using ``u``), anchored at the upper half's fitting trial that gives the most cautious answer."""
     if not points:
         return None
     k_max, u_max = max(points)
@@ -414,11 +358,8 @@ def _predict(
 
 
 class TrialRunner:
-    """Runs trials of one `Setup`: ``runner(size) -> Trial``, remembering every trial in ``trials``; asks the worker
-    (`autoaccum._worker.Worker`), or with ``isolate=False`` answers here (`autoaccum._worker.Server`).
-
-    Use as a context manager (the worker's payload stays in a temporary directory).
-    """
+    """Runs trials of one `Setup` as a context manager: ``runner(size) -> Trial``, every trial kept in ``trials``;
+    asks the worker (`autoaccum._worker.Worker`), or with ``isolate=False`` answers here."""
 
     def __init__(self, setup: Setup, progress: Callable[[Trial], None] | None = None) -> None:
         self.setup = setup
@@ -511,46 +452,34 @@ def probe(
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` (mean over the batch), or ``(scalar, aux)`` with has_aux.
-      params: the parameters (arrays or ``jax.ShapeDtypeStruct``; only shapes and dtypes are used: trials make
-        their own arrays, and yours are never changed, copied to disk or donated).
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``: trials make their own arrays; yours are never
+        changed, copied to disk or donated).
       batch: an example batch; trial batches repeat its rows.
-      optimizer: the optax optimizer training uses (required: its state is part of the memory).
-      strategy: the accumulation strategy whose step is run (``autoaccum.strategies.available()``), or
-        ``"auto"`` (`autoaccum.build_update`'s default): the one it picks here, which the result reports.
-      memory_limit: bytes a trial may use, an int or a string like ``"1.5GiB"``/``"800MB"``. On a GPU the
-        trial's XLA allocator is capped to it (so a big card can answer for a smaller one); on the CPU the
-        trial's address space is capped at its size before the trial plus the limit (``RLIMIT_AS``). Default:
-        `autoaccum._device.resolve_memory_limit` (50% of the available RAM on the CPU; JAX's allocator share
-        of a GPU, at most what is free now).
-      microbatch_cap: the largest microbatch to try (default 16384); the result's ``microbatch_cap``.
+      optimizer: the optax optimizer training uses (its state is part of the memory).
+      strategy: the accumulation strategy whose step is run, or ``"auto"``: the one `autoaccum.build_update` picks.
+      memory_limit: bytes a trial may use (an int or ``"1.5GiB"``): a GPU's allocator is capped to it, the CPU's
+        address space grows by at most it. Default: `autoaccum._device.resolve_memory_limit`.
+      microbatch_cap: the largest microbatch to try (default 16384).
       granularity: trial sizes are multiples of it (e.g. 8 for tensor cores).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      state: the model state, when ``loss_fn(params, batch, state) -> (loss, state)`` takes one (BatchNorm
-        statistics, a PRNG key, ...), as `autoaccum.build_update`'s ``has_state``; trials get a copy.
-      loss_reduction: ``"mean"`` or ``"sum"`` (``loss_fn`` returns ``(loss_sum, weight)``), as for
-        `autoaccum.build_update`.
-      isolate: run each trial in a fresh child process (default). ``False`` runs them here, catching only
-        out-of-memory errors: faster, but an abort or a segfault in a trial kills this process, memory
-        fragmentation and leaked buffers carry from one trial to the next, and on the CPU this process's
-        own address-space limit is lowered during each trial. On a GPU it needs ``memory_limit=None``.
+      state: the model state of ``loss_fn(params, batch, state) -> (loss, state)``, as `autoaccum.build_update`'s
+        ``has_state``; trials get a copy.
+      loss_reduction: ``"mean"`` or ``"sum"``, as for `autoaccum.build_update`.
+      isolate: run trials in the worker process (default). ``False`` runs them here, catching only out-of-memory
+        errors: a crash kills this process, and leaked memory carries over. On a GPU it needs ``memory_limit=None``.
       device: a ``jax.Device`` (default: the first).
       options: the strategy's options.
-      trial_timeout: seconds an isolated child (a trial, or the estimate) may run before it is killed and
-        reported as hung (a `ProbeError` naming the time-out); None: no limit.
+      trial_timeout: seconds a trial (or the estimate) may run before it is reported as hung; None: no limit.
       progress: called with each `Trial` as it finishes.
-      sizes: try only these microbatch sizes (those that are multiples of ``granularity``, up to
-        ``microbatch_cap``); the answer is then the largest of them that fits. `autoaccum.tune` passes its
-        candidate sizes: the exact boundary between two of them costs real runs and changes nothing it times.
-      max_microbatch: deprecated name of ``microbatch_cap`` (the result's ``max_microbatch`` is the answer).
+      sizes: try only these microbatch sizes (multiples of ``granularity`` up to ``microbatch_cap``).
+      max_microbatch: deprecated name of ``microbatch_cap``.
 
     Returns:
-      A `ProbeResult`; ``max_microbatch`` fits and ``max_microbatch + granularity`` (with ``sizes``: the next of
-      them) does not, or is above ``microbatch_cap``; 0 when not even the least size fits.
+      A `ProbeResult`: ``max_microbatch`` fits and the next size does not (or is above ``microbatch_cap``).
 
     Raises:
-      ValueError, TypeError: bad arguments, a limit that does not parse or is below the parameters' and
-        optimizer state's bytes, before anything runs.
-      ProbeError: a trial failed for another reason than memory, or hung (its message says why).
+      ValueError, TypeError: bad arguments, or a limit below the parameters' and optimizer state's bytes.
+      ProbeError: a trial failed for another reason than memory, or hung.
 
     Example:
       >>> import jax.numpy as jnp, optax, autoaccum

@@ -1,9 +1,7 @@
-"""The step-time model: a roofline estimate of one update from XLA's cost analysis (never a measurement).
+"""The step-time model: a roofline estimate of one update from XLA's cost analysis, a lower bound.
 
-Each microbatch costs ``max(flops / peak FLOP/s, bytes accessed / bandwidth)`` on an accelerator's datasheet
-figures, and the optimizer step the same on its own figures. On several devices (figures per device) the
-update's one gradient reduction adds its bytes over the interconnect (`StepCost.reduction_seconds`). Real
-steps rarely reach a roofline: read the result as a lower bound.
+Each microbatch and the optimizer step cost ``max(flops / peak FLOP/s, bytes accessed / bandwidth)`` on an
+accelerator's datasheet figures; on several devices the gradient reduction adds its bytes over the interconnect.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from autoaccum._json import JsonMixin
 
 
 class Bound(enum.Enum):
-    """What limits a roofline step time: arithmetic (``compute``) or memory traffic (``memory``)."""
+    """What limits a roofline step time: arithmetic, memory traffic or the interconnect."""
 
     COMPUTE = "compute"
     MEMORY = "memory"
@@ -26,17 +24,14 @@ class Bound(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class StepCost(JsonMixin):
-    """XLA's cost analysis of an update, fitted per example.
+    """XLA's cost analysis of an update, fitted per example (per device on a mesh of ``devices``).
 
     Attributes:
-      flops_fixed, flops_per_example: FLOPs of one microbatch's forward and backward pass (optimizer
-        excluded) as ``fixed + per_example * m``.
+      flops_fixed, flops_per_example: FLOPs of one microbatch's forward and backward pass: ``fixed + per_example * m``.
       bytes_accessed_fixed, bytes_accessed_per_example: bytes moved by it, likewise.
       optimizer_flops, optimizer_bytes_accessed: one optimizer step.
       compute_dtype: the dtype of most parameter bytes, which picks the peak FLOP/s.
-      devices: devices the batch is sharded over (every figure above is per device).
-      reduction_bytes: the gradient sums each device reduces with the others once per update (a ring
-        all-reduce, or a reduce-scatter and an all-gather, sends and receives ``2 (n - 1) / n`` of them).
+      reduction_bytes: the gradient sums each device reduces with the others once per update.
     """
 
     flops_fixed: float
@@ -50,8 +45,8 @@ class StepCost(JsonMixin):
     reduction_bytes: float = 0.0
 
     def reduction_seconds(self, accelerator: Accelerator) -> float:
-        """The update's one gradient reduction over the interconnect (each direction at half its bandwidth);
-        0 on one device.
+        """The gradient reduction over the interconnect (a ring sends ``2 (n - 1) / n`` of the bytes, each direction
+        at half the bandwidth); 0 on one device.
 
         Example:
           >>> cost = StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, devices=8, reduction_bytes=450e9 * 4 / 7)
@@ -64,12 +59,6 @@ class StepCost(JsonMixin):
             raise ValueError(f"{accelerator.name} has no interconnect bandwidth in the catalog; plan for 1 device.")
         moved = 2 * (self.devices - 1) / self.devices * self.reduction_bytes
         return moved / (accelerator.interconnect / 2)
-
-    def microbatch(self, microbatch_size: int, accelerator: Accelerator) -> tuple[float, float, float]:
-        """``(seconds, flops, bytes_accessed)`` of one microbatch's forward and backward pass."""
-        flops = max(self.flops_fixed + self.flops_per_example * microbatch_size, 0.0)
-        moved = max(self.bytes_accessed_fixed + self.bytes_accessed_per_example * microbatch_size, 0.0)
-        return max(flops / accelerator.peak_flops(self.compute_dtype), moved / accelerator.bandwidth), flops, moved
 
     def step_time(
         self, effective_batch: int, microbatch_size: int, accelerator: Accelerator | str
@@ -86,20 +75,18 @@ class StepCost(JsonMixin):
         total = check_positive_int(effective_batch, "effective_batch")
         m = min(check_positive_int(microbatch_size, "microbatch_size"), total)
         full, rest = divmod(total, m)
-        parts = [(full, *self.microbatch(m, acc))] + ([(1, *self.microbatch(rest, acc))] if rest else [])
-        opt_seconds = max(
-            self.optimizer_flops / acc.peak_flops(self.compute_dtype), self.optimizer_bytes_accessed / acc.bandwidth
-        )
+
+        def roofline(flops: float, moved: float) -> float:
+            return max(flops / acc.peak_flops(self.compute_dtype), moved / acc.bandwidth)
+
+        seconds = flops = moved = 0.0
+        for n, size in [(full, m)] + ([(1, rest)] if rest else []):  # the microbatches' forward and backward passes
+            f = max(self.flops_fixed + self.flops_per_example * size, 0.0)
+            b = max(self.bytes_accessed_fixed + self.bytes_accessed_per_example * size, 0.0)
+            seconds, flops, moved = seconds + n * roofline(f, b), flops + n * f, moved + n * b
         reduction = self.reduction_seconds(acc)
-        seconds = sum(n * t for n, t, _, _ in parts) + opt_seconds + reduction
-        flops = sum(n * f for n, _, f, _ in parts) + self.optimizer_flops
-        moved = sum(n * b for n, _, _, b in parts) + self.optimizer_bytes_accessed
+        seconds = seconds + roofline(self.optimizer_flops, self.optimizer_bytes_accessed) + reduction
+        flops, moved = flops + self.optimizer_flops, moved + self.optimizer_bytes_accessed
         compute, memory = flops / acc.peak_flops(self.compute_dtype), moved / acc.bandwidth
-        bound = (
-            Bound.INTERCONNECT
-            if reduction > max(compute, memory)
-            else Bound.MEMORY
-            if memory > compute
-            else Bound.COMPUTE
-        )
-        return seconds, bound, flops, moved
+        bound = Bound.MEMORY if memory > compute else Bound.COMPUTE
+        return seconds, Bound.INTERCONNECT if reduction > max(compute, memory) else bound, flops, moved

@@ -1,16 +1,9 @@
-"""One probe trial: build the real update step for a microbatch size, run it, report whether it fit.
+"""One trial: build the real update step for a microbatch size, compile it, run it under the limit, say if it fit.
 
-`compile_trial` and `run_trial` run in the worker process (the default, see `autoaccum._worker`) or in the
-caller's process (``isolate=False``). A trial gets the parameters'
-shapes and dtypes only (`Job`), and makes the arrays itself: a probe of a 7B-parameter model writes no 28 GB
-file. The example batch travels as it is (a few rows).
-
-What "does not fit" means in a trial (`is_oom`): an XLA error, or for a child that dies its output, that
-`autoaccum._isolation.says_out_of_memory`; a ``MemoryError`` or an ``OSError`` with ``ENOMEM``. Under the CPU cap,
-any other XLA error counts only if the same step then runs without the cap (`measured`: XLA's CPU kernels report
-some failed allocations as e.g. ``INTERNAL: YNNPACK operation failed``).
-
-Anything else (an exception from the user's loss, ...) is a trial error, reported with its message.
+Trials run in the worker (`autoaccum._worker`) or, with ``isolate=False``, in the caller's process. A `Job` carries
+the parameters' shapes only; a trial makes the arrays itself. "Does not fit" (`is_oom`): an error that
+`autoaccum._isolation.says_out_of_memory`, a ``MemoryError`` or ``ENOMEM``; under the CPU cap, any other XLA error
+whose step then runs without the cap (`measured`). Anything else is a trial error, reported with its message.
 """
 
 from __future__ import annotations
@@ -47,17 +40,9 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-    """A mesh and the layouts of a trial's inputs on it, without devices, so it crosses a process boundary.
-
-    A child rebuilds the mesh from its own first ``size`` devices (`mesh`): the probe's children see every
-    device of the caller's mesh.
-
-    Attributes:
-      shape, axis_names, axis_types: the mesh (``jax.sharding.AxisType`` names).
-      batch: the batch's ``PartitionSpec`` (its example axis over the batch's mesh axes).
-      params: one ``PartitionSpec`` per parameter leaf (replicated, or FSDP over the batch's axes).
-      shards: the pieces the batch is cut into (microbatch sizes are multiples of it).
-    """
+    """A mesh (``axis_types`` as ``jax.sharding.AxisType`` names) and the ``PartitionSpec`` of the batch and of each
+    parameter leaf, without devices, so it crosses a process boundary; a child rebuilds it from its first ``size``
+    devices. ``shards``: the pieces the batch is cut into (microbatch sizes are multiples of it)."""
 
     shape: tuple[int, ...]
     axis_names: tuple[str, ...]
@@ -68,8 +53,7 @@ class MeshSpec:
 
     @classmethod
     def of(cls, params: PyTree, batch: PyTree, state: PyTree | None) -> MeshSpec | None:
-        """The mesh ``batch`` is sharded over, with the layouts (`autoaccum.strategies.layout_of`); None when
-        it is on one device."""
+        """The mesh ``batch`` is sharded over (`autoaccum.strategies.layout_of`); None on one device."""
         layout = layout_of(params, batch, () if state is None else state)
         if layout is None:
             return None
@@ -105,15 +89,9 @@ class MeshSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """Everything a trial needs, host-side only, so that it pickles and nothing device-side crosses a process
-    boundary: the parameters as ``jax.ShapeDtypeStruct`` (`materialize` makes them), the example batch and the
-    model state (None: the loss takes none) as `autoaccum._batch.host_copy` makes them.
-
-    Attributes:
-      build: `autoaccum.build_update`'s other arguments (``strategy``, ``has_aux``, ``loss_reduction`` and the
-        strategy's options).
-      mesh: where the caller's batch is sharded (`MeshSpec`), or None on one device.
-    """
+    """Everything a trial needs, host-side only, so that it pickles: the parameters as ``jax.ShapeDtypeStruct``,
+    the example batch and the model state (None: the loss takes none) as host copies, `autoaccum.build_update`'s
+    other arguments (``build``) and the caller's mesh (None on one device)."""
 
     loss_fn: Callable[..., Any]
     optimizer: optax.GradientTransformation
@@ -136,8 +114,8 @@ class Job:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.params, shardings)
 
     def inputs(self, batch_size: int | None = None) -> tuple[PyTree, PyTree, PyTree | None]:
-        """Abstract parameters, batch (``batch_size`` rows, default the example's) and model state, laid out
-        on the mesh when there is one (``jax.ShapeDtypeStruct`` with shardings; the state as host arrays)."""
+        """Abstract parameters, batch (``batch_size`` rows, default the example's) and model state (arrays), laid
+        out on the mesh when there is one."""
         example = device_copy(self.batch)
         batch = abstract_batch(example, batch_size or leading_size(example))
         params = self.abstract_params()
@@ -170,8 +148,7 @@ class Job:
 
 def on_device(job: Job, device: Any, *, running: bool = False) -> AbstractContextManager[Any]:
     """Where a trial compiles and makes its arrays: ``device``, or the mesh (``jax.set_mesh``). ``running``: where its
-    steps run, on a mesh no context (the arrays' shardings say where): the loop strategy's step does not run under
-    ``jax.set_mesh`` ("Closing over inputs to shard_map ... Explicit axes"), as outside it."""
+    steps run; on a mesh no context (the loop strategy's step does not run under ``jax.set_mesh``)."""
     if job.mesh is None:
         return jax.default_device(device)
     return contextlib.nullcontext() if running else jax.set_mesh(job.mesh.mesh())
@@ -185,13 +162,11 @@ def step(update: Update, params: PyTree, opt_state: PyTree, batch: PyTree, state
 
 
 def is_oom(exc: BaseException) -> bool:
-    """Whether ``exc`` says an allocation failed (see the module docstring for the exact rules).
+    """Whether ``exc`` says an allocation failed (see the module docstring).
 
     Example:
-      >>> is_oom(MemoryError())
-      True
-      >>> is_oom(ValueError("RESOURCE_EXHAUSTED"))
-      False
+      >>> is_oom(MemoryError()), is_oom(ValueError("RESOURCE_EXHAUSTED"))
+      (True, False)
     """
     if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
         return True
@@ -199,13 +174,8 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def materialize(params: PyTree, seed: int = 0) -> PyTree:
-    """Arrays shaped like ``params`` (``jax.ShapeDtypeStruct`` leaves): small varied floats in [-0.02, 0.02]
-    (a sine of each element's index), zeros otherwise.
-
-    The values only need to be ordinary (a step's memory and time do not depend on them); jit it, so that
-    the arrays are made on the device without a host copy. Not random on purpose: a random normal per leaf
-    is a threefry program per leaf, which took XLA:CPU 5.4 s to compile for the demo transformer (every trial
-    compiles this), against a fraction of a second for one fused sine per leaf.
+    """Arrays shaped like ``params`` (``jax.ShapeDtypeStruct`` leaves): small varied floats in [-0.02, 0.02] (a sine
+    of each element's index, far cheaper to compile than a random normal), zeros otherwise. Jit it.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -228,7 +198,10 @@ def materialize(params: PyTree, seed: int = 0) -> PyTree:
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
-    """A trial's programs, compiled before anything of its size is allocated."""
+    """A trial's programs, compiled before anything of its size is allocated. Per device, None where unknown:
+    ``step_bytes``, the most any of the step's programs allocates beyond its inputs; ``need_bytes``, the least the
+    step needs by XLA's buffer assignment (its largest program's `autoaccum._memory.live_bytes` plus what stays
+    resident beside it), a lower bound of its peak."""
 
     job: Job
     size: int
@@ -239,28 +212,15 @@ class Compiled:
     resize: Callable[[PyTree], PyTree]
     seconds: float
     step_bytes: int | None = None
-    """The most any of the step's programs allocates beyond its inputs (temporaries and outputs not aliased to
-    an input, XLA's memory analysis, per device); None where unknown."""
     need_bytes: int | None = None
-    """The least the step needs per device by XLA's buffer assignment (`autoaccum._memory.live_bytes` of its
-    largest program, plus what stays resident beside it): a lower bound of its peak; None where unknown."""
 
 
 def compile_trial(
     job: Job, size: int, device: Any, rows: int | None = None, makers: dict[Any, Any] | None = None
 ) -> Compiled:
-    """Builds the update `build_update` makes for microbatch ``size`` and compiles every program a trial runs on
-    a batch of ``rows`` examples (default ``size``: one microbatch per step, the probe's trial; a tuning trial
-    gives the effective batch).
-
-    Compiling works from abstract shapes and allocates no device buffer, so the memory measured (and, on
-    the CPU, capped) afterwards is the step's: parameters, optimizer state, batch and temporaries.
-
-    ``makers``: a dict kept across trials of one job's parameters, optimizer and batch (a tuning worker's), where
-    the programs that make the parameters, the optimizer state and the batch of ``rows`` are compiled once: they
-    are the same for every microbatch size, strategy and knob (0.5 s of each of the example transformer's
-    trials, a tenth of its compiling).
-    """
+    """Compiles, from shapes alone (so the memory measured afterwards is the step's), every program a trial of
+    microbatch ``size`` runs on a batch of ``rows`` examples (default ``size``). ``makers``: kept across one job's
+    trials, the compiled programs that make the parameters, the optimizer state and each batch size."""
     from autoaccum._memory import live_bytes
 
     rows = size if rows is None else rows
@@ -304,15 +264,8 @@ def compile_trial(
 def run_trial(
     compiled: Compiled, peak: Callable[[], int | None], *, steps: int = 1, warmup: int = 0, time_first: bool = False
 ) -> Outcome:
-    """Runs the compiled update step ``1 + warmup + steps`` times on a batch made on the device (the trial's
-    rows); the last ``steps`` calls are timed one by one (``Outcome.times``; ``seconds`` is their median).
-
-    ``time_first`` (with no ``warmup``): ``steps`` calls, the first one timed too, for a program that ran before
-    in this process (its first call is then a step like the others: a tuning worker's re-timings).
-
-    Before each call after the first, the previous one's memory is let go (`settle`). Raises whatever the step
-    raises; the callers decide which errors mean "does not fit".
-    """
+    """Makes the inputs on the device and runs the compiled step (`run_steps`), letting each call's memory go before
+    the next (`settle`); ``peak()`` then gives the memory used. Raises whatever the step raises."""
     job, update, device = compiled.job, compiled.update, compiled.device
     with on_device(job, device):
         params = compiled.make_params()
@@ -327,10 +280,7 @@ def run_trial(
         )
     used = peak()
     if used is None and inputs is not None and compiled.step_bytes is not None:
-        # A GPU's peak_bytes_in_use never goes down: in a process that ran bigger work before (a reused tuning
-        # worker; the compiler's autotuning), it says nothing of this step. Then: the live bytes with the
-        # inputs made, plus what the step's largest program allocates beyond them (XLA's buffer assignment).
-        used = inputs + compiled.step_bytes
+        used = inputs + compiled.step_bytes  # a GPU's peak did not rise (bigger work ran before): live + the step's
     del out
     return Outcome(
         "fits", seconds=statistics.median(times), first_seconds=first, peak_bytes=used,
@@ -348,14 +298,11 @@ def run_steps(
     between: Callable[[], None] = lambda: None,
     time_limit: float | None = None,
 ) -> tuple[tuple[Any, ...], float, list[float]]:
-    """The one timing loop: calls ``update`` on ``inputs`` (``[params, opt_state, batch, state]``, emptied so that no
-    donated buffer is held here) ``1 + warmup + steps`` times (``steps`` with ``time_first``, the first timed too),
-    each call ended by ``jax.block_until_ready`` and the next one preceded by ``between()``; returns the last call's
-    ``(params, opt_state, loss, state)``, the first call's seconds and the timed calls' seconds.
-
-    Raises:
-      TimeoutError: the calls so far took over ``time_limit`` seconds.
-    """
+    """The one timing loop: calls ``update`` on ``inputs`` (``[params, opt_state, batch, state]``, emptied: no donated
+    buffer is held here) ``1 + warmup + steps`` times (``steps`` with ``time_first``, the first timed too for a
+    program that ran before), ``between()`` before each call after the first. Returns the last call's
+    ``(params, opt_state, loss, state)``, the first call's seconds and the timed calls' seconds; raises
+    ``TimeoutError`` once the calls took over ``time_limit`` seconds."""
     start = time.perf_counter()
     batch = inputs[2]
     out = jax.block_until_ready(step(update, *inputs))
@@ -374,14 +321,8 @@ def run_steps(
 
 
 def settle(before: int | None, timeout: float = 1.0) -> None:
-    """Waits (at most ``timeout`` s) until the address space is back near ``before`` (VmSize before a step).
-
-    XLA:CPU releases a step's temporary arena asynchronously, after ``block_until_ready`` returns: a second
-    step started at once may map its arena while the first one's is still mapped, needing twice the
-    temporaries for a moment. Whether it does is a race (measured: 1 trial in 4 failed that way under a cap
-    that fits with 120 MB to spare), so a trial lets the first step's memory go before running the second:
-    until at most an eighth of what the step added (and at least 1 MiB) is still mapped.
-    """
+    """Waits (at most ``timeout`` s) until at most an eighth (at least 1 MiB) of what a step added to the address
+    space since ``before`` is still mapped: XLA:CPU releases a step's arena after ``block_until_ready`` returns."""
     if before is None:
         return
     after = proc_status("VmSize")
@@ -416,16 +357,10 @@ def proc_status(field: str) -> int | None:
 
 @contextmanager
 def address_space_cap(limit: int, *, resident: bool = False) -> Iterator[Callable[[], int | None]]:
-    """Caps this process's address space (soft ``RLIMIT_AS``) at its current size plus ``limit``.
-
-    Yields a function giving the bytes used above that size at the peak (None while the peak is still the
-    one from before the cap). The soft limit is restored on exit.
-
-    With ``resident``, for a process that runs many trials (`autoaccum._worker`), whose address-space
-    peak only ever grows: the peak is the resident memory's (``VmHWM``, reset here through
-    ``/proc/self/clear_refs``) above the resident size at entry, what the trial really touched; None where the
-    reset is refused.
-    """
+    """Caps this process's address space (soft ``RLIMIT_AS``, restored on exit) at its current size plus ``limit``,
+    and yields a function giving the bytes used above that size at the peak (None while the peak is the one from
+    before). With ``resident`` (a reused worker, whose address-space peak only grows): the resident peak
+    (``VmHWM``, reset here) above the resident size at entry; None where the reset is refused."""
     baseline = proc_status("VmSize")
     before_peak = proc_status("VmPeak")
     if resident:
@@ -454,28 +389,17 @@ def address_space_cap(limit: int, *, resident: bool = False) -> Iterator[Callabl
 
 
 @functools.cache
-def _libc_trim() -> Callable[[int], int] | None:
+def _malloc_trim() -> Callable[[int], int]:
     try:
         return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def _trim_heap() -> None:
-    """Returns the C heap's free pages to the system, where the C library is glibc (else nothing)."""
-    trim = _libc_trim()
-    if trim is not None:
-        trim(0)
+        return lambda pad: 0
 
 
 def _reset_resident_peak() -> int | None:
-    """Resets ``VmHWM`` to the resident size now (Linux 4.0+) and returns that size; None if refused.
-
-    First the C heap's free pages go back to the system (glibc's ``malloc_trim``): a reused process keeps
-    freed small allocations resident, and a trial that reused them would touch memory without raising the
-    resident size (a small step measured a peak of 0).
-    """
-    _trim_heap()
+    """Resets ``VmHWM`` to the resident size now and returns that size (None if refused), after returning the C
+    heap's free pages (freed allocations a trial reused would not raise the resident size)."""
+    _malloc_trim()(0)
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
@@ -485,8 +409,6 @@ def _reset_resident_peak() -> int | None:
 
 def gpu_peak(device: Any) -> Callable[[], int | None]:
     """A function giving XLA's ``peak_bytes_in_use`` on ``device`` if it rose since now, else None."""
-    from autoaccum._device import memory_stats
-
     before = memory_stats(device).get("peak_bytes_in_use")
 
     def peak() -> int | None:
@@ -513,15 +435,10 @@ def measured(
     resident: bool = False,
     time_first: bool = False,
 ) -> Outcome:
-    """`run_trial` under the limit (per device): the CPU's address-space cap (a GPU's allocator is capped at
-    start-up).
-
-    On the CPU, an XLA error that is not an OOM by its code (XLA's CPU kernels, e.g. YNNPACK's dot, report a
-    failed allocation as ``INTERNAL: YNNPACK operation failed``) is checked by running the same step again
-    without the cap: if it then runs, the cap made it fail, and the trial does not fit; if it fails again, the
-    error stands. ``steps``, ``warmup``, ``time_first``: as `run_trial`; ``resident``: as `address_space_cap` (a
-    reused worker).
-    """
+    """`run_trial` under the limit per device: on the CPU the address-space cap (a GPU's allocator is capped at
+    start-up). There, an XLA error that is not an OOM by its text (e.g. ``INTERNAL: YNNPACK operation failed``)
+    does not fit if the same step then runs without the cap, else it stands. ``resident``: as
+    `address_space_cap`."""
     run = functools.partial(run_trial, steps=steps, warmup=warmup, time_first=time_first)
     n = compiled.job.devices
     if platform != "cpu":
@@ -529,9 +446,7 @@ def measured(
             return run(compiled, gpu_peak(compiled.device))
         peaks = [gpu_peak(d) for d in jax.devices()[:n]]  # per device: the fullest one
         return run(compiled, lambda: max((p() or 0 for p in peaks), default=0) or None)
-    try:
-        # A mesh's CPU devices share this process: the cap is the per-device limit times the devices, the
-        # peak reported per device is the process's divided by them (data parallel: equal shares).
+    try:  # a mesh's CPU devices share this process (data parallel: equal shares)
         with address_space_cap(limit * n, resident=resident) as used:
             return run(compiled, lambda: None if (u := used()) is None else u // n)
     except jax.errors.JaxRuntimeError as e:
@@ -543,8 +458,8 @@ def measured(
 
 
 def guarded(run: Callable[[], Outcome]) -> Outcome:
-    """``run()`` in a child process: an allocation failure (`is_oom`) is the ``"oom"`` outcome, and every other
-    exception an ``"error"`` outcome with its traceback (a process boundary: the parent makes it a trial error)."""
+    """``run()`` in a child process: an allocation failure (`is_oom`) is the ``"oom"`` outcome, any other exception
+    an ``"error"`` outcome with its traceback."""
     try:
         try:
             return run()
@@ -557,9 +472,8 @@ def guarded(run: Callable[[], Outcome]) -> Outcome:
 
 
 def error_report(e: BaseException, limit: int = 3000) -> str:
-    """How a child reports an exception it does not survive, the user's code first: the exception and the frames of
-    its traceback outside autoaccum and the installed libraries (the loss's file and line), then the end of the
-    whole traceback, in at most about ``limit`` characters.
+    """How a child reports an exception, the user's code first: the exception and its frames outside autoaccum and
+    the installed libraries, then the end of the whole traceback, in about ``limit`` characters.
 
     Example:
       >>> try:
@@ -583,8 +497,7 @@ def error_report(e: BaseException, limit: int = 3000) -> str:
 
 @functools.cache
 def _library_folders() -> tuple[str, ...]:
-    """The folders whose code is not the user's: autoaccum's (its strategies too) and the Python installation's
-    (the standard library, the installed packages)."""
+    """The folders whose code is not the user's: autoaccum's (its strategies too) and the Python installation's."""
     import sysconfig
 
     import autoaccum

@@ -1,22 +1,14 @@
 """The one isolated process: every estimate, "does it fit" and "time it" request runs here, under the memory limit.
 
-A `Worker` starts a child (`autoaccum._isolation.child_command`) under `autoaccum._isolation.child_env` (on the CPU
-the address-space cap, on a GPU the allocator fraction; one device, or every device of the caller's mesh) and sends
-it one `Request` at a time on its stdin. The child (`serve`, answering through a `Server`) answers on a pipe of its
-own, in two messages, so that compiling and stepping have separate time limits: ``{"event": "compiled"}`` once the
-programs are compiled, ``{"event": "done", "outcome": ...}`` once the steps ran. Three kinds of request:
-
-* ``"estimate"``: the compile-only `autoaccum.Estimate` of the step (`Outcome.estimate`); nothing runs;
-* ``"fits"``: the probe's trial: one microbatch's step, run twice under the cap (`autoaccum._trial.measured`);
-* ``"time"``: a tuning trial: warm-up and timed steps on the effective batch, the compiled programs kept for the
-  finalists' re-timings (`MAX_CACHED`), the peak checked against the limit (`over_limit`); not run (out of
-  memory, the worker kept) where XLA's buffer assignment alone needs more than the limit, a lower bound of the peak.
-
-The parent restarts the worker after anything but a clean fit (`keeps_worker`): an allocation failure, an error, a
-crash (classified from the exit status and output: `autoaccum._isolation.classify_exit`) or a hang (killed with its
-process group when the caller's time limit passes). A worker killed from outside (a signal the kernel's OOM killer
-did not send) answers the same request once more, in a fresh worker. None of these reaches the caller: each is an
-`Outcome` with its reason. The worker ends with the parent (`autoaccum._isolation.die_with_parent`).
+A `Worker` starts a child (`autoaccum._isolation.child_command`, under `autoaccum._isolation.child_env`) and sends it
+one `Request` at a time on its stdin. The child (`serve`, answering through a `Server`) answers on a pipe of its own:
+``{"event": "compiled"}`` once the programs are compiled, ``{"event": "done", "outcome": ...}`` once the steps ran,
+so that compiling and stepping have separate time limits. Three kinds of request: ``"estimate"`` (the compile-only
+`autoaccum.Estimate`), ``"fits"`` (the probe's trial, `autoaccum._trial.measured`) and ``"time"`` (a tuning trial,
+its programs kept for re-timings, `MAX_CACHED`; not run, out of memory, where XLA's buffer assignment alone needs
+more than the limit). After anything else than a fit the worker is restarted (`keeps_worker`); a hang is killed
+with its process group. Nothing that happens in the worker raises in the caller: each is an `Outcome` with its
+reason.
 """
 
 from __future__ import annotations
@@ -32,37 +24,24 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from autoaccum._device import DeviceInfo, oom_kills
-from autoaccum._isolation import (
-    Outcome,
-    child_command,
-    child_env,
-    dead_child,
-    kill_group,
-    killed_again,
-    make_directory,
-    payload,
-)  # fmt: skip
+from autoaccum._isolation import Outcome, child_command, child_env, dead_child, kill_group, make_directory, payload
 from autoaccum._trial import Job
 from autoaccum.strategies import PyTree
 
 MAX_CACHED = 6
-"""Configurations whose compiled programs a worker keeps: the fastest timed so far (`evicted`), so the tuner's
-re-timings (the ladder's two sizes, the five finalists of its race) compile nothing again."""
+"""Configurations whose compiled programs a worker keeps: the fastest timed so far (`evicted`)."""
 
 COMPILATION_CACHE = "AUTOACCUM_COMPILATION_CACHE"
 """The environment variable that turns JAX's persistent compilation cache off (``0``); on by default."""
 
 
 def use_compilation_cache() -> Path | None:
-    """Turns on JAX's persistent compilation cache, for programs of any size and compile time, in the folder this
-    process's JAX is given (``JAX_COMPILATION_CACHE_DIR``, or set in its config), else ``<cache folder>/jax``
-    (`autoaccum._storage.cache_folder`); a worker is given its caller's (`Worker`), so all share one. Called in the
-    workers only: the caller's JAX configuration is the user's (and XLA's GPU compiler, compiling for a card with no
-    client, cannot read a cache entry back). Returns the folder; None where `COMPILATION_CACHE` is ``0`` or the
-    folder cannot be made (then compiling works as before)."""
+    """Turns on JAX's persistent compilation cache for every program, in the folder JAX is given, else
+    ``<cache folder>/jax``; in the workers only (the caller's configuration is the user's). Returns the folder; None
+    where `COMPILATION_CACHE` is ``0`` or the folder cannot be made."""
     import jax
 
     if os.environ.get(COMPILATION_CACHE, "1").strip().lower() in ("0", "false", "no", "off"):
@@ -88,15 +67,8 @@ def _cache_dir() -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """How long one configuration's update took.
-
-    Attributes:
-      seconds_per_step: the median over the timed steps (compile and warm-up excluded).
-      compile_seconds: the compiling (and, timed in this process, the first call).
-      steps: timed steps.
-      times: each timed step's seconds (empty when only the median is known).
-      peak_bytes: the trial's measured peak memory (per device), when measured (in the worker).
-    """
+    """How long one configuration's update took: the median of ``steps`` timed steps (``times``, each), the
+    compiling (in this process, the first call), and the measured peak per device (in the worker)."""
 
     seconds_per_step: float
     compile_seconds: float
@@ -110,8 +82,8 @@ class TrialFailed(Exception):
 
 
 def evicted(rates: Mapping[str, float], keep: int = MAX_CACHED) -> list[str]:
-    """The keys of ``rates`` (examples per second of each cached configuration, 0 for one that failed) whose
-    compiled programs a worker drops to keep ``keep``: the slowest, the earliest cached first among equals.
+    """The keys of ``rates`` (examples per second of each cached configuration) a worker drops to keep ``keep``:
+    the slowest, the earliest cached first among equals.
 
     Example:
       >>> evicted({"a": 10.0, "b": 30.0, "c": 20.0, "d": 0.0}, keep=2)
@@ -124,9 +96,8 @@ def evicted(rates: Mapping[str, float], keep: int = MAX_CACHED) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One request: ``build`` (`autoaccum.build_update`'s strategy and options, over the job's), the microbatch,
-    the batch's rows (the effective batch), the steps timed after ``warmup`` steps, which of the worker's knob
-    settings makes the loss, the ``kind`` (``"time"``, ``"fits"`` or ``"estimate"``: see the module docstring), and
-    for an estimate `autoaccum.estimate`'s other keyword arguments (``max_microbatch``, ``accumulation``, ...)."""
+    the batch's rows, the steps timed after ``warmup``, which knob ``setting`` makes the loss, the ``kind``, and
+    for an estimate `autoaccum.estimate`'s other keyword arguments."""
 
     build: Mapping[str, Any]
     microbatch_size: int
@@ -139,9 +110,8 @@ class Request:
 
 
 class Server:
-    """Answers requests of one job (`Server.answer`): in the worker (`serve`), or in this process (a probe with
-    ``isolate=False``). Keeps what makes the inputs (`autoaccum._trial.compile_trial`'s ``makers``) and the fastest
-    timed configurations' programs."""
+    """Answers requests of one job: in the worker (`serve`), or in this process (``isolate=False``). Keeps what
+    makes the inputs (`autoaccum._trial.compile_trial`'s ``makers``) and the fastest configurations' programs."""
 
     def __init__(self, job: Job, settings: Sequence[Mapping[str, Any]], platform: str, device: Any, limit: int) -> None:
         self.job, self.settings, self.platform, self.device, self.limit = job, list(settings), platform, device, limit
@@ -158,7 +128,7 @@ class Server:
 
     def answer(self, request: Request, compiled: Callable[[bool], None] = lambda cached: None) -> Outcome:
         """The request's `Outcome`; calls ``compiled(cached)`` once its programs are compiled. Raises what the step
-        raises (the callers decide what does not fit: `autoaccum._trial.guarded`)."""
+        raises (`autoaccum._trial.guarded` decides what does not fit)."""
         from autoaccum._trial import compile_trial, measured
 
         if request.kind == "estimate":
@@ -185,23 +155,15 @@ class Server:
             )
             self.rates[key] = 0.0
         compiled(ran_before)
-        if cached.need_bytes is not None and cached.need_bytes > self.limit:
+        if cached.need_bytes is not None and cached.need_bytes > self.limit:  # a lower bound of the peak: not run
             del self.cache[key], self.rates[key]
-            return Outcome(
-                "oom", peak_bytes=cached.need_bytes, compile_seconds=cached.seconds,
-                message=f"not run: XLA's buffer assignment alone needs {cached.need_bytes:,} B, over the limit of "
-                f"{self.limit:,} B",
-            )  # fmt: skip
-        # A program this worker ran before, re-timed with no warm-up (the race's re-timings): its first call is a
-        # step like the others, and is timed.
-        again = ran_before and not request.warmup
-        outcome = over_limit(
-            measured(
-                cached, self.platform, self.limit, steps=request.steps, warmup=request.warmup, resident=True,
-                time_first=again,
-            ),
-            self.limit,
-        )  # fmt: skip
+            message = f"not run: XLA's buffer assignment alone needs {cached.need_bytes:,} B, over the limit of "
+            return Outcome("oom", peak_bytes=cached.need_bytes, compile_seconds=cached.seconds,
+                           message=message + f"{self.limit:,} B")  # fmt: skip
+        again = ran_before and not request.warmup  # re-timed with no warm-up: its first call is a step like the others
+        timed = measured(cached, self.platform, self.limit, steps=request.steps, warmup=request.warmup, resident=True,
+                         time_first=again)  # fmt: skip
+        outcome = over_limit(timed, self.limit)
         self.rates[key] = request.rows / outcome.seconds if outcome.status == "fits" and outcome.seconds else 0.0
         for old in evicted(self.rates):
             del self.cache[old], self.rates[old]
@@ -212,18 +174,10 @@ _TIMEOUT: dict[str, Any] = {"event": "timeout"}
 
 
 class Worker:
-    """Answers requests of one job in a child process under ``limit`` bytes (per device); see the module docstring.
-    Use as a context manager; ``worker.ask(request) -> Outcome``.
-
-    Args:
-      job: the probe's `Job` (parameters as shapes, the example batch, the model state).
-      device: the `autoaccum.DeviceInfo` the requests run on.
-      limit: bytes a request may use, as the probe's.
-      compile_timeout, step_timeout: seconds the compiling (an estimate: all of it) and the stepping may take before
-        the worker is killed as hung (None: no limit).
-      settings: the values of the loss's own knobs a `Request` picks from (``job.loss_fn`` is then the
-        `autoaccum.Knobs` that makes the loss); default one setting, ``{}``: ``job.loss_fn`` is the loss.
-    """
+    """Answers requests of one `Job` in a child process under ``limit`` bytes (per device), as a context manager:
+    ``worker.ask(request) -> Outcome``. ``compile_timeout``, ``step_timeout``: seconds the compiling (an estimate:
+    all of it) and the stepping may take before the worker is killed as hung (None: no limit). ``settings``: the
+    values of the loss's own knobs a `Request` picks from (``job.loss_fn`` is then the `autoaccum.Knobs`)."""
 
     def __init__(
         self,
@@ -238,15 +192,12 @@ class Worker:
         self.job, self.device, self.limit, self.settings = job, device, limit, [dict(s) for s in settings]
         self.compile_timeout, self.step_timeout = compile_timeout, step_timeout
         self.restarts = 0
-        self.start_seconds = 0.0
-        """Seconds spent starting the worker (the child's imports and set-up, until it is ready), restarts too."""
-        self.compiles = 0
-        """Configurations the worker compiled (not found among the programs it keeps, `MAX_CACHED`)."""
+        self.start_seconds = 0.0  # spent starting the worker, restarts too
+        self.compiles = 0  # configurations compiled (not among the programs kept)
         self._dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._answers: int | None = None
         self._buffer = b""
-        self._log: IO[bytes] | None = None
         self._log_path: Path | None = None
         self._kills: int | None = None  # the OOM-kill count when the request started (`oom_kills`)
 
@@ -275,7 +226,7 @@ class Worker:
             if not again:
                 break
         else:
-            outcome = killed_again(outcome)
+            outcome = dataclasses.replace(outcome, message=f"{outcome.message} Run once more, it was killed again.")
         if not keeps_worker(outcome):
             self._stop()  # a fresh worker for the next request: nothing of a failed one carries over
         return outcome
@@ -293,10 +244,7 @@ class Worker:
             if ready is None:
                 return self._dead()
             if ready is _TIMEOUT:
-                self._stop()
-                return Outcome(
-                    "error", message=f"timed out: the worker did not start in {self.compile_timeout:g} s"
-                ), False
+                return self._hung(f"the worker did not start in {self.compile_timeout:g} s")
         assert self._proc is not None and self._proc.stdin is not None
         try:
             self._proc.stdin.write((json.dumps(dataclasses.asdict(request)) + "\n").encode())
@@ -308,15 +256,11 @@ class Worker:
             if message is None:
                 return self._dead()
             if message is _TIMEOUT:
-                self._stop()
-                what = {"compiled": "compiling", "done": f"stepping ({request.warmup} warm-up and "
-                        f"{request.steps} timed steps)"}[event]  # fmt: skip
-                if request.kind == "estimate":
-                    what = "the compile-only estimate"
-                return Outcome(
-                    "error", message=f"timed out: {what} ran over {limit:g} s and the worker was killed (a hang? "
-                    "raise the time limit if it is only slow)."
-                ), False  # fmt: skip
+                what = f"stepping ({request.warmup} warm-up and {request.steps} timed steps)"
+                what = "compiling" if event == "compiled" else what
+                what = "the compile-only estimate" if request.kind == "estimate" else what
+                return self._hung(f"{what} ran over {limit:g} s and the worker was killed (a hang? raise the time "
+                                  "limit if it is only slow).")  # fmt: skip
             if message["event"] == "done":  # (failed while compiling: no "compiled" message)
                 return Outcome.from_dict(message["outcome"]), False
             if not message.get("cached"):
@@ -327,15 +271,15 @@ class Worker:
         assert self._dir is not None, "use the Worker as a context manager"
         read_end, write_end = os.pipe()
         self._log_path = self._dir / f"worker-{self.restarts}.log"
-        self._log = open(self._log_path, "wb")  # noqa: SIM115 (closed in _stop)
         command = child_command(self._dir / "job.pkl", [str(write_end), str(self.limit)])
         env = child_env(self.device, self.limit, devices=self.job.devices)
         if _cache_dir():  # the caller's compilation cache (`use_compilation_cache`)
             env["JAX_COMPILATION_CACHE_DIR"] = str(_cache_dir())
-        self._proc = subprocess.Popen(
-            command, env=env, stdin=subprocess.PIPE,
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(write_end,),
-        )  # fmt: skip
+        with open(self._log_path, "wb") as log:  # (the child holds its own copy)
+            self._proc = subprocess.Popen(
+                command, env=env, stdin=subprocess.PIPE,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(write_end,),
+            )  # fmt: skip
         os.close(write_end)
         self._answers, self._buffer = read_end, b""
         self.restarts += 1
@@ -359,6 +303,10 @@ class Worker:
         message: dict[str, Any] = json.loads(line)
         return message
 
+    def _hung(self, what: str) -> tuple[Outcome, bool]:
+        self._stop()
+        return Outcome("error", message=f"timed out: {what}"), False
+
     def _dead(self) -> tuple[Outcome, bool]:
         """The outcome of a worker that died mid-request, and whether to try once more (`dead_child`)."""
         assert self._proc is not None and self._log_path is not None
@@ -377,16 +325,11 @@ class Worker:
         if self._answers is not None:
             os.close(self._answers)
             self._answers = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
 
 def keeps_worker(outcome: Outcome) -> bool:
-    """Whether the worker that produced ``outcome`` may answer the next request: after a fit, after a step that
-    ran to the end but measured a peak over the limit (`over_limit`: its memory was freed as a fit's is), and after
-    one not run because its compiled programs alone need more (`Server.answer`); not after an allocation failure,
-    an error, a crash or a hang.
+    """Whether the worker that produced ``outcome`` may answer the next request: after a fit, a step that ran to
+    the end over the limit (`over_limit`), or one not run because its programs alone need more (`Server.answer`).
 
     Example:
       >>> keeps_worker(Outcome("oom", peak_bytes=2048)), keeps_worker(Outcome("oom", message="Out of memory"))
@@ -396,9 +339,8 @@ def keeps_worker(outcome: Outcome) -> bool:
 
 
 def over_limit(outcome: Outcome, limit: int) -> Outcome:
-    """``outcome``, or an out-of-memory one when it fit but its measured peak is above ``limit``: in a worker that
-    ran earlier trials, the CPU cap bounds only the address space's growth, and a trial may reuse memory mapped
-    before it; the resident memory it touched is the check.
+    """``outcome``, or an out-of-memory one when it fit with a measured peak above ``limit`` (in a reused worker the
+    CPU cap bounds only the address space's growth; the resident memory touched is the check).
 
     Example:
       >>> over_limit(Outcome("fits", seconds=0.1, peak_bytes=2048), 1024).status
@@ -408,11 +350,8 @@ def over_limit(outcome: Outcome, limit: int) -> Outcome:
     """
     if outcome.status != "fits" or outcome.peak_bytes is None or outcome.peak_bytes <= limit:
         return outcome
-    return dataclasses.replace(
-        outcome,
-        status="oom",
-        message=f"measured peak {outcome.peak_bytes:,} B is above the limit of {limit:,} B (the step ran, over it)",
-    )
+    message = f"measured peak {outcome.peak_bytes:,} B is above the limit of {limit:,} B (the step ran, over it)"
+    return dataclasses.replace(outcome, status="oom", message=message)
 
 
 def serve(payload_path: str, answers_fd: int, limit: int) -> None:
@@ -451,9 +390,8 @@ def time_update(
     state: PyTree | None = None,
     time_limit: float | None = None,
 ) -> Timing:
-    """Times ``update`` on ``batch`` in this process (``isolate=False``) with `autoaccum._trial.run_steps`: one
-    compiling call, ``warmup`` calls, then ``steps`` timed calls. Works on copies of ``params`` and ``state`` (the
-    update donates its inputs); ``state`` is given exactly when the update was built with ``has_state``.
+    """Times ``update`` on ``batch`` in this process (``isolate=False``) with `autoaccum._trial.run_steps`, on copies
+    of ``params`` and ``state`` (given exactly when the update has one).
 
     Raises:
       TrialFailed: XLA ran out of memory, or the calls so far exceeded ``time_limit`` seconds.
