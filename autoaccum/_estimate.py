@@ -270,18 +270,11 @@ class Estimate(JsonMixin):
         mem_fraction: float | None = None,
         safety_margin: float = DEFAULT_SAFETY_MARGIN,
     ) -> Capacity:
-        """The microbatch, accumulation steps, peak and step time for ``effective_batch`` on ``target``.
-
-        Args:
-          effective_batch: examples per update (an int >= 1).
-          target: a `Target`, a catalogued accelerator or its name (``"A100-40GB"``: XLA's figure alone), a memory
-            limit on this machine's platform (bytes or ``"24GiB"``), or ``None`` for `memory_limit_bytes`.
-          mem_fraction, safety_margin: for an accelerator, see `Accelerator.memory_limit_bytes`.
-
-        Raises:
-          ValueError: ``effective_batch`` < 1, an unknown accelerator (with the closest name), a size that
-            does not parse.
-        """
+        """The microbatch, accumulation steps, peak and step time for ``effective_batch`` (>= 1) on ``target``: a
+        `Target`, a catalogued accelerator or its name (``"A100-40GB"``: XLA's figure alone), a memory limit on this
+        machine's platform (bytes or ``"24GiB"``), or ``None`` for `memory_limit_bytes`. ``mem_fraction``,
+        ``safety_margin``: for an accelerator (`Accelerator.memory_limit_bytes`). Raises ValueError for bad
+        arguments (an unknown accelerator with the closest name)."""
         return capacity(
             self, self.cost, effective_batch, target, mem_fraction=mem_fraction, safety_margin=safety_margin
         )
@@ -434,18 +427,9 @@ def estimate(
     byte figure is per device and sizes are global multiples of the shards.
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> scalar`` (``-> (scalar, aux)`` with ``has_aux``).
-      params: the parameters pytree.
-      batch: an example batch; only its per-example shapes and dtypes matter.
-      optimizer: the optax optimizer training uses (its state is part of the memory).
-      strategy: the accumulation strategy (``autoaccum.strategies.available()``), or ``"auto"``: the one
-        `autoaccum.build_update` picks (for a ``target``, on a GPU), which `Estimate.strategy` names.
+      loss_fn, params, batch, optimizer, strategy, has_aux, state, loss_reduction: as for `autoaccum.probe`.
       memory_limit: the limit `Estimate.max_microbatch` answers for (bytes or ``"16GiB"``); default: what this
         machine's default device offers a step (the probe's policy), or a ``target``'s.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      state: the model state of ``loss_fn(params, batch, state) -> (loss, state)``, as `autoaccum.build_update`'s
-        ``has_state``.
-      loss_reduction: ``"mean"`` or ``"sum"``, as for `autoaccum.build_update`.
       microbatch_cap: `Estimate.max_microbatch` is at most this (default `DEFAULT_MAX_MICROBATCH`).
       accumulation: also measure accumulating steps (for `Estimate.capacity` and ``bytes_at`` with a
         ``batch_size``); ``False`` saves three compilations.
@@ -454,8 +438,8 @@ def estimate(
       compiler_options: XLA options for the analysis compilations, on top of `COMPILER_OPTIONS`.
       workers: compilations run in parallel.
       target: a catalogued GPU (``"H100"``, ...) or the path of a target description: compile with XLA's GPU compiler
-        for that card on compile-only devices (the ``gpu-plan`` extra); without it the CPU compiler's figures stand
-        in (``Estimate.compiler == "XLA:CPU (proxy)"``).
+        for that card on compile-only devices (the ``gpu-plan`` extra; ``"auto"`` picks a GPU's strategy); without
+        it the CPU compiler's figures stand in (``Estimate.compiler == "XLA:CPU (proxy)"``).
       on_compile: called as each compilation finishes with its `Point` (``None`` for the optimizer step) and the
         seconds it took to lower and compile.
       max_microbatch: deprecated name of ``microbatch_cap``.

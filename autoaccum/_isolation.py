@@ -90,13 +90,12 @@ def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outc
             name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
+        if -returncode == signal.SIGKILL and oom_killed:
+            return Outcome("oom", message=f"the trial's child was killed by {name} (the kernel's OOM killer).")
         if -returncode == signal.SIGKILL:
-            if oom_killed:
-                return Outcome("oom", message=f"the trial's child was killed by {name} (the kernel's OOM killer).")
             why = "no OOM-kill count rose" if oom_killed is False else "no OOM-kill count can be read here"
-            return Outcome(
-                "error", message=f"the trial's child was killed by {name} ({why}: not counted as out of memory)."
-            )
+            return Outcome("error", message=f"the trial's child was killed by {name} ({why}: not counted as out of "
+                           "memory).")  # fmt: skip
         if says_out_of_memory(output):
             return Outcome("oom", message=f"the trial's child died of {name} after an allocation failure: {tail}")
         return Outcome("error", message=f"the trial's child crashed with {name}; its output ends: {tail or '(none)'}")

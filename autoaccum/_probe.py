@@ -124,17 +124,7 @@ class ProbeResult(JsonMixin):
     def bound_for(self, other: Estimate) -> int:
         """The largest microbatch predicted to fit for another setting of the probed step (another remat policy, knob
         values) without probing it: the largest size whose `predicted_peak` is within the limit, at `FIRST_MARGIN`
-        of itself below the cap (a prediction no trial ran), as a multiple of ``granularity``.
-
-        Example:
-          >>> from autoaccum import workloads
-          >>> from autoaccum._estimate import estimate
-          >>> w = workloads.mlp()
-          >>> found = probe(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="64MiB",
-          ...               microbatch_cap=256, isolate=False)
-          >>> 0 < found.bound_for(found.estimate) <= found.microbatch_cap
-          True
-        """
+        of itself below the cap (a prediction no trial ran), as a multiple of ``granularity``."""
         g = self.granularity
         top = min(self.microbatch_cap, other.microbatch_cap)
         answer = min(self.calibrated(other).largest_microbatch(self.memory_limit_bytes), top)
@@ -165,15 +155,13 @@ class ProbeResult(JsonMixin):
         predicts for ``microbatch_size`` per microbatch over ``batch_size`` per update, `calibrated` by this probe.
 
         Example:
-          >>> from autoaccum import workloads
-          >>> from autoaccum._estimate import estimate
-          >>> w = workloads.linear()
-          >>> found = probe(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="64MiB",
-          ...               microbatch_cap=64, isolate=False)
-          >>> acc = estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="64MiB",
-          ...                microbatch_cap=64)
-          >>> found.predicted_peak(acc, 16, 64) > found.predicted_peak(acc, 16)
-          True
+          >>> from autoaccum import estimate, workloads
+          >>> w = workloads.mlp()
+          >>> kw = dict(optimizer=w.optimizer, memory_limit="64MiB", microbatch_cap=64)
+          >>> found = probe(w.loss_fn, w.params, w.batch, isolate=False, **kw)
+          >>> acc = estimate(w.loss_fn, w.params, w.batch, **kw)
+          >>> found.predicted_peak(acc, 16, 64) > found.predicted_peak(acc, 16), 0 < found.bound_for(acc) <= 64
+          (True, True)
         """
         return self.calibrated(other).bytes_at(microbatch_size, batch_size)
 
@@ -409,16 +397,9 @@ class TrialRunner:
         start = time.perf_counter()
         outcome = self.ask(Request({}, size, size, kind="fits"))
         wall = time.perf_counter() - start
-        trial = Trial(
-            microbatch_size=size,
-            fits=outcome.status == "fits",
-            seconds=outcome.seconds,
-            error=outcome.message if outcome.status == "error" else None,
-            peak_bytes=outcome.peak_bytes,
-            first_seconds=outcome.first_seconds,
-            wall_seconds=wall,
-            detail=outcome.message if outcome.status == "oom" else None,
-        )
+        error, detail = (outcome.message if outcome.status == status else None for status in ("error", "oom"))
+        trial = Trial(size, outcome.status == "fits", outcome.seconds, error, outcome.peak_bytes, outcome.first_seconds,
+                      wall, detail)  # fmt: skip
         self.trials.append(trial)
         if self.progress is not None:
             self.progress(trial)
@@ -509,34 +490,22 @@ def probe(
             per_example_bytes=None if model is None else model.per_example_bytes, sizes=sizes,
         )  # fmt: skip
         trials = tuple(runner.trials)
-    limit = format_bytes(setup.memory_limit_bytes)
-    note = "" if why is None else f" (no compile-only estimate: {why})"
-    name = setup.device.name
-    above = _failed_above(trials, best)
+    where, above = f"under {format_bytes(setup.memory_limit_bytes)} on {setup.device.name}", _failed_above(trials, best)
     if best == 0:
         least = setup.granularity if sizes is None else sizes[0]
-        message = f"nothing fits: even a microbatch of {least} does not run under {limit} on {name}."
+        message = f"nothing fits: even a microbatch of {least} does not run {where}."
     elif above is None:
-        message = f"microbatch {best} (the largest tried) fits under {limit} on {name}."
+        message = f"microbatch {best} (the largest tried) fits {where}."
     else:
-        message = f"microbatch {best} fits under {limit} on {name}; {above} does not."
+        message = f"microbatch {best} fits {where}; {above} does not."
+    message += "" if why is None else f" (no compile-only estimate: {why})"
+    build = setup.job.build
+    options = {k: v for k, v in build.items() if k not in ("strategy", "has_aux", "loss_reduction")}
     return ProbeResult(
-        max_microbatch=best,
-        trials=trials,
-        device=setup.device,
-        memory_limit_bytes=setup.memory_limit_bytes,
-        limit_source=setup.limit_source,
-        granularity=setup.granularity,
-        microbatch_cap=setup.microbatch_cap,
-        strategy=setup.job.build["strategy"],
-        options={k: v for k, v in setup.job.build.items() if k not in ("strategy", "has_aux", "loss_reduction")},
-        state_bytes=setup.state_bytes,
-        estimate=model,
-        isolate=setup.isolate,
-        seconds=time.perf_counter() - start,
-        message=message + note,
-        sizes=sizes,
-    )
+        best, trials, setup.device, setup.memory_limit_bytes, setup.limit_source, setup.granularity,
+        setup.microbatch_cap, build["strategy"], options, setup.state_bytes, model, setup.isolate,
+        time.perf_counter() - start, message, sizes,
+    )  # fmt: skip
 
 
 def _failed_above(trials: Sequence[Trial], size: int) -> int | None:

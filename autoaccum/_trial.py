@@ -59,10 +59,8 @@ class MeshSpec:
             return None
         mesh = layout.mesh
         types = tuple(t.name for t in getattr(mesh, "axis_types", ())) or ("Auto",) * len(mesh.axis_names)
-        return cls(
-            tuple(mesh.shape.values()), tuple(mesh.axis_names), types, layout.batch_spec(),
-            layout.param_specs(params), layout.shards,
-        )  # fmt: skip
+        shape, names = tuple(mesh.shape.values()), tuple(mesh.axis_names)
+        return cls(shape, names, types, layout.batch_spec(), layout.param_specs(params), layout.shards)
 
     @property
     def size(self) -> int:
@@ -126,18 +124,13 @@ class Job:
         state = None if self.state is None else jax.device_put(device_copy(self.state), replicated)
         return params, batch, state
 
-    @property
-    def strategy(self) -> str:
-        return str(self.build.get("strategy", "scan"))
-
     def update(self, microbatch_size: int, donate: bool = True) -> Update:
         """The update `autoaccum.build_update` makes for this job at ``microbatch_size``."""
         from autoaccum._update import build_update
 
-        return build_update(
-            self.loss_fn, self.optimizer, microbatch_size=microbatch_size, has_state=self.state is not None,
-            donate=donate, **dict(self.build),
-        )  # fmt: skip
+        has_state = self.state is not None
+        return build_update(self.loss_fn, self.optimizer, microbatch_size=microbatch_size, has_state=has_state,
+                            donate=donate, **dict(self.build))  # fmt: skip
 
     def programs(self, update: Update, batch_size: int) -> list[Program]:
         """``update``'s programs for a batch of ``batch_size`` rows, lowered from shapes alone."""
@@ -275,17 +268,14 @@ def run_trial(
     with on_device(job, device, running=True):
         inputs = memory_stats(device).get("bytes_in_use")  # a GPU's live bytes now; None on the CPU
         before = proc_status("VmSize")
-        out, first, times = run_steps(
-            update, made, steps=steps, warmup=warmup, time_first=time_first, between=functools.partial(settle, before)
-        )
+        between = functools.partial(settle, before)
+        out, first, times = run_steps(update, made, steps=steps, warmup=warmup, time_first=time_first, between=between)
     used = peak()
     if used is None and inputs is not None and compiled.step_bytes is not None:
         used = inputs + compiled.step_bytes  # a GPU's peak did not rise (bigger work ran before): live + the step's
     del out
-    return Outcome(
-        "fits", seconds=statistics.median(times), first_seconds=first, peak_bytes=used,
-        compile_seconds=compiled.seconds, times=times,
-    )  # fmt: skip
+    return Outcome("fits", seconds=statistics.median(times), first_seconds=first, peak_bytes=used,
+                   compile_seconds=compiled.seconds, times=times)  # fmt: skip
 
 
 def run_steps(
@@ -323,10 +313,8 @@ def run_steps(
 def settle(before: int | None, timeout: float = 1.0) -> None:
     """Waits (at most ``timeout`` s) until at most an eighth (at least 1 MiB) of what a step added to the address
     space since ``before`` is still mapped: XLA:CPU releases a step's arena after ``block_until_ready`` returns."""
-    if before is None:
-        return
-    after = proc_status("VmSize")
-    if after is None:
+    after = None if before is None else proc_status("VmSize")
+    if before is None or after is None:
         return
     slack = max(1 << 20, (after - before) // 8)
     deadline = time.perf_counter() + timeout
