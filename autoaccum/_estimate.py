@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import time
@@ -232,15 +233,8 @@ class Estimate(JsonMixin):
 
         if hi < 1 or not fits(1):
             return 0
-        lo = 1  # fits(lo); bisect for the largest fit (the model is increasing in m, leaving out the remainder)
-        if fits(hi, remainder=False):
-            lo = hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid, remainder=False):
-                lo = mid
-            else:
-                hi = mid
+        # The largest fit leaving out the remainder (the model is increasing in m), by bisection.
+        lo = bisect.bisect_right(range(1, hi + 1), False, key=lambda u: not fits(u, remainder=False))
         while not fits(lo):  # an uneven split costs its last microbatch's extra: step down to one that fits
             lo -= 1  # stops at a divisor of batch_size at the latest (no remainder)
         return lo * g

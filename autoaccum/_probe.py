@@ -350,17 +350,12 @@ class TrialRunner:
     asks the worker (`autoaccum._worker.Worker`), or with ``isolate=False`` answers here."""
 
     def __init__(self, setup: Setup, progress: Callable[[Trial], None] | None = None) -> None:
-        self.setup = setup
-        self.progress = progress
+        self.setup, self.progress = setup, progress
         self.trials: list[Trial] = []
-        s = setup
-        self._worker: Worker | None = None
-        self._server: Server | None = None
-        if s.isolate:
-            timeout = s.trial_timeout
-            self._worker = Worker(s.job, s.device, s.memory_limit_bytes, compile_timeout=timeout, step_timeout=timeout)
-        else:
-            self._server = Server(s.job, [{}], s.device.platform, s.device.device, s.memory_limit_bytes)
+        s, limit, timeout = setup, setup.memory_limit_bytes, setup.trial_timeout
+        isolated = Worker(s.job, s.device, limit, compile_timeout=timeout, step_timeout=timeout)
+        self._worker = isolated if s.isolate else None
+        self._server = None if s.isolate else Server(s.job, [{}], s.device.platform, s.device.device, limit)
 
     def __enter__(self) -> TrialRunner:
         if self._worker is not None:
