@@ -246,8 +246,9 @@ def compile_trial(
         for program in programs:
             analysis = program.lowered.compile().memory_analysis()  # likewise kept by the strategy's jitted functions
             if analysis is not None:
-                extra.append(live_bytes(analysis) - analysis.argument_size_in_bytes)
-                need.append(live_bytes(analysis) + program.resident_bytes)
+                live = live_bytes(analysis)
+                extra.append(live - analysis.argument_size_in_bytes)
+                need.append(live + program.resident_bytes)
     seconds = time.perf_counter() - start
     return Compiled(
         job, size, device, update, make_params, init, resize, seconds, max(extra, default=None), max(need, default=None)

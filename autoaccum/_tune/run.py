@@ -236,12 +236,12 @@ def _result(
     )  # fmt: skip
     # The jitted functions keep the executables, so the caller's first call does not compile again.
     update_fn = plan.build(job.loss_fn, job.optimizer)
-    params_a = abstract(job.params)
-    state_s = () if job.state is None else (abstract(job.state),)
-    batch_s = abstract_batch(full_batch, eb)
-    opt_state_s = jax.eval_shape(update_fn.init, params_a)
-    for program in update_fn.programs(params_a, opt_state_s, batch_s, *state_s) if PRECOMPILE.get() else ():
-        program.lowered.compile()
+    if PRECOMPILE.get():
+        params_a = abstract(job.params)
+        state_s = () if job.state is None else (abstract(job.state),)
+        batch_s = abstract_batch(full_batch, eb)
+        for program in update_fn.programs(params_a, jax.eval_shape(update_fn.init, params_a), batch_s, *state_s):
+            program.lowered.compile()
     name = study.study_name
     return TuneResult(
         plan=plan, trials=tuple(records), race=tuple(runners), memory_limit_bytes=limit,

@@ -47,13 +47,18 @@ Timing``, instead of in the worker (`timed_by`); None: the worker (or `autoaccum
 
 
 @contextlib.contextmanager
-def timed_by(measure: Callable[..., Timing] | None) -> Iterator[None]:
-    """Inside it, `autoaccum.tune` times configurations with ``measure`` (a test's deterministic stand-in)."""
-    token = MEASURE.set(measure)
+def scoped(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
+    """Inside it, ``var`` holds ``value`` (`MEASURE`, `autoaccum._tune.run.PRECOMPILE`)."""
+    token = var.set(value)
     try:
         yield
     finally:
-        MEASURE.reset(token)
+        var.reset(token)
+
+
+def timed_by(measure: Callable[..., Timing] | None) -> contextlib.AbstractContextManager[None]:
+    """Inside it, `autoaccum.tune` times configurations with ``measure`` (a test's deterministic stand-in)."""
+    return scoped(MEASURE, measure)
 
 
 MEASURES = "measures"

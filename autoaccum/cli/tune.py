@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -157,7 +155,9 @@ def tune(
 
     from autoaccum._knobs import BUILTIN_REMAT
     from autoaccum._tune.result import TrialRecord
+    from autoaccum._tune.run import PRECOMPILE
     from autoaccum._tune.run import tune as run_tune
+    from autoaccum._tune.trials import scoped
 
     if plot is not None:
         _require_matplotlib()
@@ -180,7 +180,7 @@ def tune(
             progress.console.print(f"  {_describe(record)}", markup=False, highlight=False)
 
         try:
-            with warnings_as_lines(make_console(stderr=True) if as_json else console), _not_compiled():
+            with warnings_as_lines(make_console(stderr=True) if as_json else console), scoped(PRECOMPILE, False):
                 result = run_tune(
                     w.loss_fn if w.knobs is None else w.knobs,
                     w.params,
@@ -411,18 +411,3 @@ def _plot(result: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-def _not_compiled() -> contextlib.AbstractContextManager[Any]:
-    """Inside it, `autoaccum.tune` returns its plan's update uncompiled: the command line never steps it."""
-    from autoaccum._tune.run import PRECOMPILE
-
-    @contextlib.contextmanager
-    def scope() -> Iterator[None]:
-        token = PRECOMPILE.set(False)
-        try:
-            yield
-        finally:
-            PRECOMPILE.reset(token)
-
-    return scope()
