@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import optax
 
+from autoaccum._batch import abstract, abstract_batch, resize_batch
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum._estimate import Estimate, estimate
 from autoaccum._knobs import Knobs, KnobSpace, Setting
 from autoaccum._preflight import trace_loss, warn_if_not_finite
 from autoaccum._probe import ProbeResult, probe
 from autoaccum._tune.result import Clock
-from autoaccum._tune.space import microbatch_candidates, probe_sizes, variants
+from autoaccum._tune.search import Config
+from autoaccum._tune.space import microbatch_candidates, probe_sizes, program_key, variants
 from autoaccum._units import format_bytes, parse_bytes
-from autoaccum._update import build_update, resolve_strategy
+from autoaccum._update import Update, build_update, resolve_strategy
 from autoaccum._worker import Request, Worker
 from autoaccum.strategies import Layout, PyTree, check_params, layout_of, leading_size
 from autoaccum.strategies import available as available_strategies
@@ -43,20 +47,12 @@ class Job:
     """Whether the probe runs its trials in child processes (not on a TPU, unless asked)."""
     _losses: dict[Setting, Callable[..., Any]] = dataclasses.field(default_factory=dict, compare=False)
 
-    @property
+    @functools.cached_property
     def settings(self) -> list[Setting]:
         """Every setting of the knobs, the default first."""
         return self.knob_space.settings()
 
-    @property
-    def knobs(self) -> Knobs | None:
-        return self.loss_fn if isinstance(self.loss_fn, Knobs) else None
-
-    @property
-    def shards(self) -> int:
-        return 1 if self.layout is None else self.layout.shards
-
-    @property
+    @functools.cached_property
     def labels(self) -> dict[str, tuple[str, dict[str, Any]]]:
         """The strategy variants searched, by label (`autoaccum._tune.space.variants`)."""
         return variants(self.names, fsdp=self.layout is not None and self.layout.sharded_params)
@@ -64,26 +60,60 @@ class Job:
     def loss_for(self, setting: Setting) -> Callable[..., Any]:
         """The loss of ``setting`` (the loss's own knobs' values given to the factory)."""
         if setting not in self._losses:
-            if isinstance(self.loss_fn, Knobs):
-                self._losses[setting] = self.loss_fn.loss_fn(**setting.values)
-            else:
-                self._losses[setting] = self.loss_fn
+            knobs = self.loss_fn
+            self._losses[setting] = knobs.loss_fn(**setting.values) if isinstance(knobs, Knobs) else knobs
         return self._losses[setting]
+
+    def config_of(self, params: Mapping[str, Any]) -> Config:
+        """The `Config` of an Optuna trial's ``params``."""
+        setting = self.settings.index(self.knob_space.setting_of(params))
+        return Config(int(params["microbatch_size"]), params["strategy"], setting)
+
+    def params_of(self, config: Config) -> dict[str, Any]:
+        """The Optuna trial parameters of ``config`` (the inverse of `config_of`)."""
+        knobs = self.knob_space.params_of(self.settings[config.setting])
+        return {"microbatch_size": config.microbatch_size, "strategy": config.strategy, **knobs}
+
+    def program(self, config: Config) -> tuple[Any, ...]:
+        """What ``config`` compiles to: configurations with equal keys are timed once (`program_key`)."""
+        return config.setting, program_key(config.microbatch_size, self.labels[config.strategy], self.effective_batch)
+
+    def update(self, config: Config) -> Update:
+        """``config``'s update, built here."""
+        strategy, options = self.labels[config.strategy]
+        setting = self.settings[config.setting]
+        return build_update(
+            self.loss_for(setting), self.optimizer, microbatch_size=config.microbatch_size, strategy=strategy,
+            **setting.build, **self.loss_kw, **options,
+        )  # fmt: skip
+
+    def full_batch(self) -> PyTree:
+        """The example batch resized to the effective batch (rows repeated); on a mesh, laid out as given."""
+        batch = self.batch
+        if self.effective_batch == leading_size(batch):
+            return batch
+        if self.layout is None:
+            return resize_batch(batch, self.effective_batch)
+        resized = resize_batch(jax.device_get(batch), self.effective_batch)
+        return jax.tree.map(lambda r, x: jax.device_put(r, x.sharding), resized, batch)
+
+    def programs(self, update: Update) -> list[Any]:
+        """``update``'s programs at the effective batch, lowered from shapes (nothing runs)."""
+        params = abstract(self.params)
+        state = () if self.state is None else (abstract(self.state),)
+        batch = abstract_batch(self.batch, self.effective_batch)
+        return list(update.programs(params, jax.eval_shape(update.init, params), batch, *state))
 
     @classmethod
     def check(cls, loss_fn: Callable[..., Any] | Knobs, params: PyTree, batch: PyTree, **kw: Any) -> Job:
-        """Checks ``tune``'s arguments (``kw``: its keyword arguments that a `Job` holds, and the others it checks);
-        raises ValueError or TypeError naming the bad one, before anything runs. Traces the loss once (its own
-        errors come out here) and warns where it is not finite at ``params``."""
-        knob_space: KnobSpace = kw["knob_space"]
+        """Checks ``tune``'s arguments (``kw``: its keyword arguments); raises ValueError or TypeError naming the
+        bad one before anything runs. Traces the loss once (its own errors come out here) and warns where it is not
+        finite at ``params``."""
         optimizer, state = kw["optimizer"], kw["state"]
         check_optimizer(optimizer)
         check_params(params)
-        batch_size = leading_size(batch)
-        effective_batch = kw["effective_batch"]
-        effective_batch = (
-            batch_size if effective_batch is None else check_positive_int(effective_batch, "effective_batch")
-        )
+        size, given = leading_size(batch), kw["effective_batch"]
+        effective_batch = size if given is None else check_positive_int(given, "effective_batch")
         _check_numbers(kw, effective_batch)
         names = _check_strategies(kw["strategies"])
         layout = layout_of(params, batch, () if state is None else state)
@@ -91,23 +121,20 @@ class Job:
             names = _on_mesh(layout, names, effective_batch, explicit=kw["strategies"] is not None)
         loss_kw = dict(has_aux=kw["has_aux"], has_state=state is not None, loss_reduction=kw["loss_reduction"])
         job = cls(
-            loss_fn, params, batch, optimizer, state, effective_batch, names, knob_space, layout, kw["memory_limit"],
-            kw["min_microbatch"], loss_kw, kw["children"],
+            loss_fn, params, batch, optimizer, state, effective_batch, names, kw["knob_space"], layout,
+            kw["memory_limit"], kw["min_microbatch"], loss_kw, kw["children"],
         )  # fmt: skip
-        default = job.settings[0]
-        check_loss_fn(job.loss_for(default))
+        default, loss = job.settings[0], job.loss_for(job.settings[0])
+        check_loss_fn(loss)
         if kw["memory_limit"] is not None:
             parse_bytes(kw["memory_limit"], "memory_limit")
         for name in names:  # bad input (optimizer, loss, options) fails here, not in trial 0
-            build_update(job.loss_for(default), optimizer, microbatch_size=1, strategy=name, **default.build, **loss_kw)
-        trace_loss(job.loss_for(default), params, batch, state)  # the loss's own error, before any child starts
+            build_update(loss, optimizer, microbatch_size=1, strategy=name, **default.build, **loss_kw)
+        trace_loss(loss, params, batch, state)  # the loss's own error, before any child starts
         if kw["strategies"] is None:  # the default update's strategy ("auto" picks it) first: the probe runs it
-            auto = resolve_strategy(job.loss_for(default), optimizer, params, batch, state, **default.build, **loss_kw)
+            auto = resolve_strategy(loss, optimizer, params, batch, state, **default.build, **loss_kw)
             names.sort(key=lambda name: name != auto["strategy"])
-        warn_if_not_finite(
-            job.loss_for(default), params, batch, state=state, has_aux=kw["has_aux"],
-            loss_reduction=kw["loss_reduction"],
-        )  # fmt: skip
+        warn_if_not_finite(loss, params, batch, state=state, has_aux=kw["has_aux"], loss_reduction=kw["loss_reduction"])
         return job
 
 
@@ -200,19 +227,15 @@ class Space:
         return cls(bounds, fitting, dict(data["predicted_over"]), probed)
 
     @classmethod
-    def bound(
-        cls, job: Job, microbatch_bound: int | None, clock: Clock | None = None, worker: Worker | None = None
-    ) -> Space:
-        """Probes the default setting (unless ``microbatch_bound`` is given), and bounds every other setting by its
+    def bound(cls, job: Job, microbatch_bound: int | None, clock: Clock, worker: Worker | None = None) -> Space:
+        """Probes the default setting (unless ``microbatch_bound`` is given) and bounds every other setting by its
         compile-only estimate calibrated by the probe (`ProbeResult.bound_for`). Where the effective batch needs
-        accumulating, a size whose accumulating step (which also holds the accumulator and the whole batch) the
-        calibrated estimate predicts over the limit is left out (`ProbeResult.predicted_peak`).
+        accumulating, sizes whose accumulating step the calibrated estimate predicts over the limit are left out.
 
         Raises:
           RuntimeError: no size at least ``min_microbatch`` fits, or none is a candidate.
         """
-        settings, eb, default = job.settings, job.effective_batch, job.settings[0]
-        clock = clock or Clock()
+        eb, default = job.effective_batch, job.settings[0]
         probed = None
         if microbatch_bound is None:
             with clock.phase("probe"):
@@ -225,18 +248,19 @@ class Space:
                     **({} if job.children else {"isolate": False}),  # type: ignore[arg-type]
                 )  # fmt: skip
             microbatch_bound = probed.max_microbatch
-        bounds = dict.fromkeys(settings, microbatch_bound)
+        bounds = dict.fromkeys(job.settings, microbatch_bound)
         accumulating: dict[Setting, Estimate] = {}
         if probed is not None:
             with clock.phase("estimate"):
                 accumulating = _estimates(job, probed, bounds, worker)
         fitting: dict[Setting, list[int]] = {}
         over: dict[str, list[int]] = {}
+        shards = 1 if job.layout is None else job.layout.shards
         for setting, b in bounds.items():
-            candidates = [m for m in microbatch_candidates(eb, max(b, 1)) if m <= b and m % job.shards == 0]
-            candidates = [m for m in candidates if m >= job.min_microbatch]
-            fits = [m for m in candidates if _predicted_to_fit(probed, accumulating.get(setting), m, eb)]
-            fitting[setting] = fits or candidates[:1]  # (all predicted over: the smallest is timed, a trial decides)
+            candidates = [m for m in microbatch_candidates(eb, max(b, 1)) if job.min_microbatch <= m <= b]
+            candidates = [m for m in candidates if m % shards == 0]
+            fitting[setting] = [m for m in candidates if _fits(probed, accumulating.get(setting), m, eb)]
+            fitting[setting] = fitting[setting] or candidates[:1]  # all predicted over: a trial decides the smallest
             if len(fitting[setting]) < len(candidates):
                 over[str(setting)] = [m for m in candidates if m not in fitting[setting]]
         space = cls(bounds, fitting, over, probed)
@@ -249,7 +273,7 @@ class Space:
         return space
 
 
-def _predicted_to_fit(probed: ProbeResult | None, accumulating: Estimate | None, m: int, effective_batch: int) -> bool:
+def _fits(probed: ProbeResult | None, accumulating: Estimate | None, m: int, effective_batch: int) -> bool:
     if probed is None or accumulating is None or m >= effective_batch:
         return True
     return probed.predicted_peak(accumulating, m, effective_batch) <= probed.memory_limit_bytes
@@ -262,14 +286,14 @@ def _estimates(
     returns each setting's estimate of its accumulating step, where the effective batch needs accumulating."""
     accumulates = probed.max_microbatch < job.effective_batch
     default = job.settings[0]
+    kw = {
+        "microbatch_cap": probed.microbatch_cap, "accumulation": accumulates,
+        "effective_batch": job.effective_batch if accumulates else None,
+    }  # fmt: skip
     accumulating: dict[Setting, Estimate] = {}
     for setting in job.settings:
         if setting == default and not accumulates:
             continue  # the probe measured it
-        kw = {
-            "microbatch_cap": probed.microbatch_cap, "accumulation": accumulates,
-            "effective_batch": job.effective_batch if accumulates else None,
-        }  # fmt: skip
         predicted = _estimate(job, setting, probed.memory_limit_bytes, worker, kw)
         if setting != default:
             bounds[setting] = probed.bound_for(predicted)

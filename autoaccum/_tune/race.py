@@ -44,8 +44,7 @@ def quartiles(times: Sequence[float]) -> tuple[float, float, float]:
 
 
 def notch(times: Sequence[float]) -> tuple[float, float]:
-    """The median's notch (McGill, Tukey and Larsen, 1978, the notched box plot): ``median -+ 1.57 IQR /
-    sqrt(n)``, about a 95% interval for the median; two medians whose notches do not overlap differ.
+    """The median's notch, ``median -+ 1.57 IQR / sqrt(n)`` (McGill, Tukey and Larsen, 1978): about a 95% interval.
 
     Example:
       >>> lo, hi = notch([1.0, 2.0, 3.0, 4.0, 5.0] * 4)
@@ -63,11 +62,9 @@ class Runner(JsonMixin):
 
     Attributes:
       trial: the study's trial number of the configuration.
-      times: every step time of its rounds, seconds (none run: its study trial's, which decide nothing).
-      rounds: the rounds it ran (0: it was out before the first, or the race was not run).
-      out_after: the round after which it was dropped (None: it finished the race).
-      relative: the median of its step times, each over its round's median (what the race ranks by; None: it
-        ran no round).
+      times: every step time of its rounds, seconds (none run: its study trial's).
+      rounds: the rounds it ran; out_after: the round after which it was dropped (None: it finished).
+      relative: the median of its step times, each over its round's median (what the race ranks by).
     """
 
     trial: int
@@ -88,12 +85,8 @@ def race(
     *,
     rounds: int = ROUNDS,
 ) -> list[Runner]:
-    """Races ``finalists`` (``(key, trial number, its trial's step times)``); ``time_one(key)`` times one again
-    and returns its step times (None: it failed this time, and is out). The race spends at most ``rounds``
-    timings per finalist (see the module's docstring). Returns the runners, the winner first (fastest median of
-    its rounds' pooled relative times among those that finished), then the others likewise.
-
-    Pure Python and deterministic given ``time_one``: testable with made-up timings.
+    """Races ``finalists`` (``(key, trial number, its trial's step times)``); ``time_one(key)`` returns a new
+    timing's step times (None: it failed, and is out). Returns the runners ranked, the winner first. Pure Python.
 
     Example:
       >>> fast = iter([[1.0, 1.1], [0.9, 1.0]])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optuna
@@ -63,31 +63,28 @@ class TuneResult(JsonMixin):
     Attributes:
       plan: the best configuration, ready to `Plan.save`.
       trials: every trial of the study (earlier runs' too), fastest first as the trials measured them.
-      race: the finalists re-timed side by side (`autoaccum._tune.race`), the winner (the plan) first; empty
-        without a race.
+      race: the finalists re-timed side by side (`autoaccum._tune.race`), the winner (the plan) first.
       memory_limit_bytes: the limit every trial ran under (per device).
       peak_bytes: the plan's measured peak memory in its trial (per device; None where not measured).
       probe: the probe's result, or ``None`` when a bound was given (``microbatch_bound``).
       study_name: the Optuna study (named after `fingerprint` unless given).
       storage: where the study lives (an RDB URL, or ``":memory:"``).
-      fingerprint: a hash of what determines the answer (the lowered update, hence the loss's body, the
-        optimizer, shapes and dtypes; the device, the limit, the search space, the versions).
+      fingerprint: a hash of what determines the answer (the lowered update, the device, the limit, the search
+        space, the versions).
       resumed_trials: trials this study had settled in earlier runs (0 for a new study).
       new_trials: trials settled in this run.
       message: a one-line summary for people ("resumed: 12 trials from earlier runs, 0 new").
       bounds: per setting of the knobs (by its text, ``"remat=None"``), the microbatch bound before any trial:
         the probe's for the default setting, the calibrated estimate's for the others, or the bound given.
-      predicted_over: per setting, the sizes within its bound not timed because their accumulating step is
-        predicted over the limit.
+      predicted_over: per setting, the sizes within its bound left out: their accumulating step predicted over.
       update_fn: the plan's update, already compiled for the effective batch's shapes (not in the JSON).
       init: ``init(params) -> opt_state`` for ``update_fn`` (not in the JSON).
-      step: from `autoaccum.nnx.tune`, the plan as an nnx step, ``loss = step(model, optimizer, batch)``
-        (not in the JSON; None otherwise).
+      step: from `autoaccum.nnx.tune`, the plan as an nnx step ``loss = step(model, optimizer, batch)`` (not in
+        the JSON).
       seconds: this run's wall time.
-      phases: this run's seconds per phase (`PHASES`): probe runs, estimates, worker starts, the trials' compiles
-        and their timed steps, the trials that failed (out of memory, timed out), the race, the final build.
-      units: ``seconds`` over one compile plus five steps of the picked program, as its trial measured them (None
-        where unmeasured): the tune's cost, whatever the machine's speed.
+      phases: this run's seconds per phase (`PHASES`).
+      units: ``seconds`` over one compile plus five steps of the picked program (None where unmeasured): the
+        tune's cost, whatever the machine's speed.
     """
 
     plan: Plan
@@ -148,25 +145,22 @@ class Clock:
 
 def record(trial: optuna.trial.FrozenTrial, effective_batch: int, labels: dict[str, Any]) -> TrialRecord:
     """The `TrialRecord` of an Optuna trial of the space ``labels`` (`autoaccum._tune.space.variants`)."""
-    m = int(trial.params.get("microbatch_size", 0))
-    label = trial.params.get("strategy", "")
+    m, label, attrs = int(trial.params.get("microbatch_size", 0)), trial.params.get("strategy", ""), trial.user_attrs
     complete = trial.state == optuna.trial.TrialState.COMPLETE
-    times = trial.user_attrs.get("times")
     name, options = labels.get(label, (label, {}))
     return TrialRecord(
-        number=trial.number,
-        microbatch_size=m,
-        accumulation_steps=-(-effective_batch // m) if m else 0,
-        strategy=name,
-        options=dict(options),
-        throughput=trial.value if trial.state == optuna.trial.TrialState.COMPLETE else None,
-        compile_seconds=trial.user_attrs.get("compile_seconds"),
-        state=trial.state.name,
-        reason=trial.user_attrs.get("reason"),
-        same_program_as=trial.user_attrs.get("same_program_as"),
-        seconds=quartiles(times) if complete and times else None,
-        peak_bytes=trial.user_attrs.get("peak_bytes"),
-        remat=trial.user_attrs.get("remat"),
-        accumulator_dtype=trial.user_attrs.get("accumulator_dtype", "float32"),
-        knobs=dict(trial.user_attrs.get("knobs") or {}),
-    )
+        number=trial.number, microbatch_size=m, accumulation_steps=-(-effective_batch // m) if m else 0, strategy=name,
+        options=dict(options), throughput=trial.value if complete else None, state=trial.state.name,
+        compile_seconds=attrs.get("compile_seconds"), reason=attrs.get("reason"),
+        same_program_as=attrs.get("same_program_as"), peak_bytes=attrs.get("peak_bytes"),
+        seconds=quartiles(attrs["times"]) if complete and attrs.get("times") else None,
+        remat=attrs.get("remat"), accumulator_dtype=attrs.get("accumulator_dtype", "float32"),
+        knobs=dict(attrs.get("knobs") or {}),
+    )  # fmt: skip
+
+
+def records(trials: Sequence[optuna.trial.FrozenTrial], eb: int, labels: dict[str, Any]) -> list[TrialRecord]:
+    """The `TrialRecord` of every trial that ran its configuration (not a copy, not pruned), fastest first."""
+    kept = [t for t in trials if "duplicate_of" not in t.user_attrs and t.state.name not in ("WAITING", "PRUNED")]
+    out = [record(t, eb, labels) for t in kept]
+    return sorted(out, key=lambda r: (r.throughput is None, -(r.throughput or 0.0), r.number))

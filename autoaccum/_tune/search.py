@@ -1,33 +1,29 @@
 """The tuner's search: a pure function of the trials so far that proposes the configurations to time next.
 
-The algorithm (`Search.propose`), in the order its steps come:
+`Search.propose` takes these steps in order, each once the one before has nothing left to propose:
 
-1. **Breadth.** The whole batch in one step, where it fits (every strategy runs that same program), then every
-   strategy variant at the largest accumulating microbatch of the default knob setting (a variant that runs out
-   of memory there goes on at the next size down), so no strategy is judged at a size another never reached.
+1. **Breadth.** The whole batch in one step, where it fits, then every strategy variant at the default knob
+   setting's largest accumulating microbatch (one that runs out of memory there goes on at the next size down).
 2. **Knobs.** Every other setting of the knobs at its own largest size, with the fastest variant so far.
-3. **Descent.** From the fastest configuration of those, halve the microbatch; stop after two halvings in a row
-   that are not *clearly* faster than the best so far (`clearly_faster`), or at one that is slower by more than
-   two readings' drift (`DRIFT`): noise neither stops the descent at its first step nor walks it down to 1.
+3. **Descent.** From the fastest of those, halve the microbatch; stop after two halvings in a row not
+   `clearly_faster` than the best so far, or at one slower by more than two readings' drift (`DRIFT`).
 4. **Coordinates.** Where the descent went down, the other variants at the size it stopped at.
 
-Then it proposes nothing more: the sampler spends what is left of the budget, and the race settles the
-finalists side by side. No JAX and no Optuna in here: `Trial` records are built from a study by the caller.
+Then the sampler spends what is left of the budget, and the race settles the finalists. No JAX, no Optuna.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
+from autoaccum._tune.race import quartiles
+
 MIN_GAIN = 0.03
-"""The least gain in throughput that one trial's reading can show against another's: two trials seconds apart
-differ by the machine's drift, whatever their step times' spread."""
+"""The least gain in throughput one trial's reading can show against another's (the machine drifts)."""
 
 DRIFT = 0.10
-"""How far one trial's reading may be off from the machine's drift: a half is only judged slower when it reads
-slower by more than two readings' drift."""
+"""How far one trial's reading may be off: a half is judged slower when it reads slower by over twice this."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,18 +46,9 @@ class Trial:
     times: tuple[float, ...] = ()
 
 
-def _spread(times: Sequence[float]) -> tuple[float, float] | None:
-    """The lower and upper quartile of ``times`` (None for fewer than three)."""
-    if len(times) < 3:
-        return None
-    q1, _, q3 = statistics.quantiles(times, n=4)
-    return q1, q3
-
-
 def clearly_faster(a: Trial, b: Trial) -> bool:
-    """Whether ``a`` is faster than ``b`` beyond what one trial of each can tell: by at least `MIN_GAIN` in
-    throughput, and (where both have three step times or more) with ``a``'s slower quartile step faster than
-    ``b``'s faster quartile step.
+    """Whether ``a`` is faster than ``b`` by at least `MIN_GAIN`, and (with three step times or more each) with
+    ``a``'s slower quartile step faster than ``b``'s faster quartile step.
 
     Example:
       >>> c = Config(8, "scan")
@@ -72,8 +59,7 @@ def clearly_faster(a: Trial, b: Trial) -> bool:
     """
     if a.throughput is None or b.throughput is None or a.throughput < b.throughput * (1 + MIN_GAIN):
         return False
-    spread_a, spread_b = _spread(a.times), _spread(b.times)
-    return spread_a is None or spread_b is None or spread_a[1] < spread_b[0]
+    return min(len(a.times), len(b.times)) < 3 or quartiles(a.times)[2] < quartiles(b.times)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +67,10 @@ class Search:
     """The search over one tune's space (see the module docstring).
 
     Attributes:
-      sizes: per knob setting (by index, the default first), the microbatch sizes that may be timed, each within
-        that setting's bound.
+      sizes: per knob setting (by index, the default first), the microbatch sizes that may be timed.
       strategies: the strategy variants' labels, the default strategy first.
-      effective_batch: examples per update (a size that large runs one step: the same program for every strategy).
-      program: what a configuration compiles to; configurations with equal keys are timed once (e.g. the variants
-        of a strategy whose options make no difference at that many steps).
+      effective_batch: examples per update.
+      program: what a configuration compiles to; configurations with equal keys are timed once.
     """
 
     sizes: Sequence[Sequence[int]]
@@ -95,8 +79,7 @@ class Search:
     program: Callable[[Config], Hashable] = lambda config: config
 
     def propose(self, trials: Sequence[Trial]) -> list[Config]:
-        """The configurations to time next, given the settled ``trials`` (in any order, any worker's); empty when the
-        search has nothing more to propose. Pure: the same trials give the same answer.
+        """The configurations to time next, given the settled ``trials`` (any order, any worker's); empty: none.
 
         Example:
           >>> search = Search(sizes=[[1, 2, 4, 8]], strategies=["scan", "loop"], effective_batch=8)

@@ -1,4 +1,5 @@
-"""The study: what identifies it (so a result is never another setup's), and Optuna kept quiet."""
+"""A tune's Optuna study: what identifies it (`fingerprint`), opening or resuming it (`open_study`), which of its
+trials settle a configuration (`settled`, `measuring`), and Optuna kept quiet."""
 
 from __future__ import annotations
 
@@ -6,20 +7,19 @@ import contextlib
 import hashlib
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import optuna
 
+from autoaccum._tune.job import Job, Space
+from autoaccum._tune.result import Clock
+from autoaccum._worker import Worker
 
-def fail_stale_trials(study: optuna.Study) -> None:
-    """Optuna's ``fail_stale_trials``: the running trials whose worker's heartbeat stopped are failed (and queued
-    again by the storage's ``RetryHeartbeatStaleTrialCallback``). Without Optuna's ``ExperimentalWarning``: the
-    tuner relies on the feature knowingly, and the warning, meant for developers, would reach the user's terminal
-    with a line of source each time a resumed study waits on a dead worker's trial."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        optuna.storages.fail_stale_trials(study)
+State = optuna.trial.TrialState
+
+MEASURES = "measures"
+"""The user attribute a trial sets before it looks for another that measures its configuration."""
 
 
 def fingerprint(program_text: str, context: dict[str, Any]) -> str:
@@ -37,12 +37,82 @@ def fingerprint(program_text: str, context: dict[str, Any]) -> str:
     return digest.hexdigest()[:16]
 
 
+def config_key(params: Mapping[str, Any]) -> str:
+    """One configuration as a short string: a hash of its parameters (of any length: a strategy's options).
+
+    Example:
+      >>> key = config_key({"strategy": "scan", "microbatch_size": 4})
+      >>> key == config_key({"microbatch_size": 4, "strategy": "scan"}), len(key)
+      (True, 32)
+    """
+    return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def settled(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether ``trial`` settled its configuration: measured it, or failed it for a reason of the configuration's
+    own (out of memory, over the time limit). A copy reusing another trial's result settles nothing."""
+    if "duplicate_of" in trial.user_attrs:
+        return False
+    return trial.state == State.COMPLETE or (trial.state == State.FAIL and "reason" in trial.user_attrs)
+
+
+def measuring(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether ``trial`` (of any worker) is measuring its configuration or has settled it."""
+    if trial.state == State.RUNNING:
+        attrs = trial.user_attrs
+        return bool(attrs.get(MEASURES)) and not ({"duplicate_of", "over_budget"} & attrs.keys())
+    return settled(trial)
+
+
+def settled_configs(study: optuna.Study) -> dict[str, int]:
+    """``{configuration: trial number}`` of the configurations the study has settled (by any worker)."""
+    return {config_key(t.params): t.number for t in study.get_trials(deepcopy=False) if settled(t)}
+
+
+def open_study(
+    job: Job, storage: optuna.storages.BaseStorage, name: str, fresh: bool, bound: int | None, clock: Clock,
+    worker: Worker | None,
+) -> tuple[optuna.Study, Space]:  # fmt: skip
+    """The study ``name`` (created, or resumed) and the sizes each setting may time: stored with the study by the
+    worker that bounded them first (the probe runs once per study), else bounded now (`Space.bound`). Trials
+    interrupted by Ctrl-C are queued again (a killed worker's are, once their heartbeat goes stale, by Optuna's
+    ``RetryHeartbeatStaleTrialCallback``)."""
+    if fresh:
+        with contextlib.suppress(KeyError):  # no such study yet
+            optuna.delete_study(study_name=name, storage=storage)
+    study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
+    with warnings.catch_warnings():  # "experimental" in some Optuna releases
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(["examples/s"])
+    stored = study.user_attrs.get("space")
+    if stored is None:
+        space = Space.bound(job, bound, clock, worker)
+        stored = study.user_attrs.get("space")  # another worker's, if it finished first
+        if stored is None:
+            study.set_user_attr("space", space.to_dict(job.settings))
+    if stored is not None:
+        space = Space.from_dict(stored, job.settings)
+    trials = study.get_trials(deepcopy=False)
+    done = settled_configs(study).keys() | {config_key(t.params) for t in trials if t.state == State.WAITING}
+    for t in trials:
+        if t.user_attrs.get("interrupted") and config_key(t.params) not in done:
+            study.enqueue_trial(t.params)
+            done.add(config_key(t.params))
+    return study, space
+
+
+def fail_stale_trials(study: optuna.Study) -> None:
+    """Optuna's ``fail_stale_trials`` (a dead worker's running trial failed, and queued again by the storage's
+    ``RetryHeartbeatStaleTrialCallback``), without its ``ExperimentalWarning``: the tuner relies on it knowingly."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
 @contextlib.contextmanager
 def quiet_optuna() -> Iterator[None]:
-    """Optuna's per-trial lines (``[I ...] Trial 3 finished ...``, and ``[W ...] Trial 0 failed ...`` with a
-    traceback, for a trial that ran out of memory) are not printed while the tuner runs; the verbosity the user
-    had is restored after. The tuner reports trials, and why one failed, through its callbacks and its result.
-    Usable as a decorator too (``@quiet_optuna()``)."""
+    """Optuna's per-trial log lines are not printed inside it (the tuner reports trials through its callbacks and
+    its result); the user's verbosity is restored after. Also a decorator (``@quiet_optuna()``)."""
     before = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(max(before, optuna.logging.ERROR))
     try:
