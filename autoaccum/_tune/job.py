@@ -13,6 +13,7 @@ import optax
 from autoaccum._batch import abstract, abstract_batch, resize_batch
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum._estimate import Estimate, estimate
+from autoaccum._json import JsonMixin
 from autoaccum._knobs import Knobs, KnobSpace, Setting
 from autoaccum._preflight import trace_loss, warn_if_not_finite
 from autoaccum._probe import ProbeResult, probe
@@ -144,7 +145,7 @@ def _check_numbers(kw: dict[str, Any], effective_batch: int) -> None:
     race_rounds = kw["race_rounds"]
     if not (isinstance(race_rounds, int) and not isinstance(race_rounds, bool) and race_rounds >= 0):
         raise ValueError(f"`race_rounds` must be an int >= 0 (0: no race), got race_rounds={race_rounds!r}.")
-    for label in ("trial_timeout", "compile_timeout"):
+    for label in ("trial_timeout", "compile_timeout", "timeout"):
         seconds = kw[label]
         if seconds is not None and not (isinstance(seconds, (int, float)) and seconds > 0):
             raise ValueError(f"`{label}` must be a positive number of seconds or None, got {label}={seconds!r}.")
@@ -159,9 +160,6 @@ def _check_numbers(kw: dict[str, Any], effective_batch: int) -> None:
             f"`min_microbatch`={kw['min_microbatch']} is above the largest microbatch that may be timed ({largest}: "
             f"`effective_batch`={effective_batch}, `microbatch_bound`={kw['microbatch_bound']}); lower it."
         )
-    timeout = kw["timeout"]
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"`timeout` must be a positive number of seconds, got timeout={timeout!r}.")
 
 
 def _check_strategies(strategies: Sequence[str] | None) -> list[str]:
@@ -190,41 +188,26 @@ def _on_mesh(layout: Layout, names: list[str], effective_batch: int, *, explicit
 
 
 @dataclasses.dataclass(frozen=True)
-class Space:
-    """The sizes each knob setting may time (`Space.bound`).
+class Space(JsonMixin):
+    """The sizes each knob setting (by index, the default first) may time (`Space.bound`); stored with the study.
 
     Attributes:
-      bounds: per setting, the largest microbatch predicted to fit one microbatch's step (the probe's for the
-        default setting, the calibrated estimate's for the others; ``microbatch_bound`` for all when given).
-      fitting: per setting, the candidate sizes within its bound, at least ``min_microbatch``, whose accumulating
-        step is not predicted over the limit.
+      bounds: the largest microbatch predicted to fit one microbatch's step (the probe's for the default setting,
+        the calibrated estimate's for the others; ``microbatch_bound`` for all when given).
+      fitting: the candidate sizes within the bound, at least ``min_microbatch``, whose accumulating step is not
+        predicted over the limit.
       predicted_over: per setting (by its text), the candidates left out as predicted over the limit.
       probed: the probe's result (None with ``microbatch_bound``).
     """
 
-    bounds: dict[Setting, int]
-    fitting: dict[Setting, list[int]]
+    bounds: list[int]
+    fitting: list[list[int]]
     predicted_over: dict[str, list[int]]
     probed: ProbeResult | None
 
     @property
     def sizes(self) -> list[int]:
-        return list(dict.fromkeys(m for sizes in self.fitting.values() for m in sizes))
-
-    def to_dict(self, settings: Sequence[Setting]) -> dict[str, Any]:
-        """A JSON-able form, each setting's figures in the order of ``settings`` (stored with the study)."""
-        return {
-            "bounds": [self.bounds[s] for s in settings], "fitting": [self.fitting[s] for s in settings],
-            "predicted_over": self.predicted_over, "probed": None if self.probed is None else self.probed.to_dict(),
-        }  # fmt: skip
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], settings: Sequence[Setting]) -> Space:
-        """The `Space` that `to_dict` made with the same ``settings``."""
-        probed = None if data["probed"] is None else ProbeResult.from_dict(data["probed"])
-        bounds = dict(zip(settings, data["bounds"], strict=True))
-        fitting = dict(zip(settings, [list(f) for f in data["fitting"]], strict=True))
-        return cls(bounds, fitting, dict(data["predicted_over"]), probed)
+        return list(dict.fromkeys(m for sizes in self.fitting for m in sizes))
 
     @classmethod
     def bound(cls, job: Job, microbatch_bound: int | None, clock: Clock, worker: Worker | None = None) -> Space:
@@ -248,26 +231,26 @@ class Space:
                     **({} if job.children else {"isolate": False}),  # type: ignore[arg-type]
                 )  # fmt: skip
             microbatch_bound = probed.max_microbatch
-        bounds = dict.fromkeys(job.settings, microbatch_bound)
-        accumulating: dict[Setting, Estimate] = {}
+        bounds = [microbatch_bound] * len(job.settings)
+        accumulating: dict[int, Estimate] = {}
         if probed is not None:
             with clock.phase("estimate"):
                 accumulating = _estimates(job, probed, bounds, worker)
-        fitting: dict[Setting, list[int]] = {}
+        fitting: list[list[int]] = []
         over: dict[str, list[int]] = {}
         shards = 1 if job.layout is None else job.layout.shards
-        for setting, b in bounds.items():
+        for i, b in enumerate(bounds):
             candidates = [m for m in microbatch_candidates(eb, max(b, 1)) if job.min_microbatch <= m <= b]
             candidates = [m for m in candidates if m % shards == 0]
-            fitting[setting] = [m for m in candidates if _fits(probed, accumulating.get(setting), m, eb)]
-            fitting[setting] = fitting[setting] or candidates[:1]  # all predicted over: a trial decides the smallest
-            if len(fitting[setting]) < len(candidates):
-                over[str(setting)] = [m for m in candidates if m not in fitting[setting]]
+            fits = [m for m in candidates if _fits(probed, accumulating.get(i), m, eb)]
+            fitting.append(fits or candidates[:1])  # all predicted over: a trial decides the smallest
+            if len(fitting[i]) < len(candidates):
+                over[str(job.settings[i])] = [m for m in candidates if m not in fitting[i]]
         space = cls(bounds, fitting, over, probed)
         if not space.sizes:
             raise RuntimeError(
                 f"no microbatch size to time between `min_microbatch`={job.min_microbatch} and the bounds "
-                f"{sorted(set(bounds.values()))} (sizes that split {eb} examples evenly or are powers of two); lower "
+                f"{sorted(set(bounds))} (sizes that split {eb} examples evenly or are powers of two); lower "
                 "`min_microbatch`."
             )
         return space
@@ -279,27 +262,24 @@ def _fits(probed: ProbeResult | None, accumulating: Estimate | None, m: int, eff
     return probed.predicted_peak(accumulating, m, effective_batch) <= probed.memory_limit_bytes
 
 
-def _estimates(
-    job: Job, probed: ProbeResult, bounds: dict[Setting, int], worker: Worker | None
-) -> dict[Setting, Estimate]:
+def _estimates(job: Job, probed: ProbeResult, bounds: list[int], worker: Worker | None) -> dict[int, Estimate]:
     """Sets every other setting's bound in ``bounds`` from its estimate (in ``worker`` where there is one);
     returns each setting's estimate of its accumulating step, where the effective batch needs accumulating."""
     accumulates = probed.max_microbatch < job.effective_batch
-    default = job.settings[0]
     kw = {
         "microbatch_cap": probed.microbatch_cap, "accumulation": accumulates,
         "effective_batch": job.effective_batch if accumulates else None,
     }  # fmt: skip
-    accumulating: dict[Setting, Estimate] = {}
-    for setting in job.settings:
-        if setting == default and not accumulates:
+    accumulating: dict[int, Estimate] = {}
+    for i, setting in enumerate(job.settings):
+        if i == 0 and not accumulates:
             continue  # the probe measured it
         predicted = _estimate(job, setting, probed.memory_limit_bytes, worker, kw)
-        if setting != default:
-            bounds[setting] = probed.bound_for(predicted)
+        if i:
+            bounds[i] = probed.bound_for(predicted)
         if accumulates:
-            accumulating[setting] = predicted
-    if max(bounds.values()) < job.min_microbatch:
+            accumulating[i] = predicted
+    if max(bounds) < job.min_microbatch:
         floor = job.min_microbatch
         raise RuntimeError(
             f"nothing fits: no microbatch of at least `min_microbatch`={floor} fits under the probe's limit "

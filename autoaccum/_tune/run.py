@@ -103,8 +103,6 @@ def _result(job: Job, space: Space, study: optuna.Study, runners: list[Runner], 
     if runners:  # the race's winner, at the median of every step it was timed
         top = next(t for t in trials if t.number == runners[0].trial)
         throughput = eb / runners[0].quartiles[1]
-    if study.user_attrs.get("plan_trial") != top.number:
-        study.set_user_attr("plan_trial", top.number)  # the plan's trial, for whoever looks at the study
     strategy, options = job.labels[top.params["strategy"]]
     chosen = job.knob_space.setting_of(top.params)
     m = int(top.params["microbatch_size"])
@@ -122,7 +120,7 @@ def _result(job: Job, space: Space, study: optuna.Study, runners: list[Runner], 
         plan=plan, trials=tuple(ran), race=tuple(runners), memory_limit_bytes=limit,
         peak_bytes=top.user_attrs.get("peak_bytes"), probe=space.probed, study_name=study.study_name, storage="",
         fingerprint="", resumed_trials=0, new_trials=0, message="",
-        bounds={str(setting): bound for setting, bound in space.bounds.items()},
+        bounds={str(setting): bound for setting, bound in zip(job.settings, space.bounds, strict=True)},
         predicted_over=space.predicted_over, update_fn=update_fn, init=update_fn.init,
     )  # fmt: skip
 
@@ -175,51 +173,43 @@ def tune(
 ) -> TuneResult:
     """Finds the microbatch size, accumulation strategy and knobs with the highest measured throughput.
 
-    The probe bounds the microbatch for the default knob setting (each knob's first value); the compile-only
-    estimate, calibrated by the probe, bounds the others and leaves out sizes whose accumulating step it predicts
-    over the limit. Real update steps at the effective batch are then timed in an isolated worker: the whole
-    space when it is small, else what the search proposes (`autoaccum._tune.search`), and the finalists race side
-    by side for the pick. Trials that run out of memory or time out are recorded as failed. The study lives in
-    ``storage`` under a fingerprint of the inputs (`TuneResult.fingerprint`): re-running returns its plan without
-    timing anything, an interrupted tune resumes, several processes (one per host) share one study and one
-    budget and return the same plan, and a changed loss or optimizer starts a new study.
+    The probe bounds the microbatch for the default knob setting (each knob's first value), the calibrated
+    compile-only estimate the others. Real update steps at the effective batch are timed in an isolated worker:
+    the whole space when it is small, else what the search proposes (`autoaccum._tune.search`); the finalists
+    then race side by side for the pick. The study lives in ``storage`` under a fingerprint of the inputs:
+    re-running returns its plan without timing anything, an interrupted tune resumes, several processes share
+    one study and one budget and return the same plan, and a changed loss or optimizer starts a new study.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss (``-> (loss, aux)`` with ``has_aux``), or an
-        `autoaccum.Knobs` whose factory makes it for each value of the loss's own knobs (the plan records
-        the values picked in ``plan.knobs``).
+        `autoaccum.Knobs` whose factory makes it for each value of the loss's own knobs (``plan.knobs``).
       params: the parameters; never donated or changed (trials work on copies).
       batch: an example batch; its leading size is the default effective batch.
       optimizer: the optax optimizer training uses (required: its state is part of the memory).
       effective_batch: examples per update; may exceed the batch's size (rows are then repeated).
-      strategies: strategy names to consider, the first probed; default all of
+      strategies: strategy names to consider, the first probed; default: all of
         ``autoaccum.strategies.available()``, the one ``"auto"`` picks here first.
       memory_limit: bytes (or ``"1.5GiB"``) a step may use; default: the device's (`autoaccum.probe`).
       budget: the configurations the study settles (measured, or failed: out of memory, timed out), earlier
-        runs' and other workers' included. Default: the whole space if it has at most 8 points
-        (`autoaccum._tune.trials.EXHAUSTIVE_UP_TO`), else until the search stops; a larger budget is spent by
-        Optuna's TPE sampler after the search.
+        runs' and other workers' included. Default: the whole space if it has at most `EXHAUSTIVE_UP_TO` points
+        (`autoaccum._tune.trials`), else until the search stops; a larger budget is spent by TPE after the search.
       timeout: stop starting new trials (and waiting for other workers' trials) after this many seconds.
       storage: an RDB URL (default: SQLite at `autoaccum._storage.default_storage`; several hosts:
         ``"postgresql+psycopg://user@host/db"``), ``":memory:"`` or an optuna storage.
       study_name: default: ``"autoaccum-"`` + the fingerprint, so re-running the same tune resumes its study.
       fresh: start the study anew, deleting earlier trials of the same name.
       seed: the sampler's seed.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      state: the model state, when ``loss_fn(params, batch, state) -> (loss, state)`` takes one, as
-        `autoaccum.build_update`'s ``has_state`` (trials and the returned update start from copies of it).
-      loss_reduction: ``"mean"`` or ``"sum"`` (``loss_fn`` returns ``(loss_sum, weight)``).
-      accumulator_dtype: the dtype gradients accumulate in, or a tuple of dtypes to search as a knob, the first
-        probed (e.g. ``(jnp.float32, jnp.bfloat16)``).
+      has_aux, state, loss_reduction: as for `autoaccum.build_update` (``state``: its ``has_state``; trials and
+        the returned update start from copies of it).
+      accumulator_dtype: the dtype gradients accumulate in, or a tuple of dtypes to search, the first probed.
       microbatch_bound: a known bound on the microbatch: skip the probe and time no size above it.
-      min_microbatch: no trial (and no probe trial) runs a smaller microbatch. Set it where a smaller microbatch
-        changes the model, not just the speed (BatchNorm in training mode).
-      remat: the remat policies to search (`autoaccum.build_update`'s ``remat``, None: off), the first one
-        probed; default `autoaccum._knobs.BUILTIN_REMAT`.
-      trial_timeout: seconds a trial's steps may take before it is recorded as failed (the worker restarts).
-      compile_timeout: seconds a trial's compiling may take, likewise.
-      isolate: probe and time each configuration in a worker process under the memory limit (`autoaccum._worker`);
-        ``False``: in this process, with no cap. Default: isolated, except on a TPU (a warning says so).
+      min_microbatch: no trial (and no probe trial) runs a smaller microbatch; set it where a smaller one changes
+        the model, not just the speed (BatchNorm in training mode).
+      remat: the remat policies to search (`autoaccum.build_update`'s ``remat``, None: off), the first probed.
+      trial_timeout, compile_timeout: seconds a trial's steps, and its compiling, may take before it is recorded
+        as failed (the worker restarts).
+      isolate: probe and time in a worker process under the memory limit (`autoaccum._worker`); ``False``: in
+        this process, with no cap. Default: isolated, except on a TPU (a warning says so).
       race_rounds: timings per finalist of the race before the pick (`autoaccum._tune.race`; 0: no race).
       on_trial: ``callback(record, done, total)`` after each trial: its `TrialRecord`, the configurations settled
         so far and the most the study settles.

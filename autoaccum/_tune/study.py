@@ -89,9 +89,9 @@ def open_study(
         space = Space.bound(job, bound, clock, worker)
         stored = study.user_attrs.get("space")  # another worker's, if it finished first
         if stored is None:
-            study.set_user_attr("space", space.to_dict(job.settings))
+            study.set_user_attr("space", space.to_dict())
     if stored is not None:
-        space = Space.from_dict(stored, job.settings)
+        space = Space.from_dict(stored)
     trials = study.get_trials(deepcopy=False)
     done = settled_configs(study).keys() | {config_key(t.params) for t in trials if t.state == State.WAITING}
     for t in trials:

@@ -23,8 +23,7 @@ from autoaccum._update import Update
 from autoaccum._worker import Request, Timing, TrialFailed, Worker
 
 STEPS, WARMUP = 5, 1
-"""Timed steps and warm-up steps of one trial in the worker (a re-timing in the race warms up none: its program
-ran before)."""
+"""Timed steps and warm-up steps of one trial in the worker (a re-timing in the race warms up none)."""
 
 EXHAUSTIVE_UP_TO = 8
 """Without a budget, a space of at most this many configurations is searched whole (``GridSampler``); a larger
@@ -89,7 +88,7 @@ class Trials:
         """Gives ``study`` its sampler: the grid's where ``budget`` covers the grid (without one, where the grid has
         at most `EXHAUSTIVE_UP_TO` points), else the search's proposals, then (with ``budget``) a seeded TPE whose
         ``constant_liar`` counts other workers' running trials as bad ones."""
-        grid_points = sum(len(sizes) for sizes in space.fitting.values()) * len(job.labels)
+        grid_points = sum(len(sizes) for sizes in space.fitting) * len(job.labels)
         exhaustive = grid_points <= EXHAUSTIVE_UP_TO if budget is None else budget >= grid_points
         if exhaustive:
             grid: dict[str, list[Any]] = {"microbatch_size": space.sizes, "strategy": list(job.labels)}
@@ -100,8 +99,7 @@ class Trials:
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 startup = min(len(job.labels) + 2, 8)
                 study.sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, constant_liar=True)
-        sizes = [space.fitting[s] for s in job.settings]
-        search = None if exhaustive else Search(sizes, list(job.labels), job.effective_batch, job.program)
+        search = None if exhaustive else Search(space.fitting, list(job.labels), job.effective_batch, job.program)
         settles = min(budget or grid_points, grid_points)
         return cls(job, space, study, settles, search, budget is None and not exhaustive, time_one, on_trial, clock)
 
@@ -112,15 +110,11 @@ class Trials:
         """Queues what the search proposes next, given the settled trials (not what is queued or settled)."""
         if self.search is None:
             return
-        trials = self.study.get_trials(deepcopy=False)
-        times = {t.number: tuple(t.user_attrs.get("times") or ()) for t in trials}
         seen = []
-        for t in trials:  # a failed trial, or one pruned above a bound lowered by a failure, as failed
-            if t.state == State.COMPLETE:
-                source = t.user_attrs.get("same_program_as", t.user_attrs.get("duplicate_of", t.number))
-                seen.append(Trial(self.job.config_of(t.params), float(t.value), times.get(source, ())))  # type: ignore[arg-type]
-            elif settled(t) or (t.state == State.PRUNED and "above_bound" in t.user_attrs):
-                seen.append(Trial(self.job.config_of(t.params), None))
+        for t in self.study.get_trials(deepcopy=False):  # one pruned above a bound lowered by a failure: failed
+            if settled(t) or (t.state == State.PRUNED and "above_bound" in t.user_attrs):
+                value = float(t.value) if t.state == State.COMPLETE else None  # type: ignore[arg-type]
+                seen.append(Trial(self.job.config_of(t.params), value, tuple(t.user_attrs.get("times") or ())))
         for config in self.search.propose(seen):
             self.study.enqueue_trial(self.job.params_of(config), skip_if_exists=True)
 
@@ -137,8 +131,8 @@ class Trials:
         trial.set_user_attr("remat", setting.remat)
         trial.set_user_attr("accumulator_dtype", setting.accumulator_dtype)
         trial.set_user_attr("knobs", setting.values)
-        bound = min(space.bounds[setting], self.ceilings.get((config.setting, label), space.bounds[setting]))
-        if m > bound or m not in space.fitting[setting]:  # never timed: it claims nothing
+        bound = self.ceilings.get((config.setting, label), space.bounds[config.setting])  # a ceiling is lower
+        if m > bound or m not in space.fitting[config.setting]:  # never timed: it claims nothing
             trial.set_user_attr("above_bound", bound)
             raise optuna.TrialPruned(f"microbatch {m} is not timed with {label}, {setting} (bound {bound})")
         reused = self._reused(trial, config)
@@ -225,7 +219,7 @@ class Trials:
         after_round = -1
         self.steer()
         labels, fitting = len(self.job.labels), self.space.fitting
-        above = (len(self.space.sizes) * len(fitting) - sum(len(f) for f in fitting.values())) * labels  # pruned
+        above = (len(self.space.sizes) * len(fitting) - sum(len(f) for f in fitting)) * labels  # pruned
         while True:
             count = len(settled_configs(self.study))
             left = None if deadline is None else deadline - time.monotonic()
