@@ -254,7 +254,8 @@ def tune(
         worker = None if setup is None else stack.enter_context(_worker(job, setup, compile_timeout, trial_timeout))
         if worker is not None:
             clock.started = functools.partial(getattr, worker, "start_seconds")
-        study, space = open_study(job, opened, study_name or f"autoaccum-{key}", fresh, bound, clock, worker)
+        bounded = functools.partial(Space.bound, job, bound, clock, worker)
+        study, space = open_study(opened, study_name or f"autoaccum-{key}", fresh, bounded)
         resumed = len(settled_configs(study))
         timer = measure or functools.partial(time_update, time_limit=trial_timeout)
         time_one = time_here(job, timer) if worker is None else time_in_worker(job, worker)

@@ -7,14 +7,12 @@ import contextlib
 import hashlib
 import json
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import optuna
 
-from autoaccum._tune.job import Job, Space
-from autoaccum._tune.result import Clock
-from autoaccum._worker import Worker
+from autoaccum._tune.job import Space
 
 State = optuna.trial.TrialState
 
@@ -70,12 +68,11 @@ def settled_configs(study: optuna.Study) -> dict[str, int]:
 
 
 def open_study(
-    job: Job, storage: optuna.storages.BaseStorage, name: str, fresh: bool, bound: int | None, clock: Clock,
-    worker: Worker | None,
-) -> tuple[optuna.Study, Space]:  # fmt: skip
+    storage: optuna.storages.BaseStorage, name: str, fresh: bool, bound: Callable[[], Space]
+) -> tuple[optuna.Study, Space]:
     """The study ``name`` (created, or resumed) and the sizes each setting may time: stored with the study by the
-    worker that bounded them first (the probe runs once per study), else bounded now (`Space.bound`). Trials
-    interrupted by Ctrl-C are queued again (a killed worker's are, once their heartbeat goes stale, by Optuna's
+    worker that bounded them first (the probe runs once per study), else ``bound()`` now. Trials interrupted by
+    Ctrl-C are queued again (a killed worker's are, once their heartbeat goes stale, by Optuna's
     ``RetryHeartbeatStaleTrialCallback``)."""
     if fresh:
         with contextlib.suppress(KeyError):  # no such study yet
@@ -86,7 +83,7 @@ def open_study(
         study.set_metric_names(["examples/s"])
     stored = study.user_attrs.get("space")
     if stored is None:
-        space = Space.bound(job, bound, clock, worker)
+        space = bound()
         stored = study.user_attrs.get("space")  # another worker's, if it finished first
         if stored is None:
             study.set_user_attr("space", space.to_dict())

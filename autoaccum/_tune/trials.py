@@ -199,7 +199,7 @@ class Trials:
     def report(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         """After each trial: the search's next proposals, ``on_trial``, and a stop once the budget is settled."""
         self.steer()
-        if self.searched_only and not self._waiting():
+        if self.searched_only and not any(t.state == State.WAITING for t in study.get_trials(deepcopy=False)):
             study.stop()
         count = len(settled_configs(study))
         if trial.state != State.PRUNED and "duplicate_of" not in trial.user_attrs:
@@ -207,9 +207,6 @@ class Trials:
                 callback(record(trial, self.job.effective_batch, self.job.labels), count, self.budget)
         if count >= self.budget:
             study.stop()
-
-    def _waiting(self) -> bool:
-        return any(t.state == State.WAITING for t in self.study.get_trials(deepcopy=False))
 
     def run(self, timeout: float | None, heartbeats: bool) -> None:
         """Runs trials until the study has settled its budget (or ``timeout`` seconds pass). With nothing left to
