@@ -90,7 +90,8 @@ def open_study(
     if stored is not None:
         space = Space.from_dict(stored)
     trials = study.get_trials(deepcopy=False)
-    done = settled_configs(study).keys() | {config_key(t.params) for t in trials if t.state == State.WAITING}
+    queued = {config_key(t.system_attrs.get("fixed_params", {})) for t in trials if t.state == State.WAITING}
+    done = settled_configs(study).keys() | queued
     for t in trials:
         if t.user_attrs.get("interrupted") and config_key(t.params) not in done:
             study.enqueue_trial(t.params)
