@@ -34,14 +34,13 @@ import numpy as np
 import optax
 
 from autoaccum._batch import abstract, abstract_batch
-from autoaccum._capacity import Capacity, Target, capacity, fit_cost
+from autoaccum._capacity import Capacity, StepCost, Target, capacity, fit_cost
 from autoaccum._catalog import DEFAULT_SAFETY_MARGIN, Accelerator, usable_bytes
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum._cpu_runtime import CPU_RUNTIME_BYTES, runtime_bytes
 from autoaccum._deprecated import renamed
 from autoaccum._json import JsonMixin
 from autoaccum._memory import StepMemory, analyse
-from autoaccum._step_time import StepCost
 from autoaccum._units import parse_bytes
 from autoaccum._update import Update, build_update, resolve_strategy
 from autoaccum.strategies import Program, PyTree, check_params, layout_of, leading_size, tree_bytes

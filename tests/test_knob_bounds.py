@@ -17,10 +17,10 @@ from seams import nnx_tune
 
 import autoaccum
 from autoaccum import Knobs
+from autoaccum._capacity import StepCost
 from autoaccum._device import DeviceInfo
 from autoaccum._estimate import Estimate, Point
 from autoaccum._probe import FIRST_MARGIN, ProbeResult, Trial
-from autoaccum._step_time import StepCost
 from autoaccum._worker import Timing
 
 MiB = 2**20
