@@ -1,7 +1,7 @@
 """Capacity planning from compilation alone: the memory an update step needs at each microbatch size.
 
 `estimate` lowers the update step with ``jax.ShapeDtypeStruct`` arguments and asks XLA what the compiled program
-needs (`autoaccum._memory.live_bytes`) at a few sizes; nothing is run or allocated. The points are joined
+needs (`live_bytes`) at a few sizes; nothing is run or allocated. The points are joined
 piecewise-linearly (one-microbatch steps: ``fixed + per_example * m``); an accumulating step of ``B`` examples adds
 ``accumulation_bytes + per_batch_example_bytes * B``. On the CPU a prediction for this machine adds what XLA's CPU
 runtime allocates outside its accounting (`autoaccum._cpu_runtime`). Step times are roofline estimates
@@ -40,7 +40,6 @@ from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_
 from autoaccum._cpu_runtime import CPU_RUNTIME_BYTES, runtime_bytes
 from autoaccum._deprecated import renamed
 from autoaccum._json import JsonMixin
-from autoaccum._memory import StepMemory, analyse
 from autoaccum._units import parse_bytes
 from autoaccum._update import Update, build_update, resolve_strategy
 from autoaccum.strategies import Program, PyTree, check_params, layout_of, leading_size, tree_bytes
@@ -274,18 +273,32 @@ class Estimate(JsonMixin):
 
 
 COMPILE_ONLY_GPU = "gpu (compile-only)"
-"""How `_analyse` is told its programs were laid out on compile-only GPU devices (`autoaccum._gpu_compile`)."""
+"""How `analyse` is told its programs were laid out on compile-only GPU devices (`autoaccum._gpu_compile`)."""
 
 
-def _analyse(programs: Sequence[Program], options: dict[str, Any], platform: str | None = None) -> StepMemory:
-    """`autoaccum._memory.analyse`, with what the runtime needs beyond XLA's accounting.
+def live_bytes(analysis: Any) -> int:
+    """The one formula for what a compiled program needs (XLA's ``memory_analysis()``): arguments + outputs +
+    temporaries - aliased (donated) bytes."""
+    m = analysis
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def analyse(
+    programs: Sequence[Program], options: dict[str, Any] | None = None, platform: str | None = None, size: int = 0
+) -> Point:
+    """Compiles (never runs) one update call's ``programs`` (`Update.programs`) for a batch of ``size`` and combines
+    XLA's figures as a `Point` (microbatch size 0: the caller's): the peak over the programs of `live_bytes` plus
+    what stays resident beside them, costs summed, and the runtime's bytes beyond XLA's accounting (`runtime_bytes`).
 
     One of our own speed-up options that this jaxlib does not know is dropped (never the user's). On
     `COMPILE_ONLY_GPU`, the programs must have compiled for GPUs, and their costs come from XLA's HLO cost analysis.
     """
     platform = platform or jax.default_backend()
+    if not programs:
+        raise ValueError("`programs` is empty: nothing to analyse.")
+    options = dict(options or {})
     try:
-        memory, compiled = analyse(programs, compiler_options=options)
+        compiled = [program.lowered.compile(compiler_options=options or None) for program in programs]
     except jax.errors.JaxRuntimeError as e:
         from autoaccum._gpu_compile import GPU_COMPILER_OPTIONS
 
@@ -293,17 +306,49 @@ def _analyse(programs: Sequence[Program], options: dict[str, Any], platform: str
         unknown = [k for k in options if k in ours and options[k] == ours[k] and f"compile option: '{k}'" in str(e)]
         if "No such compile option" not in str(e) or not unknown:
             raise
-        return _analyse(programs, {k: v for k, v in options.items() if k not in unknown}, platform)
-    if platform != COMPILE_ONLY_GPU:
-        return memory._replace(runtime_bytes=runtime_bytes(platform, compiled))
-    from autoaccum._gpu_compile import check_gpu, gpu_cost
-
-    flops = moved = 0.0
+        return analyse(programs, {k: v for k, v in options.items() if k not in unknown}, platform, size)
+    peak, flops, accessed = 0, 0.0, 0.0
     for c, program in zip(compiled, programs, strict=True):
-        check_gpu(c)
-        f, b = gpu_cost(c, program.lowered)
-        flops, moved = flops + f, moved + b
-    return StepMemory(memory.peak_bytes, flops, moved, 0)
+        m = c.memory_analysis()
+        if m is None:
+            raise RuntimeError(f"XLA gives no memory analysis on {jax.devices()[0].platform}; cannot predict memory.")
+        peak = max(peak, live_bytes(m) + program.resident_bytes)
+        if platform == COMPILE_ONLY_GPU:
+            from autoaccum._gpu_compile import check_gpu, gpu_cost
+
+            check_gpu(c)
+            f, b = gpu_cost(c, program.lowered)
+        else:
+            cost = c.cost_analysis() or {}
+            if isinstance(cost, list):  # older jax returns one dict per computation
+                cost = cost[0] if cost else {}
+            f, b = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+        flops, accessed = flops + f, accessed + b
+    runtime = 0 if platform == COMPILE_ONLY_GPU else runtime_bytes(platform, compiled)
+    return Point(0, size, peak, flops, accessed, runtime)
+
+
+def step_memory(
+    update: Update, params: PyTree, batch: PyTree, batch_size: int, compiler_options: dict[str, Any] | None = None
+) -> Point:
+    """Compiles (never runs) ``update`` for a batch of ``batch_size`` examples shaped like ``batch`` (`analyse`).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, autoaccum
+      >>> u = autoaccum.build_update(lambda w, b: jnp.mean(b @ w), optax.sgd(0.1), microbatch_size=8)
+      >>> step_memory(u, jnp.ones(4), jnp.ones((8, 4)), 8).peak_bytes > 0
+      True
+    """
+    params_s = abstract(params)
+    opt_state_s = jax.eval_shape(update.init, params_s)
+    programs = update.programs(params_s, opt_state_s, abstract_batch(batch, batch_size))
+    return analyse(programs, compiler_options, size=batch_size)._replace(microbatch_size=update.microbatch_size)
+
+
+def state_bytes(update: Update, params: PyTree) -> int:
+    """Bytes of ``params`` plus the optimizer state ``update.init`` makes for them (abstract; allocates nothing)."""
+    params_s = abstract(params)
+    return tree_bytes(params_s) + tree_bytes(jax.eval_shape(update.init, params_s))
 
 
 class _Measurer:
@@ -362,7 +407,7 @@ class _Measurer:
         """The `Point` of ``size`` (``(0, 0)``: the optimizer step), given to ``on_compile`` (``None`` for the
         optimizer step) with the seconds taken, ``lowering`` included."""
         start = time.perf_counter()
-        point = Point._make((*size, *_analyse(programs, options, self.platform)))
+        point = analyse(programs, options, self.platform, size[1])._replace(microbatch_size=size[0])
         if self.on_compile is not None:
             self.on_compile(point if size != (0, 0) else None, lowering + time.perf_counter() - start)
         return point

@@ -1,13 +1,9 @@
 """The probe: the largest microbatch whose full update step really runs on this device, found in few runs.
 
-A *trial* runs the update step training will run on a batch of one microbatch, in the worker under the memory limit
-(`autoaccum._trial` says what counts as "does not fit"). The search (`search`) starts a little below the compile-only
-estimate's boundary (`FIRST_MARGIN`); each fitting trial's measured peak re-anchors the model ``bytes(m) = fixed +
-per_example * m``, so the next trial aims at the boundary; when the model says the last fit is the largest it checks
-1, 2, 4, ... steps above it, a failure bounds the model's slope from below, and bisection keeps the worst case
-logarithmic. The result is exact for the runs made: ``max_microbatch`` fit and ``max_microbatch + granularity`` did
-not (or the cap was reached). On the CPU a step's peak can vary between runs by a few percent where XLA's kernels
-allocate their own workspace, so a separate run within that margin may disagree.
+`search` (pure Python) starts below the compile-only estimate's answer (`FIRST_MARGIN`), re-anchors the model
+``bytes(m) = fixed + per_example * m`` on each fitting trial's measured peak, steps up from the last fit and bisects
+when steps do not halve the bracket. `probe` runs its trials in the worker (`autoaccum._worker`); its answer is
+exact for the runs made: ``max_microbatch`` fit and the next size did not (or is above the cap).
 """
 
 from __future__ import annotations
@@ -27,10 +23,9 @@ from autoaccum._batch import abstract, host_copy
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum._deprecated import renamed
 from autoaccum._device import DeviceInfo, detect_device, resolve_memory_limit
-from autoaccum._estimate import DEFAULT_MAX_MICROBATCH, Estimate
+from autoaccum._estimate import DEFAULT_MAX_MICROBATCH, Estimate, state_bytes
 from autoaccum._isolation import Outcome
 from autoaccum._json import JsonMixin
-from autoaccum._memory import state_bytes
 from autoaccum._preflight import trace_loss
 from autoaccum._trial import Job, MeshSpec, is_oom, oom_outcome
 from autoaccum._units import format_bytes
@@ -141,14 +136,6 @@ class ProbeResult(JsonMixin):
         largest = max(fits, key=lambda t: t.microbatch_size)
         peak = largest.peak_bytes or self.memory_limit_bytes
         return other.calibrate(largest.microbatch_size, peak, measured=self.estimate)
-
-    @property
-    def missed_bytes(self) -> int | None:
-        """What this probe's compile-only estimate misses on this device, in bytes (`calibrated`): None without a
-        fitting trial or an estimate."""
-        if self.estimate is None or not any(t.fits for t in self.trials):
-            return None
-        return int(self.calibrated(self.estimate).calibration_bytes - self.estimate.calibration_bytes)
 
     def predicted_peak(self, other: Estimate, microbatch_size: int, batch_size: int | None = None) -> int:
         """The peak bytes ``other`` (an estimate of another setting, or of this one with ``accumulation=True``)

@@ -193,7 +193,7 @@ def materialize(params: PyTree, seed: int = 0) -> PyTree:
 class Compiled:
     """A trial's programs, compiled before anything of its size is allocated. Per device, None where unknown:
     ``step_bytes``, the most any of the step's programs allocates beyond its inputs; ``need_bytes``, the least the
-    step needs by XLA's buffer assignment (its largest program's `autoaccum._memory.live_bytes` plus what stays
+    step needs by XLA's buffer assignment (its largest program's `autoaccum._estimate.live_bytes` plus what stays
     resident beside it), a lower bound of its peak."""
 
     job: Job
@@ -214,7 +214,7 @@ def compile_trial(
     """Compiles, from shapes alone (so the memory measured afterwards is the step's), every program a trial of
     microbatch ``size`` runs on a batch of ``rows`` examples (default ``size``). ``makers``: kept across one job's
     trials, the compiled programs that make the parameters, the optimizer state and each batch size."""
-    from autoaccum._memory import live_bytes
+    from autoaccum._estimate import live_bytes
 
     rows = size if rows is None else rows
     makers = {} if makers is None else makers

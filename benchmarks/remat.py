@@ -22,7 +22,7 @@ from autoaccum.strategies import REMAT_POLICIES
 
 import autoaccum
 from autoaccum import workloads
-from autoaccum._memory import step_memory
+from autoaccum._estimate import step_memory
 
 POLICIES: tuple[str | None, ...] = (None, *REMAT_POLICIES)
 

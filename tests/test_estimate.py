@@ -16,7 +16,7 @@ import autoaccum
 from autoaccum import Estimate, Target, workloads
 from autoaccum._catalog import UnknownAcceleratorError
 from autoaccum._cpu_runtime import CPU_RUNTIME_BYTES, conv_patch_bytes
-from autoaccum._memory import step_memory
+from autoaccum._estimate import step_memory
 from autoaccum._probe import Trial, TrialRunner, prepare
 
 NO_YNN = "xla_cpu_experimental_ynn_fusion_type"
