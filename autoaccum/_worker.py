@@ -1,14 +1,9 @@
 """The one isolated process: every estimate, "does it fit" and "time it" request runs here, under the memory limit.
 
-A `Worker` starts a child (`autoaccum._isolation.child_command`, under `autoaccum._isolation.child_env`) and sends it
-one `Request` at a time on its stdin. The child (`serve`, answering through a `Server`) answers on a pipe of its own:
-``{"event": "compiled"}`` once the programs are compiled, ``{"event": "done", "outcome": ...}`` once the steps ran,
-so that compiling and stepping have separate time limits. Three kinds of request: ``"estimate"`` (the compile-only
-`autoaccum.Estimate`), ``"fits"`` (the probe's trial, `autoaccum._trial.measured`) and ``"time"`` (a tuning trial,
-its programs kept for re-timings, `MAX_CACHED`; not run, out of memory, where XLA's buffer assignment alone needs
-more than the limit). After anything else than a fit the worker is restarted (`keeps_worker`); a hang is killed
-with its process group. Nothing that happens in the worker raises in the caller: each is an `Outcome` with its
-reason.
+A `Worker` starts a child (`autoaccum._isolation.child_command`) that reads one `Request` a line on stdin and
+answers on a pipe of its own (`serve`): ``compiled``, then ``done`` with its `Outcome`, so that compiling and stepping
+have separate time limits. After anything but a fit the child is restarted (`keeps_worker`); a hung one is killed.
+Nothing that happens in the child raises in the caller.
 """
 
 from __future__ import annotations
@@ -39,9 +34,8 @@ COMPILATION_CACHE = "AUTOACCUM_COMPILATION_CACHE"
 
 
 def use_compilation_cache() -> Path | None:
-    """Turns on JAX's persistent compilation cache for every program, in the folder JAX is given, else
-    ``<cache folder>/jax``; in the workers only (the caller's configuration is the user's). Returns the folder; None
-    where `COMPILATION_CACHE` is ``0`` or the folder cannot be made."""
+    """Turns on JAX's persistent compilation cache (in the folder JAX is given, else ``<cache folder>/jax``) in a
+    worker; returns the folder, None where `COMPILATION_CACHE` is ``0`` or the folder cannot be made."""
     import jax
 
     if os.environ.get(COMPILATION_CACHE, "1").strip().lower() in ("0", "false", "no", "off"):
@@ -67,8 +61,8 @@ def _cache_dir() -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """How long one configuration's update took: the median of ``steps`` timed steps (``times``, each), the
-    compiling (in this process, the first call), and the measured peak per device (in the worker)."""
+    """One configuration's timing: the median of ``steps`` timed steps (``times``), the compiling, and the measured peak
+    per device (in the worker)."""
 
     seconds_per_step: float
     compile_seconds: float
@@ -95,9 +89,9 @@ def evicted(rates: Mapping[str, float], keep: int = MAX_CACHED) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request: ``build`` (`autoaccum.build_update`'s strategy and options, over the job's), the microbatch,
-    the batch's rows, the steps timed after ``warmup``, which knob ``setting`` makes the loss, the ``kind``, and
-    for an estimate `autoaccum.estimate`'s other keyword arguments."""
+    """One request of ``kind`` ``"estimate"``, ``"fits"`` or ``"time"``: ``build`` (over the job's), the microbatch, the
+    batch's rows, the steps timed after ``warmup``, the knob ``setting`` and, for an estimate, `autoaccum.estimate`'s
+    keyword arguments."""
 
     build: Mapping[str, Any]
     microbatch_size: int
@@ -110,8 +104,8 @@ class Request:
 
 
 class Server:
-    """Answers requests of one job: in the worker (`serve`), or in this process (``isolate=False``). Keeps what
-    makes the inputs (`autoaccum._trial.compile_trial`'s ``makers``) and the fastest configurations' programs."""
+    """Answers requests of one job, in the worker (`serve`) or in this process (``isolate=False``), keeping the
+    compiled input makers and the fastest configurations' programs (`evicted`)."""
 
     def __init__(self, job: Job, settings: Sequence[Mapping[str, Any]], platform: str, device: Any, limit: int) -> None:
         self.job, self.settings, self.platform, self.device, self.limit = job, list(settings), platform, device, limit
@@ -127,8 +121,8 @@ class Server:
         return dataclasses.replace(self.job, loss_fn=loss_fn, build={**self.job.build, **request.build})
 
     def answer(self, request: Request, compiled: Callable[[bool], None] = lambda cached: None) -> Outcome:
-        """The request's `Outcome`; calls ``compiled(cached)`` once its programs are compiled. Raises what the step
-        raises (`autoaccum._trial.guarded` decides what does not fit)."""
+        """The request's `Outcome`; calls ``compiled(cached)`` once its programs are compiled. A ``"time"`` request whose
+        programs alone need more than the limit is not run. Raises what the step raises (`autoaccum._trial.guarded`)."""
         from autoaccum._trial import compile_trial, measured
 
         if request.kind == "estimate":
@@ -174,10 +168,10 @@ _TIMEOUT: dict[str, Any] = {"event": "timeout"}
 
 
 class Worker:
-    """Answers requests of one `Job` in a child process under ``limit`` bytes (per device), as a context manager:
-    ``worker.ask(request) -> Outcome``. ``compile_timeout``, ``step_timeout``: seconds the compiling (an estimate:
-    all of it) and the stepping may take before the worker is killed as hung (None: no limit). ``settings``: the
-    values of the loss's own knobs a `Request` picks from (``job.loss_fn`` is then the `autoaccum.Knobs`)."""
+    """Answers requests of one `Job` in a child process under ``limit`` bytes per device, as a context manager.
+
+    ``compile_timeout``, ``step_timeout``: seconds compiling (an estimate: all of it) and stepping may take before the
+    child is killed as hung (None: no limit). ``settings``: the loss's knob values a `Request` picks from."""
 
     def __init__(
         self,
@@ -220,7 +214,7 @@ class Worker:
             self._dir = None
 
     def ask(self, request: Request) -> Outcome:
-        """Answers one request; never raises for what happens in the worker (see the module docstring)."""
+        """Answers one request; never raises for what happens in the child."""
         for _ in range(2):
             outcome, again = self._attempt(request)
             if not again:
@@ -328,8 +322,8 @@ class Worker:
 
 
 def keeps_worker(outcome: Outcome) -> bool:
-    """Whether the worker that produced ``outcome`` may answer the next request: after a fit, a step that ran to
-    the end over the limit (`over_limit`), or one not run because its programs alone need more (`Server.answer`).
+    """Whether the child that produced ``outcome`` may answer the next request: after a fit, or an out-of-memory
+    outcome with a measured (or XLA's) peak, where the child itself is sound.
 
     Example:
       >>> keeps_worker(Outcome("oom", peak_bytes=2048)), keeps_worker(Outcome("oom", message="Out of memory"))
@@ -340,13 +334,11 @@ def keeps_worker(outcome: Outcome) -> bool:
 
 def over_limit(outcome: Outcome, limit: int) -> Outcome:
     """``outcome``, or an out-of-memory one when it fit with a measured peak above ``limit`` (in a reused worker the
-    CPU cap bounds only the address space's growth; the resident memory touched is the check).
+    CPU cap bounds only the address space's growth).
 
     Example:
       >>> over_limit(Outcome("fits", seconds=0.1, peak_bytes=2048), 1024).status
       'oom'
-      >>> over_limit(Outcome("fits", seconds=0.1, peak_bytes=512), 1024).status
-      'fits'
     """
     if outcome.status != "fits" or outcome.peak_bytes is None or outcome.peak_bytes <= limit:
         return outcome
@@ -391,10 +383,10 @@ def time_update(
     time_limit: float | None = None,
 ) -> Timing:
     """Times ``update`` on ``batch`` in this process (``isolate=False``) with `autoaccum._trial.run_steps`, on copies
-    of ``params`` and ``state`` (given exactly when the update has one).
+    of ``params`` and ``state``.
 
     Raises:
-      TrialFailed: XLA ran out of memory, or the calls so far exceeded ``time_limit`` seconds.
+      TrialFailed: out of memory, or the calls so far took over ``time_limit`` seconds.
     """
     import jax
     import jax.numpy as jnp
