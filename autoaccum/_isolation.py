@@ -1,11 +1,8 @@
 """Child processes that may run out of memory, crash or hang without taking the caller down.
 
-The caller pickles a job (`payload`); `autoaccum._worker.Worker` starts a child (`child_command`: this interpreter
-and this process's `autoaccum`, from any working folder) under `child_env`. A child ends with its parent
-(`die_with_parent`). A child that dies is classified by `classify_exit`: out of memory only after an allocation
-failure it could not report (`OOM_MARKERS` in its output, with ``SIGABRT``/``SIGSEGV`` or an exit status) or a
-``SIGKILL`` while an OOM-kill count rose (`autoaccum._device.oom_kills`); anything else is an error with its
-message, and a child killed from outside runs once more (`dead_child`).
+A job travels pickled (`payload`) to a child that runs this process's `autoaccum` from any folder (`child_command`)
+under a capped allocator (`child_env`) and ends with its parent (`die_with_parent`). A child that dies without
+answering is judged by `classify_exit`.
 """
 
 from __future__ import annotations
@@ -63,11 +60,9 @@ class Outcome(JsonMixin):
 
     Attributes:
       status: ``"fits"``, ``"oom"`` or ``"error"``.
-      seconds: the median timed step's wall time, when it fit; ``times`` each timed step's.
-      first_seconds: the first step's wall time (its programs compiled before), when it fit.
+      seconds: the median timed step, when it fit; ``times`` each timed step; ``first_seconds`` the first step.
       peak_bytes: memory used at the peak, counted like the limit; None where not measurable.
-      message: the OOM or error message.
-      compile_seconds: time spent compiling.
+      message: the OOM or error message; ``compile_seconds``: time spent compiling.
       estimate: an estimate request's `autoaccum.Estimate`, as `to_dict` writes it.
     """
 
@@ -82,8 +77,9 @@ class Outcome(JsonMixin):
 
 
 def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outcome:
-    """The outcome of a child that died without answering: ``returncode`` (``-N`` for signal ``N``), the end of its
-    ``output``, and whether an OOM-kill count rose while it ran (None: unknown)."""
+    """The outcome of a child that died without answering, from its ``returncode`` (``-N``: signal ``N``) and the end of
+    its ``output``: out of memory only after an allocation failure (`says_out_of_memory`) or a ``SIGKILL`` while an
+    OOM-kill count rose (``oom_killed``; None: unknown); anything else an error with the output's end."""
     tail = output.strip()[-1500:]
     if returncode < 0:
         try:
@@ -111,8 +107,8 @@ OUTSIDE_KILLS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal
 
 
 def dead_child(returncode: int, log: Path, kills_before: int | None) -> tuple[Outcome, bool]:
-    """A dead child's outcome (`classify_exit` of the end of its ``log``, an OOM kill judged against
-    ``kills_before``), and whether to run it once more (killed from outside, `OUTSIDE_KILLS`)."""
+    """A dead child's outcome (`classify_exit` of its ``log``'s end, an OOM kill judged against ``kills_before``), and
+    whether to run it once more (killed from outside, `OUTSIDE_KILLS`)."""
     output = log.read_bytes()[-20000:].decode(errors="replace")
     after = oom_kills()
     oom_killed = None if kills_before is None or after is None else after > kills_before
@@ -157,10 +153,9 @@ def child_env(
 ) -> dict[str, str]:
     """The environment of a child: one device (or a mesh's ``devices``), its allocator capped at ``limit``.
 
-    On a GPU: the probed card only (all of them for a mesh), ``XLA_CLIENT_MEM_FRACTION`` = ``limit`` / the card's
-    total, preallocated (one region of exactly the limit, as training holds it; a pool grown on demand is
-    fragmented by compilation's scratch). On the CPU: glibc malloc made predictable (`_CPU_MALLOC`), and on a mesh
-    ``JAX_NUM_CPU_DEVICES`` where ``XLA_FLAGS`` does not set the devices.
+    On a GPU: that card (all cards for a mesh), ``XLA_CLIENT_MEM_FRACTION`` = ``limit`` / its total, preallocated (one
+    region of exactly the limit, as training holds it). On the CPU: glibc malloc made predictable (`_CPU_MALLOC`), and
+    on a mesh ``JAX_NUM_CPU_DEVICES`` unless ``XLA_FLAGS`` sets the devices.
 
     Example:
       >>> child_env(DeviceInfo("cpu", "cpu", 2**33, 2**32, None), 2**30, {})["JAX_PLATFORMS"]
@@ -192,9 +187,9 @@ def child_env(
 def payload(job: Any, platform: str, functions: Sequence[Any] = ()) -> bytes:
     """``job`` pickled for a child: ``(sys.path, platform, cloudpickle bytes, file modules)``.
 
-    A module loaded from a file under a name a fresh interpreter cannot import (a workload file) travels as its
-    path, and the child loads the same file under the same name (`load_payload`). ``functions`` (the user's loss)
-    from other such modules are pickled by value; code pickled by value keeps its file's name (`_dumps`).
+    A module loaded from a file under a name a fresh interpreter cannot import (a workload file) travels as its path
+    (`load_payload` loads it under the same name); ``functions`` (the user's loss) from other such modules are pickled
+    by value, keeping their file's name (`_dumps`).
     """
     files = _file_modules()
     names = [getattr(fn, "__module__", None) for fn in functions]
@@ -243,7 +238,7 @@ def _findable(top: str) -> bool:
 
 def _file_modules() -> dict[str, tuple[str, list[str] | None]]:
     """``{name: (file, package folders or None)}`` of the modules loaded from a file under a top-level name a fresh
-    interpreter cannot find (autoaccum aside: a child has it)."""
+    interpreter cannot find (autoaccum aside)."""
     findable: dict[str, bool] = {__name__.partition(".")[0]: True}
     files = {}
     for name, module in list(sys.modules.items()):
@@ -260,8 +255,8 @@ def _file_modules() -> dict[str, tuple[str, list[str] | None]]:
 
 
 def _dumps(obj: Any) -> bytes:
-    """``cloudpickle.dumps(obj)``, the code of functions pickled by value keeping its file's name (cloudpickle 3
-    names it ``<dynamic-code>``, and a child's traceback would not say where the user's line is)."""
+    """``cloudpickle.dumps(obj)``, code pickled by value keeping its file's name (cloudpickle 3 names it
+    ``<dynamic-code>``, and a traceback would not say where the user's line is)."""
     with io.BytesIO() as file:
         _pickler()(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
         return file.getvalue()
@@ -319,8 +314,8 @@ folder on ``sys.path`` (where a checkout of the repository would shadow an insta
 
 
 def child_command(payload_path: Path, args: Sequence[str]) -> list[str]:
-    """The command that starts a worker (`autoaccum._child.main`) running this process's `autoaccum` (`_BOOT`),
-    told this process's id and thread (`die_with_parent`).
+    """The command that starts a worker (`autoaccum._child.main`) on this process's `autoaccum` (`_BOOT`), told this
+    process's id and thread (`die_with_parent`).
 
     Example:
       >>> command = child_command(Path("job.pkl"), ["5", "1024"])
@@ -337,9 +332,8 @@ def child_command(payload_path: Path, args: Sequence[str]) -> list[str]:
 
 
 def die_with_parent(parent: int, *, at_once: bool) -> None:
-    """Ends this process (a child) when its ``parent`` ends: at once on Linux when started from the parent's main
-    thread (``PR_SET_PDEATHSIG`` fires when the starting *thread* ends), else within a quarter of a second (a thread
-    watching the parent's id)."""
+    """Ends this process (a child) when its ``parent`` ends: at once on Linux when started from the parent's main thread
+    (``PR_SET_PDEATHSIG`` fires when the starting *thread* ends), else within a quarter of a second."""
     if at_once and sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):  # no C library to ask, or one without prctl
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
@@ -359,8 +353,8 @@ TEMP_PREFIX = "autoaccum-"
 
 
 def make_directory() -> Path:
-    """A new temporary folder for one job's children, its owner (this process) in its ``owner`` file, made after
-    removing the folders of earlier runs whose owner is gone (`remove_stale_directories`)."""
+    """A new temporary folder for one job's children, owned by this process (its ``owner`` file), made after removing
+    those of earlier runs whose owner is gone (`remove_stale_directories`)."""
     remove_stale_directories()
     directory = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
     (directory / "owner").write_text(_process_tag(os.getpid()))
@@ -369,7 +363,7 @@ def make_directory() -> Path:
 
 def remove_stale_directories(root: Path | None = None) -> list[Path]:
     """Removes (and returns) this user's ``autoaccum-*`` folders in ``root`` (default: the temporary directory) whose
-    owner process has ended; a folder without an ``owner`` file is left alone."""
+    owner has ended; a folder without an ``owner`` file is left alone."""
     root = Path(tempfile.gettempdir()) if root is None else root
     removed = []
     for directory in root.glob(TEMP_PREFIX + "*"):

@@ -1,9 +1,7 @@
-"""One trial: build the real update step for a microbatch size, compile it, run it under the limit, say if it fit.
+"""One trial: the real update step at one microbatch size, compiled, then run under the memory limit.
 
-Trials run in the worker (`autoaccum._worker`) or, with ``isolate=False``, in the caller's process. A `Job` carries
-the parameters' shapes only; a trial makes the arrays itself. "Does not fit" (`is_oom`): an error that
-`autoaccum._isolation.says_out_of_memory`, a ``MemoryError`` or ``ENOMEM``; under the CPU cap, any other XLA error
-whose step then runs without the cap (`measured`). Anything else is a trial error, reported with its message.
+"Does not fit" is `is_oom` (`autoaccum._isolation.says_out_of_memory`, ``MemoryError``, ``ENOMEM``) or, under the
+CPU cap, an XLA error whose step then runs without the cap (`measured`); anything else is an error with its message.
 """
 
 from __future__ import annotations
@@ -40,9 +38,8 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-    """A mesh (``axis_types`` as ``jax.sharding.AxisType`` names) and the ``PartitionSpec`` of the batch and of each
-    parameter leaf, without devices, so it crosses a process boundary; a child rebuilds it from its first ``size``
-    devices. ``shards``: the pieces the batch is cut into (microbatch sizes are multiples of it)."""
+    """A mesh and the ``PartitionSpec`` of the batch and of each parameter leaf, without devices, so that it pickles (a
+    child rebuilds it on its first ``size`` devices); ``shards``: the pieces the batch is cut into."""
 
     shape: tuple[int, ...]
     axis_names: tuple[str, ...]
@@ -87,9 +84,8 @@ class MeshSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """Everything a trial needs, host-side only, so that it pickles: the parameters as ``jax.ShapeDtypeStruct``,
-    the example batch and the model state (None: the loss takes none) as host copies, `autoaccum.build_update`'s
-    other arguments (``build``) and the caller's mesh (None on one device)."""
+    """What a trial needs, host-side only so that it pickles: the parameters' shapes, host copies of the batch and of
+    the model state (None: none), `autoaccum.build_update`'s other arguments and the mesh (None: one device)."""
 
     loss_fn: Callable[..., Any]
     optimizer: optax.GradientTransformation
@@ -112,8 +108,7 @@ class Job:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.params, shardings)
 
     def inputs(self, batch_size: int | None = None) -> tuple[PyTree, PyTree, PyTree | None]:
-        """Abstract parameters, batch (``batch_size`` rows, default the example's) and model state (arrays), laid
-        out on the mesh when there is one."""
+        """Abstract parameters, batch (``batch_size`` rows, default the example's) and model state, on the mesh."""
         example = device_copy(self.batch)
         batch = abstract_batch(example, batch_size or leading_size(example))
         params = self.abstract_params()
@@ -140,8 +135,8 @@ class Job:
 
 
 def on_device(job: Job, device: Any, *, running: bool = False) -> AbstractContextManager[Any]:
-    """Where a trial compiles and makes its arrays: ``device``, or the mesh (``jax.set_mesh``). ``running``: where its
-    steps run; on a mesh no context (the loop strategy's step does not run under ``jax.set_mesh``)."""
+    """Where a trial compiles and makes its arrays: ``device``, or the mesh; where it runs (``running``): on a mesh, no
+    context (the loop strategy's step does not run under ``jax.set_mesh``)."""
     if job.mesh is None:
         return jax.default_device(device)
     return contextlib.nullcontext() if running else jax.set_mesh(job.mesh.mesh())
@@ -192,9 +187,8 @@ def materialize(params: PyTree, seed: int = 0) -> PyTree:
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     """A trial's programs, compiled before anything of its size is allocated. Per device, None where unknown:
-    ``step_bytes``, the most any of the step's programs allocates beyond its inputs; ``need_bytes``, the least the
-    step needs by XLA's buffer assignment (its largest program's `autoaccum._estimate.live_bytes` plus what stays
-    resident beside it), a lower bound of its peak."""
+    ``step_bytes``, the most a program allocates beyond its inputs; ``need_bytes``, a lower bound of the peak by XLA's
+    buffer assignment (the largest `autoaccum._estimate.live_bytes` plus what stays resident beside it)."""
 
     job: Job
     size: int
@@ -211,9 +205,8 @@ class Compiled:
 def compile_trial(
     job: Job, size: int, device: Any, rows: int | None = None, makers: dict[Any, Any] | None = None
 ) -> Compiled:
-    """Compiles, from shapes alone (so the memory measured afterwards is the step's), every program a trial of
-    microbatch ``size`` runs on a batch of ``rows`` examples (default ``size``). ``makers``: kept across one job's
-    trials, the compiled programs that make the parameters, the optimizer state and each batch size."""
+    """Compiles from shapes alone every program a trial of microbatch ``size`` runs on ``rows`` examples (default
+    ``size``). ``makers``, kept across one job's trials: the compiled programs that make the inputs."""
     from autoaccum._estimate import live_bytes
 
     rows = size if rows is None else rows
@@ -289,11 +282,10 @@ def run_steps(
     between: Callable[[], None] = lambda: None,
     time_limit: float | None = None,
 ) -> tuple[tuple[Any, ...], float, list[float]]:
-    """The one timing loop: calls ``update`` on ``inputs`` (``[params, opt_state, batch, state]``, emptied: no donated
-    buffer is held here) ``1 + warmup + steps`` times (``steps`` with ``time_first``, the first timed too for a
-    program that ran before), ``between()`` before each call after the first. Returns the last call's
-    ``(params, opt_state, loss, state)``, the first call's seconds and the timed calls' seconds; raises
-    ``TimeoutError`` once the calls took over ``time_limit`` seconds."""
+    """The one timing loop: calls ``update`` on ``inputs`` (``[params, opt_state, batch, state]``, emptied here: no
+    donated buffer is held) ``1 + warmup + steps`` times (one fewer with ``time_first``, the first call timed too),
+    ``between()`` before each call after the first. Returns the last ``(params, opt_state, loss, state)``, the first
+    call's seconds and the timed calls'; raises ``TimeoutError`` once the calls took over ``time_limit`` seconds."""
     start = time.perf_counter()
     batch = inputs[2]
     out = jax.block_until_ready(step(update, *inputs))
@@ -312,8 +304,8 @@ def run_steps(
 
 
 def settle(before: int | None, timeout: float = 1.0) -> None:
-    """Waits (at most ``timeout`` s) until at most an eighth (at least 1 MiB) of what a step added to the address
-    space since ``before`` is still mapped: XLA:CPU releases a step's arena after ``block_until_ready`` returns."""
+    """Waits (at most ``timeout`` s) until at most an eighth (at least 1 MiB) of what a step added to the address space
+    since ``before`` is still mapped: XLA:CPU releases a step's arena after ``block_until_ready`` returns."""
     after = None if before is None else proc_status("VmSize")
     if before is None or after is None:
         return
@@ -346,10 +338,9 @@ def proc_status(field: str) -> int | None:
 
 @contextmanager
 def address_space_cap(limit: int, *, resident: bool = False) -> Iterator[Callable[[], int | None]]:
-    """Caps this process's address space (soft ``RLIMIT_AS``, restored on exit) at its current size plus ``limit``,
-    and yields a function giving the bytes used above that size at the peak (None while the peak is the one from
-    before). With ``resident`` (a reused worker, whose address-space peak only grows): the resident peak
-    (``VmHWM``, reset here) above the resident size at entry; None where the reset is refused."""
+    """Caps this process's address space (soft ``RLIMIT_AS``, restored on exit) at its size now plus ``limit``; yields a
+    function giving the bytes used above that size at the peak (None while the peak is the one from before). With
+    ``resident`` (a reused worker): the resident peak (``VmHWM``, reset here) above the resident size now."""
     baseline = proc_status("VmSize")
     before_peak = proc_status("VmPeak")
     if resident:
@@ -386,8 +377,8 @@ def _malloc_trim() -> Callable[[int], int]:
 
 
 def _reset_resident_peak() -> int | None:
-    """Resets ``VmHWM`` to the resident size now and returns that size (None if refused), after returning the C
-    heap's free pages (freed allocations a trial reused would not raise the resident size)."""
+    """Resets ``VmHWM`` to the resident size after returning the C heap's free pages, and returns that size (None if
+    refused)."""
     _malloc_trim()(0)
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -424,10 +415,9 @@ def measured(
     resident: bool = False,
     time_first: bool = False,
 ) -> Outcome:
-    """`run_trial` under the limit per device: on the CPU the address-space cap (a GPU's allocator is capped at
-    start-up). There, an XLA error that is not an OOM by its text (e.g. ``INTERNAL: YNNPACK operation failed``)
-    does not fit if the same step then runs without the cap, else it stands. ``resident``: as
-    `address_space_cap`."""
+    """`run_trial` under the limit per device: on the CPU the address-space cap (a GPU's allocator is capped at start).
+    An XLA error under the cap that is not an OOM by its text does not fit if the same step then runs without the
+    cap, else it stands. ``resident``: as for `address_space_cap`."""
     run = functools.partial(run_trial, steps=steps, warmup=warmup, time_first=time_first)
     n = compiled.job.devices
     if platform != "cpu":
@@ -461,8 +451,8 @@ def guarded(run: Callable[[], Outcome]) -> Outcome:
 
 
 def error_report(e: BaseException, limit: int = 3000) -> str:
-    """How a child reports an exception, the user's code first: the exception and its frames outside autoaccum and
-    the installed libraries, then the end of the whole traceback, in about ``limit`` characters.
+    """How a child reports an exception: the exception and its frames in the user's files first, then the end of the
+    whole traceback, in about ``limit`` characters.
 
     Example:
       >>> try:

@@ -121,8 +121,8 @@ class Server:
         return dataclasses.replace(self.job, loss_fn=loss_fn, build={**self.job.build, **request.build})
 
     def answer(self, request: Request, compiled: Callable[[bool], None] = lambda cached: None) -> Outcome:
-        """The request's `Outcome`; calls ``compiled(cached)`` once its programs are compiled. A ``"time"`` request whose
-        programs alone need more than the limit is not run. Raises what the step raises (`autoaccum._trial.guarded`)."""
+        """The request's `Outcome`; calls ``compiled(cached)`` once its programs are compiled. A ``"time"`` request
+        whose programs alone need more than the limit is not run. Raises what the step raises (see `guarded`)."""
         from autoaccum._trial import compile_trial, measured
 
         if request.kind == "estimate":
