@@ -352,86 +352,83 @@ def state_bytes(update: Update, params: PyTree) -> int:
 
 
 class _Measurer:
-    """Lowers update steps at given sizes and compiles them in a thread pool (XLA releases the GIL: the next step's
-    tracing overlaps the previous one's compiling), keeping each size's `Point`."""
+    """Lowers update steps at given sizes and compiles them in a thread pool (XLA releases the GIL: tracing the next
+    step overlaps compiling the last), keeping each ``(microbatch, batch_size)``'s `Point` (``(0, 0)``: the
+    optimizer step alone) in the order asked for."""
 
     def __init__(
         self,
-        loss_fn: Callable[..., Any],
+        make_update: Callable[[int], Update],
+        optimizer: optax.GradientTransformation,
         params: PyTree,
         batch: PyTree,
-        optimizer: optax.GradientTransformation,
         state: PyTree | None,
-        build: dict[str, Any],
-        compiler_options: dict[str, Any],
+        options: dict[str, Any],
+        platform: str,
+        on_compile: Callable[[Point | None, float], None] | None,
         workers: int,
-        platform: str | None = None,
-        on_compile: Callable[[Point | None, float], None] | None = None,
     ) -> None:
-        self.platform = platform or jax.default_backend()
-        self.on_compile = on_compile
-        self.params, self.batch, self.optimizer = abstract(params), batch, optimizer
-        self.state = () if state is None else (abstract(state),)
-        self.compiler_options = compiler_options  # (COMPILER_OPTIONS included)
-        fast = CPU_SINGLE_STEP_OPTIONS if self.platform == "cpu" else {}
-        self.single_step_options = {**fast, **compiler_options}
-        self._build: Callable[[int], Update] = lambda m: build_update(
-            loss_fn, optimizer, microbatch_size=m, has_state=state is not None, **build
+        self.make_update, self.optimizer, self.batch, self.platform = make_update, optimizer, batch, platform
+        self.params, self.state, self.on_compile = (
+            abstract(params),
+            () if state is None else (abstract(state),),
+            on_compile,
         )
-        first = self._build(1)
+        fast = CPU_SINGLE_STEP_OPTIONS if platform == "cpu" else {}
+        self.compiler_options = {True: {**fast, **options}, False: options}  # by: is it a one-microbatch step?
+        first = make_update(1)
         self.options = dict(first.options)
         self.opt_state = jax.eval_shape(first.init, self.params)
         self.state_bytes = tree_bytes(self.params) + tree_bytes(self.opt_state) + tree_bytes(self.state)
-        self._pool = ThreadPoolExecutor(workers)
-        self._pending: dict[tuple[int, int], Future[Point]] = {}
+        self.pool = ThreadPoolExecutor(workers)
+        self.futures: dict[tuple[int, int], Future[Point]] = {}
         self.points: dict[tuple[int, int], Point] = {}
 
     def __enter__(self) -> _Measurer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(cancel_futures=True)
+        self.pool.shutdown(cancel_futures=True)
 
     def submit(self, sizes: Iterable[tuple[int, int]]) -> None:
-        """Lowers the step for each ``(microbatch, batch_size)`` not measured yet and queues its compilation."""
+        """Lowers the step for each ``(microbatch, batch_size)`` not submitted yet and queues its compilation."""
         for m, total in sizes:
-            if (m, total) not in self.points and (m, total) not in self._pending:
-                start = time.perf_counter()
-                batch = abstract_batch(self.batch, total)
-                programs = self._build(m).programs(self.params, self.opt_state, batch, *self.state)
-                options = self.single_step_options if m == total else self.compiler_options
-                lowering = time.perf_counter() - start
-                self._pending[m, total] = self._pool.submit(self._timed, (m, total), lowering, programs, options)
+            if (m, total) in self.futures:
+                continue
+            start = time.perf_counter()
+            if (m, total) == (0, 0):
+                lowered = jax.jit(self._optimizer_step, donate_argnums=(0, 1))
+                programs = [Program(lowered.lower(self.params, self.opt_state, self.params), 0)]
+            else:
+                step = self.make_update(m)
+                programs = step.programs(self.params, self.opt_state, abstract_batch(self.batch, total), *self.state)
+            lowering = time.perf_counter() - start
+            self.futures[m, total] = self.pool.submit(self._analysed, (m, total), lowering, programs)
 
-    def _timed(self, size: tuple[int, int], lowering: float, programs: Sequence[Program], options: Any) -> Point:
-        """The `Point` of ``size`` (``(0, 0)``: the optimizer step), given to ``on_compile`` (``None`` for the
-        optimizer step) with the seconds taken, ``lowering`` included."""
+    def measure(self, sizes: Sequence[tuple[int, int]]) -> list[Point]:
+        """`Point` for each ``(microbatch, batch_size)``, compiling those not measured yet."""
+        self.submit(sizes)
+        for size in sizes:
+            self.points.setdefault(size, self.futures[size].result())
+        return [self.points[s] for s in sizes]
+
+    def singles(self) -> list[Point]:
+        """The one-microbatch points measured, by size."""
+        return sorted(p for (m, total), p in self.points.items() if m == total != 0)
+
+    def _optimizer_step(self, params: PyTree, opt_state: PyTree, grads: PyTree) -> tuple[PyTree, PyTree]:
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def _analysed(self, size: tuple[int, int], lowering: float, programs: Sequence[Program]) -> Point:
+        """The `Point` of ``size``, given to ``on_compile`` (``None`` for the optimizer step) with the seconds taken,
+        ``lowering`` included."""
         start = time.perf_counter()
+        options = self.compiler_options[size[0] == size[1] != 0]
         point = analyse(programs, options, self.platform, size[1])._replace(microbatch_size=size[0])
         if self.on_compile is not None:
             self.on_compile(point if size != (0, 0) else None, lowering + time.perf_counter() - start)
         return point
-
-    def measure(self, sizes: Iterable[tuple[int, int]]) -> list[Point]:
-        """`Point` for each ``(microbatch, batch_size)``, compiling those not measured yet."""
-        sizes = list(dict.fromkeys(sizes))
-        self.submit(sizes)
-        for size in sizes:
-            if size in self._pending:
-                self.points[size] = self._pending.pop(size).result()
-        return [self.points[s] for s in sizes]
-
-    def optimizer_cost(self) -> Future[Point]:
-        """Cost analysis of one optimizer step on gradients shaped like the parameters (compiled in the pool)."""
-
-        def step(params: PyTree, opt_state: PyTree, grads: PyTree) -> tuple[PyTree, PyTree]:
-            updates, opt_state = self.optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        start = time.perf_counter()
-        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(self.params, self.opt_state, self.params)
-        lowering = time.perf_counter() - start
-        return self._pool.submit(self._timed, (0, 0), lowering, [Program(lowered, 0)], self.compiler_options)
 
 
 def estimate(
@@ -536,14 +533,17 @@ def estimate(
     )  # fmt: skip
     where = COMPILE_ONLY_GPU if platform == "gpu" and target is not None else platform
     compile_options = {**COMPILER_OPTIONS, **(compiler_options or {})}
-    measurer = _Measurer(loss_fn, params, batch, optimizer, state, build, compile_options, workers, where, on_compile)
+
+    def make_update(m: int) -> Update:
+        return build_update(loss_fn, optimizer, microbatch_size=m, has_state=state is not None, **build)
+
+    measurer = _Measurer(make_update, optimizer, params, batch, state, compile_options, where, on_compile, workers)
     with measurer:
         s1 = units(min(max(FIRST_SIZE, 2 * g), cap))
         sizes = [(s1, s1)]
         if accumulation:  # 2 and 4 microbatches of s1, and 2 of s1 plus a smaller last one
             sizes += [(s1, 2 * s1), (s1, 4 * s1), (s1, 2 * s1 + units(s1 // 2) if s1 > g else 3 * s1)]
-        measurer.submit(sizes)
-        opt_future = measurer.optimizer_cost()
+        measurer.submit([*sizes, (0, 0)])
         (single1,) = measurer.measure(sizes[:1])
         largest = cap if effective_batch is None or not accumulation else effective_batch  # a plan's microbatch <= B
         s2 = units(_second_size(single1, measurer.state_bytes, limit, largest))
@@ -556,13 +556,13 @@ def estimate(
             fields.update(_accumulation(single1, *measurer.measure(sizes[1:])))
         else:
             fields.update(accumulation_bytes=None, per_batch_example_bytes=None, remainder_bytes_per_example=None)
-        opt = opt_future.result()
+        opt = measurer.futures[0, 0].result()
         est = _fitted(measurer, opt, seconds=time.perf_counter() - start, **fields)
         plans = effective_batch is not None and accumulation
         top = max(cap, effective_batch or 0)
         for _ in range(2):  # refine at the predicted answers until they are near a measurement (usually once)
             wanted = {est.largest_microbatch(b, effective_batch if plans else None) for b in (limit, *extra_limits)}
-            done = {m for m, total in measurer.points if m == total}
+            done = [p.microbatch_size for p in measurer.singles()]
             todo = [m for m in sorted(wanted) if 1 <= m <= top and not any(abs(m - k) <= NEAR * k for k in done)]
             if not todo:
                 break
@@ -610,7 +610,7 @@ def _accumulation(single: Point, acc2: Point, acc4: Point, uneven: Point) -> dic
 
 def _fitted(measurer: _Measurer, opt: Point, **fields: Any) -> Estimate:
     """The `Estimate` of the points measured so far: ``fields``, and the roofline cost fit (`fit_cost`)."""
-    singles = sorted(p for p in measurer.points.values() if p.batch_size == p.microbatch_size)
+    singles = measurer.singles()
     cost = fit_cost(
         [p.microbatch_size for p in singles], [p.flops for p in singles], [p.bytes_accessed for p in singles],
         (opt.flops, opt.bytes_accessed), measurer.params, fields["shards"],

@@ -117,9 +117,9 @@ class ProbeResult(JsonMixin):
         return _failed_above(self.trials, self.max_microbatch)
 
     def bound_for(self, other: Estimate) -> int:
-        """The largest microbatch predicted to fit for another setting of the probed step (another remat policy, knob
-        values) without probing it: the largest size whose `predicted_peak` is within the limit, at `FIRST_MARGIN`
-        of itself below the cap (a prediction no trial ran), as a multiple of ``granularity``."""
+        """The largest microbatch predicted to fit for another setting of the probed step (``other``'s estimate),
+        without probing it: the `calibrated` answer within the limit, at `FIRST_MARGIN` of itself below the cap, as a
+        multiple of ``granularity``."""
         g = self.granularity
         top = min(self.microbatch_cap, other.microbatch_cap)
         answer = min(self.calibrated(other).largest_microbatch(self.memory_limit_bytes), top)
@@ -129,7 +129,7 @@ class ProbeResult(JsonMixin):
 
     def calibrated(self, other: Estimate) -> Estimate:
         """``other`` (an estimate of the probed step or of another setting of it) calibrated by the largest fitting
-        trial's peak (else the limit, the most it can have used); as it is without a fitting trial or an estimate."""
+        trial's peak (else the limit); unchanged without a fitting trial or an estimate."""
         fits = [t for t in self.trials if t.fits]
         if self.estimate is None or not fits:
             return other
@@ -253,8 +253,8 @@ def search(
     sizes: Sequence[int] | None = None,
 ) -> int:
     """The largest multiple of ``granularity`` (up to ``max_microbatch``; one of ``sizes`` when given) for which
-    ``run`` fits, exactly (see the module docstring). ``run(size)`` runs one trial (its ``fits`` and ``peak_bytes``
-    are used); ``predicted`` and ``per_example_bytes`` are the compile-only estimate's answer and slope. Pure Python.
+    ``run(size)`` fits, exactly (see the module docstring). ``predicted`` and ``per_example_bytes``: the compile-only
+    estimate's answer and slope. Pure Python.
 
     Example:
       >>> run = lambda m: Trial(m, 100 + 3 * m <= 1000, 0.0, peak_bytes=100 + 3 * m)
@@ -311,9 +311,8 @@ def search(
 def _predict(
     points: list[tuple[int, int]], limit: int, per_granule: float | None, failed: int | None = None
 ) -> float | None:
-    """Granules at which the model meets ``limit``: the slope measured between the largest fitting trial and one
-    well below it (else the estimate's), at least what a failure at ``failed`` implies (more than ``limit - u``
-    bytes from a fit using ``u``), anchored at the upper half's fitting trial that gives the most cautious answer."""
+    """Granules at which the model meets ``limit``: the slope between the largest fit and one well below it (else the
+    estimate's), at least what a failure at ``failed`` implies, anchored at the most cautious fit of the upper half."""
     if not points:
         return None
     k_max, u_max = max(points)
@@ -333,8 +332,8 @@ def _predict(
 
 
 class TrialRunner:
-    """Runs trials of one `Setup` as a context manager: ``runner(size) -> Trial``, every trial kept in ``trials``;
-    asks the worker (`autoaccum._worker.Worker`), or with ``isolate=False`` answers here."""
+    """Runs trials of one `Setup` as a context manager: ``runner(size) -> Trial``, every trial kept in ``trials``; in
+    the worker, or with ``isolate=False`` in this process."""
 
     def __init__(self, setup: Setup, progress: Callable[[Trial], None] | None = None) -> None:
         self.setup, self.progress = setup, progress
