@@ -27,10 +27,9 @@ from autoaccum._estimate import DEFAULT_MAX_MICROBATCH, Estimate, state_bytes
 from autoaccum._isolation import Outcome
 from autoaccum._json import JsonMixin
 from autoaccum._preflight import trace_loss
-from autoaccum._trial import Job, MeshSpec, is_oom, oom_outcome
 from autoaccum._units import format_bytes
 from autoaccum._update import resolve_strategy
-from autoaccum._worker import Request, Server, Worker
+from autoaccum._worker import Job, MeshSpec, Request, Server, Worker, is_oom, oom_outcome
 from autoaccum.strategies import PyTree, check_params, leading_size, tree_bytes
 
 FIRST_MARGIN = 0.9

@@ -2,29 +2,513 @@
 
 A `Worker` starts a child (`autoaccum._isolation.child_command`) that reads one `Request` a line on stdin and
 answers on a pipe of its own (`serve`): ``compiled``, then ``done`` with its `Outcome`, so that compiling and stepping
-have separate time limits. After anything but a fit the child is restarted (`keeps_worker`); a hung one is killed.
-Nothing that happens in the child raises in the caller.
+have separate time limits. A trial compiles the real update step from shapes (`compile_trial`) and runs it under the
+limit (`measured`) in the one timing loop (`run_steps`). "Does not fit" is `is_oom`
+(`autoaccum._isolation.says_out_of_memory`, ``MemoryError``, ``ENOMEM``) or, under the CPU cap, an XLA error whose
+step then runs without the cap; anything else is an error with its message. After anything but a fit the child is
+restarted (`keeps_worker`); a hung one is killed. Nothing that happens in the child raises in the caller.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
+import errno
 import functools
 import json
+import math
 import os
+import resource
 import select
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from autoaccum._device import DeviceInfo, oom_kills
-from autoaccum._isolation import Outcome, child_command, child_env, dead_child, kill_group, make_directory, payload
-from autoaccum._trial import Job
-from autoaccum.strategies import PyTree
+import jax
+import jax.numpy as jnp
+import optax
+
+from autoaccum._batch import abstract, abstract_batch, device_copy, resize_batch
+from autoaccum._device import DeviceInfo, memory_stats, oom_kills
+from autoaccum._isolation import (
+    Outcome,
+    child_command,
+    child_env,
+    dead_child,
+    kill_group,
+    load_payload,
+    make_directory,
+    payload,
+    says_out_of_memory,
+)
+from autoaccum.strategies import Program, PyTree, layout_of, leading_size
+
+if TYPE_CHECKING:
+    from autoaccum._update import Update
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """A mesh and the ``PartitionSpec`` of the batch and of each parameter leaf, without devices, so that it pickles (a
+    child rebuilds it on its first ``size`` devices); ``shards``: the pieces the batch is cut into."""
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    axis_types: tuple[str, ...]
+    batch: Any
+    params: PyTree
+    shards: int
+
+    @classmethod
+    def of(cls, params: PyTree, batch: PyTree, state: PyTree | None) -> MeshSpec | None:
+        """The mesh ``batch`` is sharded over (`autoaccum.strategies.layout_of`); None on one device."""
+        layout = layout_of(params, batch, () if state is None else state)
+        if layout is None:
+            return None
+        mesh = layout.mesh
+        types = tuple(t.name for t in getattr(mesh, "axis_types", ())) or ("Auto",) * len(mesh.axis_names)
+        shape, names = tuple(mesh.shape.values()), tuple(mesh.axis_names)
+        return cls(shape, names, types, layout.batch_spec(), layout.param_specs(params), layout.shards)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def mesh(self) -> jax.sharding.Mesh:
+        devices = jax.devices()
+        if len(devices) < self.size:
+            raise RuntimeError(
+                f"the mesh {dict(zip(self.axis_names, self.shape, strict=True))} needs {self.size} devices but this "
+                f"process sees {len(devices)} ({devices[0].platform}); on the CPU set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={self.size} before JAX starts."
+            )
+        types = tuple(getattr(jax.sharding.AxisType, t) for t in self.axis_types)
+        return jax.make_mesh(self.shape, self.axis_names, axis_types=types, devices=devices[: self.size])
+
+    def shardings(self) -> tuple[PyTree, Any, Any]:
+        """``NamedSharding`` of the parameters (a pytree), of the batch and of replicated values."""
+        mesh = self.mesh()
+        named = functools.partial(jax.sharding.NamedSharding, mesh)
+        params = jax.tree.map(named, self.params, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        return params, named(self.batch), named(jax.sharding.PartitionSpec())
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What a trial needs, host-side only so that it pickles: the parameters' shapes, host copies of the batch and of
+    the model state (None: none), `autoaccum.build_update`'s other arguments and the mesh (None: one device)."""
+
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    params: PyTree
+    batch: PyTree
+    state: PyTree | None
+    build: Mapping[str, Any]
+    mesh: MeshSpec | None = None
+
+    @property
+    def devices(self) -> int:
+        """Devices a trial's step runs on (the mesh's, or 1)."""
+        return 1 if self.mesh is None else self.mesh.size
+
+    def abstract_params(self) -> PyTree:
+        """The parameters as ``jax.ShapeDtypeStruct``, laid out on the mesh when there is one."""
+        if self.mesh is None:
+            return abstract(self.params)
+        shardings = self.mesh.shardings()[0]
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.params, shardings)
+
+    def inputs(self, batch_size: int | None = None) -> tuple[PyTree, PyTree, PyTree | None]:
+        """Abstract parameters, batch (``batch_size`` rows, default the example's) and model state, on the mesh."""
+        example = device_copy(self.batch)
+        batch = abstract_batch(example, batch_size or leading_size(example))
+        params = self.abstract_params()
+        if self.mesh is None:
+            return params, batch, None if self.state is None else device_copy(self.state)
+        _, batch_s, replicated = self.mesh.shardings()
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_s), batch)
+        state = None if self.state is None else jax.device_put(device_copy(self.state), replicated)
+        return params, batch, state
+
+    def update(self, microbatch_size: int, donate: bool = True) -> Update:
+        """The update `autoaccum.build_update` makes for this job at ``microbatch_size``."""
+        from autoaccum._update import build_update
+
+        has_state = self.state is not None
+        return build_update(self.loss_fn, self.optimizer, microbatch_size=microbatch_size, has_state=has_state,
+                            donate=donate, **dict(self.build))  # fmt: skip
+
+    def programs(self, update: Update, batch_size: int) -> list[Program]:
+        """``update``'s programs for a batch of ``batch_size`` rows, lowered from shapes alone."""
+        params, batch, state = self.inputs(batch_size)
+        opt_state = jax.eval_shape(update.init, params)
+        return update.programs(params, opt_state, batch, *(() if state is None else (abstract(state),)))
+
+
+def on_device(job: Job, device: Any, *, running: bool = False) -> AbstractContextManager[Any]:
+    """Where a trial compiles and makes its arrays: ``device``, or the mesh; where it runs (``running``): on a mesh, no
+    context (the loop strategy's step does not run under ``jax.set_mesh``)."""
+    if job.mesh is None:
+        return jax.default_device(device)
+    return contextlib.nullcontext() if running else jax.set_mesh(job.mesh.mesh())
+
+
+def step(update: Update, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree | None) -> tuple[Any, ...]:
+    """One call of ``update``, with or without a model state: always ``(params, opt_state, loss, state)``."""
+    if state is None:
+        return (*update(params, opt_state, batch), None)
+    return tuple(update(params, opt_state, batch, state))
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` says an allocation failed (see the module docstring).
+
+    Example:
+      >>> is_oom(MemoryError()), is_oom(ValueError("RESOURCE_EXHAUSTED"))
+      (True, False)
+    """
+    if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
+        return True
+    return isinstance(exc, jax.errors.JaxRuntimeError) and says_out_of_memory(str(exc))
+
+
+def materialize(params: PyTree, seed: int = 0) -> PyTree:
+    """Arrays shaped like ``params`` (``jax.ShapeDtypeStruct`` leaves): small varied floats in [-0.02, 0.02] (a sine
+    of each element's index, far cheaper to compile than a random normal), zeros otherwise. Jit it.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> made = materialize({"w": jax.ShapeDtypeStruct((2, 3), jnp.float32), "n": jax.ShapeDtypeStruct((), jnp.int32)})
+      >>> made["w"].shape, bool(jnp.all(jnp.abs(made["w"]) <= 0.02)), int(made["n"])
+      ((2, 3), True, 0)
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    made = []
+    for i, x in enumerate(leaves):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            index = jax.lax.broadcasted_iota(jnp.float32, x.shape, len(x.shape) - 1) if x.shape else jnp.float32(0)
+            for axis in range(len(x.shape) - 1):  # a distinct phase per row, so rows differ
+                index = index + 7.3 * jax.lax.broadcasted_iota(jnp.float32, x.shape, axis)
+            made.append((0.02 * jnp.sin(0.61803 * index + seed + i)).astype(x.dtype))
+        else:
+            made.append(jnp.zeros(x.shape, x.dtype))
+    return jax.tree.unflatten(treedef, made)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A trial's programs, compiled before anything of its size is allocated. Per device, None where unknown:
+    ``step_bytes``, the most a program allocates beyond its inputs; ``need_bytes``, a lower bound of the peak by XLA's
+    buffer assignment (the largest `autoaccum._estimate.live_bytes` plus what stays resident beside it)."""
+
+    job: Job
+    size: int
+    device: Any
+    update: Any
+    make_params: Callable[[], PyTree]
+    init: Callable[[PyTree], PyTree]
+    resize: Callable[[PyTree], PyTree]
+    seconds: float
+    step_bytes: int | None = None
+    need_bytes: int | None = None
+
+
+def compile_trial(
+    job: Job, size: int, device: Any, rows: int | None = None, makers: dict[Any, Any] | None = None
+) -> Compiled:
+    """Compiles from shapes alone every program a trial of microbatch ``size`` runs on ``rows`` examples (default
+    ``size``). ``makers``, kept across one job's trials: the compiled programs that make the inputs."""
+    from autoaccum._estimate import live_bytes
+
+    rows = size if rows is None else rows
+    makers = {} if makers is None else makers
+    start = time.perf_counter()
+    update = job.update(size)
+    with on_device(job, device):
+        params_s = job.abstract_params()
+        placed: dict[str, Any] = {}
+        if job.mesh is not None:  # made where the mesh's step expects them
+            shardings, batch_sharding, _ = job.mesh.shardings()
+            placed = {"out_shardings": shardings}
+        if "params" not in makers:
+            makers["params"] = jax.jit(functools.partial(materialize, abstract(job.params)), **placed).lower().compile()
+        if "init" not in makers:  # (`Update.init` is the optimizer's, the same for every strategy)
+            makers["init"] = jax.jit(job.optimizer.init)
+            makers["init"].lower(params_s).compile()  # the jit keeps it: the call in run_trial does not compile again
+        if ("batch", rows) not in makers:
+            out = {} if job.mesh is None else {"out_shardings": batch_sharding}
+            resized = jax.jit(functools.partial(resize_batch, size=rows), **out)
+            makers["batch", rows] = resized.lower(abstract(device_copy(job.batch))).compile()
+        make_params, init, resize = makers["params"], makers["init"], makers["batch", rows]
+        extra, need = [], []
+        try:
+            programs = job.programs(update, rows)
+        except NotImplementedError:
+            if job.mesh is None:
+                raise
+            programs = []  # (the loop strategy on an Explicit mesh, see `on_device`: its first call compiles it)
+        for program in programs:
+            analysis = program.lowered.compile().memory_analysis()  # likewise kept by the strategy's jitted functions
+            if analysis is not None:
+                live = live_bytes(analysis)
+                extra.append(live - analysis.argument_size_in_bytes)
+                need.append(live + program.resident_bytes)
+    seconds = time.perf_counter() - start
+    return Compiled(
+        job, size, device, update, make_params, init, resize, seconds, max(extra, default=None), max(need, default=None)
+    )
+
+
+def run_trial(
+    compiled: Compiled, peak: Callable[[], int | None], *, steps: int = 1, warmup: int = 0, time_first: bool = False
+) -> Outcome:
+    """Makes the inputs on the device and runs the compiled step (`run_steps`), letting each call's memory go before
+    the next (`settle`); ``peak()`` then gives the memory used. Raises whatever the step raises."""
+    job, update, device = compiled.job, compiled.update, compiled.device
+    with on_device(job, device):
+        params = compiled.make_params()
+        made = [params, compiled.init(params), compiled.resize(device_copy(job.batch)), job.inputs(1)[2]]
+        del params
+        jax.block_until_ready(made)
+    with on_device(job, device, running=True):
+        inputs = memory_stats(device).get("bytes_in_use")  # a GPU's live bytes now; None on the CPU
+        before = proc_status("VmSize")
+        between = functools.partial(settle, before)
+        out, first, times = run_steps(update, made, steps=steps, warmup=warmup, time_first=time_first, between=between)
+    used = peak()
+    if used is None and inputs is not None and compiled.step_bytes is not None:
+        used = inputs + compiled.step_bytes  # a GPU's peak did not rise (bigger work ran before): live + the step's
+    del out
+    return Outcome("fits", seconds=statistics.median(times), first_seconds=first, peak_bytes=used,
+                   compile_seconds=compiled.seconds, times=times)  # fmt: skip
+
+
+def run_steps(
+    update: Update,
+    inputs: list[Any],
+    *,
+    steps: int,
+    warmup: int,
+    time_first: bool = False,
+    between: Callable[[], None] = lambda: None,
+    time_limit: float | None = None,
+) -> tuple[tuple[Any, ...], float, list[float]]:
+    """The one timing loop: calls ``update`` on ``inputs`` (``[params, opt_state, batch, state]``, emptied here: no
+    donated buffer is held) ``1 + warmup + steps`` times (one fewer with ``time_first``, the first call timed too),
+    ``between()`` before each call after the first. Returns the last ``(params, opt_state, loss, state)``, the first
+    call's seconds and the timed calls'; raises ``TimeoutError`` once the calls took over ``time_limit`` seconds."""
+    start = time.perf_counter()
+    batch = inputs[2]
+    out = jax.block_until_ready(step(update, *inputs))
+    inputs.clear()
+    first = time.perf_counter() - start
+    times = [first] if time_first and not warmup else []
+    for i in range(warmup + steps - len(times)):
+        if time_limit is not None and time.perf_counter() - start > time_limit:
+            raise TimeoutError(f"over {time_limit:g} s after {i} of {warmup + steps} steps")
+        between()
+        resume = time.perf_counter()
+        out = jax.block_until_ready(step(update, out[0], out[1], batch, out[3]))
+        if i >= warmup:
+            times.append(time.perf_counter() - resume)
+    return out, first, times
+
+
+def settle(before: int | None, timeout: float = 1.0) -> None:
+    """Waits (at most ``timeout`` s) until at most an eighth (at least 1 MiB) of what a step added to the address space
+    since ``before`` is still mapped: XLA:CPU releases a step's arena after ``block_until_ready`` returns."""
+    after = None if before is None else proc_status("VmSize")
+    if before is None or after is None:
+        return
+    slack = max(1 << 20, (after - before) // 8)
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        now = proc_status("VmSize")
+        if now is None or now <= before + slack:
+            return
+        time.sleep(0.002)
+
+
+def oom_outcome(e: BaseException) -> Outcome:
+    """The "does not fit" outcome for an error `is_oom` accepts."""
+    text = str(e).strip() or type(e).__name__
+    return Outcome("oom", message=text.splitlines()[0][:500])
+
+
+def proc_status(field: str) -> int | None:
+    """``field`` (e.g. ``"VmSize"``) of ``/proc/self/status`` in bytes, or None off Linux."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+@contextmanager
+def address_space_cap(limit: int, *, resident: bool = False) -> Iterator[Callable[[], int | None]]:
+    """Caps this process's address space (soft ``RLIMIT_AS``, restored on exit) at its size now plus ``limit``; yields a
+    function giving the bytes used above that size at the peak (None while the peak is the one from before). With
+    ``resident`` (a reused worker): the resident peak (``VmHWM``, reset here) above the resident size now."""
+    baseline = proc_status("VmSize")
+    before_peak = proc_status("VmPeak")
+    if resident:
+        rss = _reset_resident_peak()
+    if baseline is None:
+        raise OSError(errno.ENOSYS, "the CPU memory cap needs /proc/self/status (Linux)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = baseline + limit
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+
+    def used() -> int | None:
+        if resident:
+            hwm = proc_status("VmHWM")
+            return None if rss is None or hwm is None else max(hwm - rss, 0)
+        peak = proc_status("VmPeak")
+        if peak is None or before_peak is None or peak <= before_peak:
+            return None
+        return peak - baseline
+
+    try:
+        yield used
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int]:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return lambda pad: 0
+
+
+def _reset_resident_peak() -> int | None:
+    """Resets ``VmHWM`` to the resident size after returning the C heap's free pages, and returns that size (None if
+    refused)."""
+    _malloc_trim()(0)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return proc_status("VmRSS")
+
+
+def gpu_peak(device: Any) -> Callable[[], int | None]:
+    """A function giving XLA's ``peak_bytes_in_use`` on ``device`` if it rose since now, else None."""
+    before = memory_stats(device).get("peak_bytes_in_use")
+
+    def peak() -> int | None:
+        after = memory_stats(device).get("peak_bytes_in_use")
+        if after is None or (before is not None and before > 0 and after <= before):
+            return None
+        return int(after)
+
+    return peak
+
+
+def warm_up(device: Any) -> None:
+    """Starts the backend, its thread pools and the compiler, so that they are not charged to a trial."""
+    jax.block_until_ready(jax.jit(lambda x: x * 2 + 1)(jax.device_put(jnp.ones(8), device)))
+
+
+def measured(
+    compiled: Compiled,
+    platform: str,
+    limit: int,
+    *,
+    steps: int = 1,
+    warmup: int = 0,
+    resident: bool = False,
+    time_first: bool = False,
+) -> Outcome:
+    """`run_trial` under the limit per device: on the CPU the address-space cap (a GPU's allocator is capped at start).
+    An XLA error under the cap that is not an OOM by its text does not fit if the same step then runs without the
+    cap, else it stands. ``resident``: as for `address_space_cap`."""
+    run = functools.partial(run_trial, steps=steps, warmup=warmup, time_first=time_first)
+    n = compiled.job.devices
+    if platform != "cpu":
+        if compiled.job.mesh is None:
+            return run(compiled, gpu_peak(compiled.device))
+        peaks = [gpu_peak(d) for d in jax.devices()[:n]]  # per device: the fullest one
+        return run(compiled, lambda: max((p() or 0 for p in peaks), default=0) or None)
+    try:  # a mesh's CPU devices share this process (data parallel: equal shares)
+        with address_space_cap(limit * n, resident=resident) as used:
+            return run(compiled, lambda: None if (u := used()) is None else u // n)
+    except jax.errors.JaxRuntimeError as e:
+        if is_oom(e):
+            raise
+        run_trial(compiled, lambda: None)  # raises if the failure is not the cap's doing
+        first = oom_outcome(e).message
+        return Outcome("oom", message=f"{first} (under the cap; the same step runs without it)")
+
+
+def guarded(run: Callable[[], Outcome]) -> Outcome:
+    """``run()`` in a child process: an allocation failure (`is_oom`) is the ``"oom"`` outcome, any other exception
+    an ``"error"`` outcome with its traceback."""
+    try:
+        try:
+            return run()
+        except (jax.errors.JaxRuntimeError, MemoryError, OSError) as e:
+            if not is_oom(e):
+                raise
+            return oom_outcome(e)
+    except Exception as e:
+        return Outcome("error", message=error_report(e))
+
+
+def error_report(e: BaseException, limit: int = 3000) -> str:
+    """How a child reports an exception: the exception and its frames in the user's files first, then the end of the
+    whole traceback, in about ``limit`` characters.
+
+    Example:
+      >>> try:
+      ...     {}["nope"]
+      ... except KeyError as e:
+      ...     print(error_report(e).splitlines()[0])
+      KeyError: 'nope'
+    """
+    users = [f for f in traceback.extract_tb(e.__traceback__) if _users_file(f.filename)]
+    only = traceback.TracebackException(type(e), e, None)
+    if sys.version_info >= (3, 11):
+        only.__notes__ = None  # (JAX's note on the frames it removed: in the whole traceback below)
+    head = "".join(only.format_exception_only()).strip()
+    if users:
+        head += "\n" + "".join(traceback.format_list(users[-8:])).rstrip()
+    whole = "".join(traceback.format_exception(type(e), e, e.__traceback__)).strip()
+    room = max(limit - len(head), 500)
+    tail = whole if len(whole) <= room else "..." + whole[-room:]
+    return f"{head}\nThe whole traceback (autoaccum's and the libraries' frames too):\n{tail}"
+
+
+@functools.cache
+def _library_folders() -> tuple[str, ...]:
+    """The folders whose code is not the user's: autoaccum's (its strategies too) and the Python installation's."""
+    import sysconfig
+
+    import autoaccum
+    from autoaccum import strategies
+
+    paths = sysconfig.get_paths()
+    folders = [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths]
+    folders += [str(Path(m.__file__).parent) for m in (autoaccum, strategies) if m.__file__ is not None]
+    return tuple(os.path.join(os.path.realpath(f), "") for f in folders)
+
+
+def _users_file(filename: str) -> bool:
+    return not filename.startswith("<") and not os.path.realpath(filename).startswith(_library_folders())
+
 
 MAX_CACHED = 6
 """Configurations whose compiled programs a worker keeps: the fastest timed so far (`evicted`)."""
@@ -36,8 +520,6 @@ COMPILATION_CACHE = "AUTOACCUM_COMPILATION_CACHE"
 def use_compilation_cache() -> Path | None:
     """Turns on JAX's persistent compilation cache (in the folder JAX is given, else ``<cache folder>/jax``) in a
     worker; returns the folder, None where `COMPILATION_CACHE` is ``0`` or the folder cannot be made."""
-    import jax
-
     if os.environ.get(COMPILATION_CACHE, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     from autoaccum._storage import cache_folder
@@ -54,8 +536,6 @@ def use_compilation_cache() -> Path | None:
 
 
 def _cache_dir() -> str | None:
-    import jax
-
     return jax.config.values.get("jax_compilation_cache_dir")
 
 
@@ -123,7 +603,6 @@ class Server:
     def answer(self, request: Request, compiled: Callable[[bool], None] = lambda cached: None) -> Outcome:
         """The request's `Outcome`; calls ``compiled(cached)`` once its programs are compiled. A ``"time"`` request
         whose programs alone need more than the limit is not run. Raises what the step raises (see `guarded`)."""
-        from autoaccum._trial import compile_trial, measured
 
         if request.kind == "estimate":
             from autoaccum._estimate import estimate
@@ -348,11 +827,6 @@ def over_limit(outcome: Outcome, limit: int) -> Outcome:
 
 def serve(payload_path: str, answers_fd: int, limit: int) -> None:
     """The worker's loop (in the child): one `Request` per line of stdin, its `Outcome` on ``answers_fd``."""
-    import jax
-
-    from autoaccum._isolation import load_payload
-    from autoaccum._trial import guarded, warm_up
-
     use_compilation_cache()
     (job, settings), platform = load_payload(payload_path)
     device = jax.devices()[0]
@@ -382,17 +856,12 @@ def time_update(
     state: PyTree | None = None,
     time_limit: float | None = None,
 ) -> Timing:
-    """Times ``update`` on ``batch`` in this process (``isolate=False``) with `autoaccum._trial.run_steps`, on copies
+    """Times ``update`` on ``batch`` in this process (``isolate=False``) with `run_steps`, on copies
     of ``params`` and ``state``.
 
     Raises:
       TrialFailed: out of memory, or the calls so far took over ``time_limit`` seconds.
     """
-    import jax
-    import jax.numpy as jnp
-
-    from autoaccum._trial import is_oom, run_steps
-
     params = jax.tree.map(jnp.array, params)
     state = None if state is None else jax.tree.map(jnp.array, state)
     try:

@@ -73,9 +73,9 @@ from autoaccum import workloads
 from autoaccum._catalog import UnknownAcceleratorError, lookup, suggest
 from autoaccum._gpu_compile import compiler_status
 from autoaccum._probe import TrialRunner, prepare
-from autoaccum._trial import is_oom
 from autoaccum._tune.space import microbatch_candidates, program_key, variants
 from autoaccum._units import format_bytes
+from autoaccum._worker import is_oom
 
 NA_CPU = "not applicable on cpu"
 """What the report says of a figure that exists only on a GPU (NVML, XLA's GPU allocator, a catalogued peak)."""

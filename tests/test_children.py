@@ -136,7 +136,7 @@ def test_a_loss_raising_in_a_child_is_reported_from_the_users_file_first(tmp_pat
     report = result.output[result.output.index("failed: ") :]
     where = f'File "{path}", line 12, in criterion'
     assert report.startswith("failed: KeyError: 'nope'\n") and where in report, report
-    assert report.index(where) < report.index("_trial.py") and "<dynamic-code>" not in report, report
+    assert report.index(where) < report.index("_worker.py") and "<dynamic-code>" not in report, report
 
 
 def pids(attempts: Path) -> set[str]:

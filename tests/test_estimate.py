@@ -199,7 +199,7 @@ CASES = {"mlp": "48MiB", "cnn": "96MiB", "transformer": "768MiB"}
 """Per workload, a cap whose boundary lies well inside the probe's range. Capped CPU trials are not quite
 deterministic (the same transformer trial at 74 examples under 128MiB fit, failed, fit: one 110 MB allocation
 meets a fragmented address space; XLA:CPU also frees a step's temporaries asynchronously, which the probe's
-trials now wait out, see `autoaccum._trial.settle`), so the caps are large enough for what jitter remains to
+trials now wait out, see `autoaccum._worker.settle`), so the caps are large enough for what jitter remains to
 stay a few % of the answer."""
 
 

@@ -40,7 +40,7 @@ def test_the_cli_shows_a_loss_error_in_the_users_file_before_any_trial(tmp_path:
         assert result.returncode == 2, output
         assert "raised KeyError: 'nope'" in output and f'File "{path}", line 9, in loss_fn' in output, output
         assert "# the user's bug" in output
-        assert "trial" not in output.split("raised")[0] and "_trial.py" not in output and "guarded" not in output
+        assert "trial" not in output.split("raised")[0] and "_worker.py" not in output and "guarded" not in output
 
 
 def test_initial_loss_unpacks_state_aux_and_sums() -> None:

@@ -21,8 +21,8 @@ import pytest
 import autoaccum
 from autoaccum._isolation import classify_exit
 from autoaccum._probe import ProbeError, Trial, TrialRunner, prepare, search
-from autoaccum._trial import is_oom
 from autoaccum._tune.space import fewest_steps, microbatch_candidates, probe_sizes
+from autoaccum._worker import is_oom
 
 # What `measured` reads of a compiled trial when `run_trial` is replaced: one device, no mesh.
 ONE_DEVICE = types.SimpleNamespace(job=types.SimpleNamespace(devices=1, mesh=None))
@@ -191,23 +191,23 @@ def test_oom_classification() -> None:
 def test_an_unlabelled_xla_error_under_the_cpu_cap_counts_only_if_it_runs_without_the_cap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from autoaccum import _trial
+    from autoaccum import _worker
 
     calls: list[int] = []
 
-    def flaky(compiled: object, peak: object, fail_times: int) -> _trial.Outcome:
+    def flaky(compiled: object, peak: object, fail_times: int) -> _worker.Outcome:
         calls.append(1)
         if len(calls) <= fail_times:
             raise jax.errors.JaxRuntimeError("INTERNAL: YNNPACK operation failed: error")
-        return _trial.Outcome("fits")
+        return _worker.Outcome("fits")
 
-    monkeypatch.setattr(_trial, "run_trial", lambda c, p, **kw: flaky(c, p, 1))
-    outcome = _trial.measured(ONE_DEVICE, "cpu", 2**30)  # type: ignore[arg-type]
+    monkeypatch.setattr(_worker, "run_trial", lambda c, p, **kw: flaky(c, p, 1))
+    outcome = _worker.measured(ONE_DEVICE, "cpu", 2**30)  # type: ignore[arg-type]
     assert outcome.status == "oom" and "runs without it" in (outcome.message or "") and len(calls) == 2
     calls.clear()
-    monkeypatch.setattr(_trial, "run_trial", lambda c, p, **kw: flaky(c, p, 2))
+    monkeypatch.setattr(_worker, "run_trial", lambda c, p, **kw: flaky(c, p, 2))
     with pytest.raises(jax.errors.JaxRuntimeError, match="YNNPACK"):
-        _trial.measured(ONE_DEVICE, "cpu", 2**30)  # type: ignore[arg-type]
+        _worker.measured(ONE_DEVICE, "cpu", 2**30)  # type: ignore[arg-type]
 
 
 def test_in_process_probe_leaves_the_callers_arrays_alone() -> None:

@@ -165,7 +165,7 @@ def test_the_worker_compiles_what_makes_the_inputs_once_and_each_trial_steps_on_
     (`compile_trial`'s ``makers``): compiled for the first trial only (a new batch size gets its own), and a later
     trial of another strategy and size makes exactly the inputs a trial compiled on its own makes."""
     from autoaccum._batch import device_copy
-    from autoaccum._trial import compile_trial, step
+    from autoaccum._worker import compile_trial, step
 
     params, batch = problem(features=16)
     setup = prepare(linear_loss, params, batch, optimizer=optax.adam(0.1), memory_limit="256MiB")
@@ -193,7 +193,7 @@ def test_a_re_timing_of_a_program_the_worker_ran_before_times_its_first_call() -
     """A configuration timed again with no warm-up (the ladder's and the race's re-timings) runs ``steps`` calls,
     the first timed as well (its program ran before in the worker); its first timing ran an untimed first call
     and the warm-up before its ``steps`` timed ones. In the process, `run_trial` calls the step that many times."""
-    from autoaccum._trial import compile_trial, run_trial
+    from autoaccum._worker import compile_trial, run_trial
 
     params, batch = problem(features=16)
     setup = prepare(linear_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB")
