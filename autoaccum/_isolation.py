@@ -27,8 +27,7 @@ import tempfile
 import threading
 import time
 import types
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -198,9 +197,7 @@ def payload(job: Any, platform: str, functions: Sequence[Any] = ()) -> bytes:
         if isinstance(n, str) and n in sys.modules and n != "__main__" and n not in files
         and not _findable(n.partition(".")[0])
     ]  # fmt: skip
-    with _by_value(by_value):
-        body = _dumps(job)
-    return pickle.dumps(([p for p in sys.path if p], platform, body, files))
+    return pickle.dumps(([p for p in sys.path if p], platform, _dumps(job, by_value), files))
 
 
 def load_payload(payload_path: str) -> tuple[Any, str]:
@@ -254,12 +251,20 @@ def _file_modules() -> dict[str, tuple[str, list[str] | None]]:
     return files
 
 
-def _dumps(obj: Any) -> bytes:
-    """``cloudpickle.dumps(obj)``, code pickled by value keeping its file's name (cloudpickle 3 names it
-    ``<dynamic-code>``, and a traceback would not say where the user's line is)."""
-    with io.BytesIO() as file:
-        _pickler()(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-        return file.getvalue()
+def _dumps(obj: Any, by_value: Sequence[ModuleType]) -> bytes:
+    """``cloudpickle.dumps(obj)``, the modules ``by_value`` pickled by value, their code keeping its file's name
+    (cloudpickle 3 names it ``<dynamic-code>``, and a traceback would not say where the user's line is)."""
+    import cloudpickle
+
+    for m in by_value:
+        cloudpickle.register_pickle_by_value(m)
+    try:
+        with io.BytesIO() as file:
+            _pickler()(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+            return file.getvalue()
+    finally:
+        for m in by_value:
+            cloudpickle.unregister_pickle_by_value(m)
 
 
 @functools.cache
@@ -283,19 +288,6 @@ def _pickler() -> type[pickle.Pickler]:
 def _code_in_file(rebuild: Any, args: tuple[Any, ...], filename: str) -> types.CodeType:
     code: types.CodeType = rebuild(*args)
     return code.replace(co_filename=filename)
-
-
-@contextmanager
-def _by_value(modules: list[ModuleType]) -> Iterator[None]:
-    import cloudpickle
-
-    for m in modules:
-        cloudpickle.register_pickle_by_value(m)
-    try:
-        yield
-    finally:
-        for m in modules:
-            cloudpickle.unregister_pickle_by_value(m)
 
 
 _BOOT = """\

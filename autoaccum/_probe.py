@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,7 +30,7 @@ from autoaccum._json import JsonMixin
 from autoaccum._preflight import trace_loss
 from autoaccum._units import format_bytes
 from autoaccum._update import resolve_strategy
-from autoaccum._worker import Job, MeshSpec, Request, Server, Worker, is_oom, oom_outcome
+from autoaccum._worker import Job, MeshSpec, Request, Server, Worker, unless_oom
 from autoaccum.strategies import PyTree, check_params, leading_size, tree_bytes
 
 FIRST_MARGIN = 0.9
@@ -340,7 +341,7 @@ class TrialRunner:
         s, limit, timeout = setup, setup.memory_limit_bytes, setup.trial_timeout
         isolated = Worker(s.job, s.device, limit, compile_timeout=timeout, step_timeout=timeout)
         self._worker = isolated if s.isolate else None
-        self._server = None if s.isolate else Server(s.job, [{}], s.device.platform, s.device.device, limit)
+        self._server = Server(s.job, [{}], s.device.platform, s.device.device, limit)  # (isolate=False)
 
     def __enter__(self) -> TrialRunner:
         if self._worker is not None:
@@ -355,13 +356,7 @@ class TrialRunner:
         """The worker's answer, or this process's (only an allocation failure is caught here: `is_oom`)."""
         if self._worker is not None:
             return self._worker.ask(request)
-        assert self._server is not None
-        try:
-            return self._server.answer(request)
-        except (jax.errors.JaxRuntimeError, MemoryError) as e:
-            if not is_oom(e):
-                raise
-            return oom_outcome(e)
+        return unless_oom(functools.partial(self._server.answer, request))
 
     def estimate(self) -> tuple[Estimate | None, str | None]:
         """The compile-only `autoaccum.Estimate` of one microbatch's step, and why it is None when it is."""

@@ -336,10 +336,19 @@ def settle(before: int | None, timeout: float = 1.0) -> None:
         time.sleep(0.002)
 
 
-def oom_outcome(e: BaseException) -> Outcome:
-    """The "does not fit" outcome for an error `is_oom` accepts."""
-    text = str(e).strip() or type(e).__name__
-    return Outcome("oom", message=text.splitlines()[0][:500])
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (its type's name without one), at most 500 characters."""
+    return (str(e).strip() or type(e).__name__).splitlines()[0][:500]
+
+
+def unless_oom(run: Callable[[], Outcome]) -> Outcome:
+    """``run()``, or the ``"oom"`` outcome when it raises an allocation failure (`is_oom`); else it raises."""
+    try:
+        return run()
+    except (jax.errors.JaxRuntimeError, MemoryError, OSError) as e:
+        if not is_oom(e):
+            raise
+        return Outcome("oom", message=first_line(e))
 
 
 def proc_status(field: str) -> int | None:
@@ -450,7 +459,7 @@ def measured(
         if is_oom(e):
             raise
         run_trial(compiled, lambda: None)  # raises if the failure is not the cap's doing
-        first = oom_outcome(e).message
+        first = first_line(e)
         return Outcome("oom", message=f"{first} (under the cap; the same step runs without it)")
 
 
@@ -458,12 +467,7 @@ def guarded(run: Callable[[], Outcome]) -> Outcome:
     """``run()`` in a child process: an allocation failure (`is_oom`) is the ``"oom"`` outcome, any other exception
     an ``"error"`` outcome with its traceback."""
     try:
-        try:
-            return run()
-        except (jax.errors.JaxRuntimeError, MemoryError, OSError) as e:
-            if not is_oom(e):
-                raise
-            return oom_outcome(e)
+        return unless_oom(run)
     except Exception as e:
         return Outcome("error", message=error_report(e))
 
@@ -870,8 +874,8 @@ def time_update(
         _, first, times = run_steps(update, made, steps=steps, warmup=warmup, time_limit=time_limit)
     except TimeoutError as e:
         raise TrialFailed(f"timed out: {e}") from e
-    except (jax.errors.JaxRuntimeError, MemoryError) as e:
+    except (jax.errors.JaxRuntimeError, MemoryError, OSError) as e:
         if is_oom(e):
-            raise TrialFailed(f"out of memory: {(str(e) or type(e).__name__).splitlines()[0][:300]}") from e
+            raise TrialFailed(f"out of memory: {first_line(e)[:300]}") from e
         raise
     return Timing(statistics.median(times), first, steps, tuple(times))
