@@ -607,7 +607,6 @@ class Server:
     def answer(self, request: Request, compiled: Callable[[bool], None] = lambda cached: None) -> Outcome:
         """The request's `Outcome`; calls ``compiled(cached)`` once its programs are compiled. A ``"time"`` request
         whose programs alone need more than the limit is not run. Raises what the step raises (see `guarded`)."""
-
         if request.kind == "estimate":
             from autoaccum._estimate import estimate
 
