@@ -32,7 +32,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from autoaccum._device import DeviceInfo, oom_kills
+from autoaccum._device import DeviceInfo
 from autoaccum._json import JsonMixin
 
 OOM_MARKERS = (
@@ -103,16 +103,6 @@ def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outc
 
 OUTSIDE_KILLS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 """Signals that end a child from outside; a child they end, unless for its memory, runs once more."""
-
-
-def dead_child(returncode: int, log: Path, kills_before: int | None) -> tuple[Outcome, bool]:
-    """A dead child's outcome (`classify_exit` of its ``log``'s end, an OOM kill judged against ``kills_before``), and
-    whether to run it once more (killed from outside, `OUTSIDE_KILLS`)."""
-    output = log.read_bytes()[-20000:].decode(errors="replace")
-    after = oom_kills()
-    oom_killed = None if kills_before is None or after is None else after > kills_before
-    outcome = classify_exit(returncode, output, oom_killed)
-    return outcome, -returncode in OUTSIDE_KILLS and outcome.status != "oom"
 
 
 _CPU_MALLOC = {

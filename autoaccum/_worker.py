@@ -21,6 +21,7 @@ import math
 import os
 import resource
 import select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,10 +39,11 @@ import optax
 from autoaccum._batch import abstract, abstract_batch, device_copy, resize_batch
 from autoaccum._device import DeviceInfo, memory_stats, oom_kills
 from autoaccum._isolation import (
+    OUTSIDE_KILLS,
     Outcome,
     child_command,
     child_env,
-    dead_child,
+    classify_exit,
     kill_group,
     load_payload,
     make_directory,
@@ -688,8 +690,6 @@ class Worker:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        import shutil
-
         self._stop()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -784,11 +784,15 @@ class Worker:
         return Outcome("error", message=f"timed out: {what}"), False
 
     def _dead(self) -> tuple[Outcome, bool]:
-        """The outcome of a worker that died mid-request, and whether to try once more (`dead_child`)."""
+        """The outcome of a worker that died mid-request (`classify_exit` of its log's end, an OOM kill judged by the
+        count since the request began), and whether to try once more: killed from outside (`OUTSIDE_KILLS`)."""
         assert self._proc is not None and self._log_path is not None
         returncode = self._proc.wait()
         self._stop()
-        return dead_child(returncode, self._log_path, self._kills)
+        output = self._log_path.read_bytes()[-20000:].decode(errors="replace")
+        now = oom_kills()
+        outcome = classify_exit(returncode, output, None if self._kills is None or now is None else now > self._kills)
+        return outcome, -returncode in OUTSIDE_KILLS and outcome.status != "oom"
 
     def _stop(self) -> None:
         if self._proc is not None:

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 import autoaccum
-import autoaccum._isolation
+import autoaccum._worker
 from autoaccum._device import oom_kills
 from autoaccum._isolation import classify_exit, payload, remove_stale_directories
 from autoaccum._probe import prepare
@@ -166,7 +166,7 @@ def test_a_child_killed_from_outside_runs_once_more_and_is_never_taken_for_out_o
 ) -> None:
     """A probe trial's child and a tuning worker killed by SIGKILL, where no OOM-kill count can be read: run once
     more; killed again, an error that says so, not "out of memory"."""
-    monkeypatch.setattr(autoaccum._isolation, "oom_kills", lambda: None)
+    monkeypatch.setattr(autoaccum._worker, "oom_kills", lambda: None)
     _, params, batch = probe_workloads.linear(features=8)
     for where in ("probe", "worker"):
         attempts = tmp_path / f"{where}-attempts"
