@@ -1,10 +1,12 @@
-"""Strict test set-up: rank promotion raises, 8 CPU devices (meshes), warnings are errors (pyproject)."""
+"""Strict test set-up: rank promotion raises, 8 CPU devices (meshes), warnings are errors (pyproject), and XLA's
+LLVM backend at -O0: compiling is most of the suite's time, and -O0 leaves XLA's own passes (fusion, buffer
+assignment: the memory figures tests check) as they are. A run of your own: set XLA_FLAGS first."""
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 
 from collections.abc import Iterator
 

@@ -4,6 +4,7 @@ deterministic stand-in for the tuner's timing (``measure=``, see `seams`)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from autoaccum import Update
 from autoaccum._worker import Timing, TrialFailed
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))  # one program, not op by op
 def full_batch_step(loss_fn: Any, optimizer: Any, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
     """One optimizer step on the whole batch, without accumulation: the reference every strategy must equal."""
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)

@@ -43,14 +43,16 @@ def test_json_output() -> None:
     check(result, 0)
     data = json.loads(result.stdout)
     h100, budget = data["targets"]
-    assert data["effective_batch"] == 1024 and data["strategy"] == "scan" and data["workload"] == "cnn"
+    # the H100 is compiled for by XLA's GPU compiler when the gpu-plan extra is installed (tests/test_gpu_plan.py)
+    gpu = data["gpu_compiler"] is None
+    # the default strategy, auto, is scan for a GPU and loop for a convnet on the CPU (the proxy without the extra)
+    assert data["effective_batch"] == 1024 and data["strategy"] == ("scan" if gpu else "loop")
+    assert data["workload"] == "cnn"
     assert h100["target"] == "H100-80GB" and h100["accelerator"] == "H100-80GB"
     assert h100["fits_in_one_step"] and h100["accumulation_steps"] == 1 and h100["step_seconds"] > 0
     assert h100["bound"] in ("compute", "memory")
     assert budget["accelerator"] is None and budget["accumulation_steps"] > 1 and budget["step_seconds"] is None
     assert budget["peak_bytes"] <= budget["memory_limit_bytes"] == 64 * 2**20
-    # the H100 is compiled for by XLA's GPU compiler when the gpu-plan extra is installed (tests/test_gpu_plan.py)
-    gpu = data["gpu_compiler"] is None
     assert data["estimate"]["points"] and data["estimate"]["platform"] == ("gpu" if gpu else "cpu")
     assert h100["compiler"] == ("XLA:GPU sm_90 (compile-only)" if gpu else "XLA:CPU (proxy)")
 
