@@ -9,6 +9,7 @@ exact for the runs made: ``max_microbatch`` fit and the next size did not (or is
 from __future__ import annotations
 
 import bisect
+import contextvars
 import dataclasses
 import functools
 import math
@@ -38,6 +39,10 @@ FIRST_MARGIN = 0.9
 
 DEFAULT_TRIAL_TIMEOUT = 600.0
 """Seconds a probe's trial (or its estimate) may run before it is killed as hung."""
+
+LENT: contextvars.ContextVar[Worker | None] = contextvars.ContextVar("autoaccum_probe_worker", default=None)
+"""A running worker of the same job and limit (tune's) that an isolated probe runs its trials in, knob setting 0
+with the probe's own build, instead of starting one of its own."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,24 +338,28 @@ def _predict(
 
 class TrialRunner:
     """Runs trials of one `Setup` as a context manager: ``runner(size) -> Trial``, every trial kept in ``trials``; in
-    the worker, or with ``isolate=False`` in this process."""
+    the worker (its own, or the `LENT` one), or with ``isolate=False`` in this process."""
 
     def __init__(self, setup: Setup, progress: Callable[[Trial], None] | None = None) -> None:
         self.setup, self.progress = setup, progress
         self.trials: list[Trial] = []
-        s, limit, timeout = setup, setup.memory_limit_bytes, setup.trial_timeout
-        isolated = Worker(s.job, s.device, limit, compile_timeout=timeout, step_timeout=timeout)
-        self._worker = isolated if s.isolate else None
+        s, limit, timeout, lent = setup, setup.memory_limit_bytes, setup.trial_timeout, LENT.get()
+        self._owned = s.isolate and (lent is None or lent.limit != limit)
+        self._worker = (
+            Worker(s.job, s.device, limit, compile_timeout=timeout, step_timeout=timeout) if self._owned else None
+        )
+        self._worker = self._worker or (lent if s.isolate else None)
+        self._build = {} if self._owned else dict(s.job.build)  # (a lent worker's job has another build)
         self._server = Server(s.job, [{}], s.device.platform, s.device.device, limit)  # (isolate=False)
 
     def __enter__(self) -> TrialRunner:
-        if self._worker is not None:
-            self._worker.__enter__()
+        if self._owned:
+            self._worker.__enter__()  # type: ignore[union-attr]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._worker is not None:
-            self._worker.__exit__(*exc)
+        if self._owned:
+            self._worker.__exit__(*exc)  # type: ignore[union-attr]
 
     def ask(self, request: Request) -> Outcome:
         """The worker's answer, or this process's (only an allocation failure is caught here: `is_oom`)."""
@@ -361,7 +370,8 @@ class TrialRunner:
     def estimate(self) -> tuple[Estimate | None, str | None]:
         """The compile-only `autoaccum.Estimate` of one microbatch's step, and why it is None when it is."""
         cap = self.setup.microbatch_cap
-        outcome = self.ask(Request({}, 0, 0, kind="estimate", estimate={"microbatch_cap": cap, "accumulation": False}))
+        estimate = {"microbatch_cap": cap, "accumulation": False}
+        outcome = self.ask(Request(self._build, 0, 0, kind="estimate", estimate=estimate))
         if outcome.status == "oom":
             return None, "XLA ran out of memory compiling the step for an estimate"
         if outcome.estimate is None:
@@ -370,7 +380,7 @@ class TrialRunner:
 
     def __call__(self, size: int) -> Trial:
         start = time.perf_counter()
-        outcome = self.ask(Request({}, size, size, kind="fits"))
+        outcome = self.ask(Request(self._build, size, size, kind="fits"))
         wall = time.perf_counter() - start
         error, detail = (outcome.message if outcome.status == status else None for status in ("error", "oom"))
         trial = Trial(size, outcome.status == "fits", outcome.seconds, error, outcome.peak_bytes, outcome.first_seconds,

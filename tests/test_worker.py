@@ -111,6 +111,24 @@ def test_the_worker_keeps_the_fastest_programs_so_the_race_compiles_nothing_agai
         assert again.status == "fits" and w.compiles == 1 + len(slower)  # (kept the most recent: compiled again)
 
 
+def test_the_probe_of_a_tune_runs_in_the_tunes_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One worker serves the tune's probe, estimates and timings: only one is ever started (its restarts after an
+    out-of-memory aside), and the probe's trials ran in it."""
+    started: list[int] = []
+    start = Worker._start
+
+    def counted(self: Worker) -> None:
+        started.append(id(self))
+        start(self)
+
+    monkeypatch.setattr(Worker, "_start", counted)
+    params, batch = problem(features=64)
+    batch = {k: jnp.tile(v, (8, 1)) for k, v in batch.items()}  # 32 examples
+    result = tune(linear_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="128MiB", storage=":memory:")
+    assert result.probe is not None and result.probe.runs >= 1 and result.trials
+    assert len(set(started)) == 1, started
+
+
 def test_bad_time_limits_are_refused_before_anything_runs() -> None:
     params, batch = problem(features=16)
     for kw in ({"trial_timeout": 0}, {"compile_timeout": -1.0}, {"race_rounds": -1}, {"isolate": "yes"}):
