@@ -345,12 +345,11 @@ class TrialRunner:
         self.trials: list[Trial] = []
         s, limit, timeout, lent = setup, setup.memory_limit_bytes, setup.trial_timeout, LENT.get()
         self._owned = s.isolate and (lent is None or lent.limit != limit)
-        self._worker = (
-            Worker(s.job, s.device, limit, compile_timeout=timeout, step_timeout=timeout) if self._owned else None
-        )
-        self._worker = self._worker or (lent if s.isolate else None)
+        self._worker = lent if s.isolate and not self._owned else None
+        if self._owned:
+            self._worker = Worker(s.job, s.device, limit, compile_timeout=timeout, step_timeout=timeout)
         self._build = {} if self._owned else dict(s.job.build)  # (a lent worker's job has another build)
-        self._server = Server(s.job, [{}], s.device.platform, s.device.device, limit)  # (isolate=False)
+        self._server = None if s.isolate else Server(s.job, [{}], s.device.platform, s.device.device, limit)
 
     def __enter__(self) -> TrialRunner:
         if self._owned:
@@ -365,6 +364,7 @@ class TrialRunner:
         """The worker's answer, or this process's (only an allocation failure is caught here: `is_oom`)."""
         if self._worker is not None:
             return self._worker.ask(request)
+        assert self._server is not None
         return unless_oom(functools.partial(self._server.answer, request))
 
     def estimate(self) -> tuple[Estimate | None, str | None]:

@@ -17,7 +17,7 @@ from autoaccum._json import JsonMixin
 from autoaccum._knobs import Knobs, KnobSpace, Setting
 from autoaccum._preflight import trace_loss, warn_if_not_finite
 from autoaccum._probe import LENT, ProbeResult, probe
-from autoaccum._tune.result import Clock
+from autoaccum._tune.result import Clock, scoped
 from autoaccum._tune.search import Config
 from autoaccum._tune.space import microbatch_candidates, probe_sizes, program_key, variants
 from autoaccum._units import format_bytes, parse_bytes
@@ -221,19 +221,16 @@ class Space(JsonMixin):
         eb, default = job.effective_batch, job.settings[0]
         probed = None
         if microbatch_bound is None:
-            with clock.phase("probe"):
-                lent = LENT.set(worker)  # the probe's trials run in the tuning worker, not one of their own
-                try:
-                    probed = probe(
-                        job.loss_for(default), job.params, job.batch, optimizer=job.optimizer, strategy=job.names[0],
-                        memory_limit=job.memory_limit, microbatch_cap=eb, state=job.state,
-                        has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"],
-                        options=None if default.remat is None else {"remat": default.remat},
-                        sizes=[m for m in probe_sizes(eb) if m >= job.min_microbatch],
-                        **({} if job.children else {"isolate": False}),  # type: ignore[arg-type]
-                    )  # fmt: skip
-                finally:
-                    LENT.reset(lent)
+            # the probe's trials run in the tuning worker, not one of their own
+            with clock.phase("probe"), scoped(LENT, worker):
+                probed = probe(
+                    job.loss_for(default), job.params, job.batch, optimizer=job.optimizer, strategy=job.names[0],
+                    memory_limit=job.memory_limit, microbatch_cap=eb, state=job.state,
+                    has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"],
+                    options=None if default.remat is None else {"remat": default.remat},
+                    sizes=[m for m in probe_sizes(eb) if m >= job.min_microbatch],
+                    **({} if job.children else {"isolate": False}),  # type: ignore[arg-type]
+                )  # fmt: skip
             microbatch_bound = probed.max_microbatch
         bounds = [microbatch_bound] * len(job.settings)
         accumulating: dict[int, Estimate] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -115,6 +116,17 @@ class TuneResult(JsonMixin):
 
 PHASES = ("probe", "estimate", "worker_start", "compile", "steps", "failed", "race", "build")
 """The phases of a tune's wall time (`TuneResult.phases`)."""
+
+
+@contextlib.contextmanager
+def scoped(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
+    """Inside it, ``var`` holds ``value`` (`autoaccum._tune.trials.MEASURE`, `autoaccum._tune.run.PRECOMPILE`,
+    `autoaccum._probe.LENT`)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
 
 
 @dataclasses.dataclass

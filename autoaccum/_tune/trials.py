@@ -8,14 +8,14 @@ import contextvars
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optuna
 
 from autoaccum._tune.job import Job, Space
 from autoaccum._tune.race import FINALISTS, Runner, race
-from autoaccum._tune.result import Clock, TrialRecord, record
+from autoaccum._tune.result import Clock, TrialRecord, record, scoped
 from autoaccum._tune.search import Config, Search, Trial
 from autoaccum._tune.study import MEASURES, State, config_key, fail_stale_trials, measuring, settled, settled_configs
 from autoaccum._units import format_bytes
@@ -38,16 +38,6 @@ TimeOne = Callable[[Config, int], Timing]
 MEASURE: contextvars.ContextVar[Callable[..., Timing] | None] = contextvars.ContextVar("measure", default=None)
 """How `autoaccum.tune` times a configuration in this process, ``measure(update, params, batch[, state=]) ->
 Timing``, instead of in the worker (`timed_by`); None: the worker (or `autoaccum._worker.time_update`)."""
-
-
-@contextlib.contextmanager
-def scoped(var: contextvars.ContextVar[Any], value: Any) -> Iterator[None]:
-    """Inside it, ``var`` holds ``value`` (`MEASURE`, `autoaccum._tune.run.PRECOMPILE`)."""
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
 
 
 def timed_by(measure: Callable[..., Timing] | None) -> contextlib.AbstractContextManager[None]:

@@ -154,10 +154,9 @@ def tune(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from autoaccum._knobs import BUILTIN_REMAT
-    from autoaccum._tune.result import TrialRecord
+    from autoaccum._tune.result import TrialRecord, scoped
     from autoaccum._tune.run import PRECOMPILE
     from autoaccum._tune.run import tune as run_tune
-    from autoaccum._tune.trials import scoped
 
     if plot is not None:
         _require_matplotlib()
