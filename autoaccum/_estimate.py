@@ -24,7 +24,7 @@ import bisect
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -451,6 +451,7 @@ def estimate(
     target: str | Path | None = None,
     on_compile: Callable[[Point | None, float], None] | None = None,
     max_microbatch: int | None = None,
+    accumulation_from: Estimate | Mapping[str, Any] | None = None,
     **options: Any,
 ) -> Estimate:
     """Predicts, by compiling only, the peak memory of the update step at every microbatch size.
@@ -478,6 +479,9 @@ def estimate(
       on_compile: called as each compilation finishes with its `Point` (``None`` for the optimizer step) and the
         seconds it took to lower and compile.
       max_microbatch: deprecated name of ``microbatch_cap``.
+      accumulation_from: an estimate (or its ``to_dict()``) of the same step with another loss of the same
+        parameters and batch (a knob's other setting): its accumulator and batch terms are taken, and of the
+        accumulating steps only the uneven split is compiled.
       **options: the strategy's options (e.g. ``unroll=2``).
 
     Raises:
@@ -537,12 +541,14 @@ def estimate(
     def make_update(m: int) -> Update:
         return build_update(loss_fn, optimizer, microbatch_size=m, has_state=state is not None, **build)
 
+    like = Estimate.from_dict(accumulation_from) if isinstance(accumulation_from, Mapping) else accumulation_from
     measurer = _Measurer(make_update, optimizer, params, batch, state, compile_options, where, on_compile, workers)
     with measurer:
         s1 = units(min(max(FIRST_SIZE, 2 * g), cap))
         sizes = [(s1, s1)]
-        if accumulation:  # 2 and 4 microbatches of s1, and 2 of s1 plus a smaller last one
-            sizes += [(s1, 2 * s1), (s1, 4 * s1), (s1, 2 * s1 + units(s1 // 2) if s1 > g else 3 * s1)]
+        if accumulation:  # 2 and 4 microbatches of s1 (unless taken), and 2 of s1 plus a smaller last one
+            sizes += [] if like is not None else [(s1, 2 * s1), (s1, 4 * s1)]
+            sizes += [(s1, 2 * s1 + units(s1 // 2) if s1 > g else 3 * s1)]
         measurer.submit([*sizes, (0, 0)])
         (single1,) = measurer.measure(sizes[:1])
         largest = cap if effective_batch is None or not accumulation else effective_batch  # a plan's microbatch <= B
@@ -553,7 +559,7 @@ def estimate(
             platform=platform, shards=g, compiler=compiler, target=target_name,
         )  # fmt: skip
         if accumulation:
-            fields.update(_accumulation(single1, *measurer.measure(sizes[1:])))
+            fields.update(_accumulation(single1, measurer.measure(sizes[1:]), like))
         else:
             fields.update(accumulation_bytes=None, per_batch_example_bytes=None, remainder_bytes_per_example=None)
         opt = measurer.futures[0, 0].result()
@@ -593,13 +599,18 @@ def _for_target(
     return ("gpu", compiler, description.name, memory_limit, options, *on_gpu(target, *trees))
 
 
-def _accumulation(single: Point, acc2: Point, acc4: Point, uneven: Point) -> dict[str, float]:
-    """The accumulating step's terms from three measurements at ``single``'s microbatch (see `Estimate`)."""
-    s = single.microbatch_size
-    ys = [acc2.peak_bytes - single.peak_bytes, acc4.peak_bytes - single.peak_bytes]
-    slope, intercept = (float(v) for v in np.polyfit([float(acc2.batch_size), float(acc4.batch_size)], ys, 1))
+def _accumulation(single: Point, points: Sequence[Point], like: Estimate | None) -> dict[str, float]:
+    """The accumulating step's terms from measurements at ``single``'s microbatch (see `Estimate`): 2 and 4
+    microbatches, then an uneven split; with ``like``, its accumulator and batch terms and the uneven split alone."""
+    s, uneven = single.microbatch_size, points[-1]
+    if like is None:
+        acc2, acc4 = points[:2]
+        ys = [acc2.peak_bytes - single.peak_bytes, acc4.peak_bytes - single.peak_bytes]
+        slope, intercept = (float(v) for v in np.polyfit([float(acc2.batch_size), float(acc4.batch_size)], ys, 1))
+    else:
+        slope, intercept = like.per_batch_example_bytes or 0.0, like.accumulation_bytes or 0.0
     expected = single.peak_bytes + intercept + slope * uneven.batch_size
-    runtime = max(p.runtime_bytes for p in (acc2, acc4, uneven)) - single.runtime_bytes
+    runtime = max(p.runtime_bytes for p in points) - single.runtime_bytes
     return dict(
         accumulation_bytes=max(intercept, 0.0),
         per_batch_example_bytes=max(slope, 0.0),

@@ -558,7 +558,12 @@ class Timing:
 
 
 class TrialFailed(Exception):
-    """A configuration could not be measured (out of memory, over its time budget); the study goes on."""
+    """A configuration could not be measured (out of memory, over its time budget); the study goes on. ``needs``:
+    where it was refused before running, XLA's compile-only bytes and the limit they exceed."""
+
+    def __init__(self, message: str, needs: tuple[int, int] | None = None) -> None:
+        super().__init__(message)
+        self.needs = needs
 
 
 def evicted(rates: Mapping[str, float], keep: int = MAX_CACHED) -> list[str]:

@@ -165,3 +165,28 @@ def test_scan_mlp_remat_setting_is_bounded_at_the_whole_batch_where_the_default_
     assert all(remat.bytes_at(m) <= found.estimate.bytes_at(m) for m in (1, 16, 64, CAP))
     assert result.bounds["remat=None, block_remat=None"] == CAP
     assert result.bounds["remat=None, block_remat='nothing_saveable'"] == CAP
+
+
+@pytest.mark.parametrize("block_remat", ["nothing_saveable", "dots_saveable"])
+def test_another_setting_takes_the_accumulation_terms_and_compiles_fewer_steps(block_remat: str) -> None:
+    """A knob's other setting (the ScanMLP with per-block remat) estimated with ``accumulation_from`` the default
+    setting's estimate compiles two accumulating steps fewer and predicts the accumulating peaks of its own full
+    estimate (reference: that estimate, its accumulating steps compiled) at every size, even and uneven."""
+    model = ScanMLP(128, 8, nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_of(policy: str | None) -> Any:
+        def loss_fn(params: Any, batch: Any) -> jax.Array:
+            return make_loss(policy)(nnx.merge(graphdef, params, rest), batch)
+
+        return loss_fn
+
+    batch = {"x": jnp.ones((CAP, 128)), "y": jnp.ones((CAP, 128))}
+    kw: dict[str, Any] = dict(optimizer=optax.adam(1e-3), strategy="scan", memory_limit="16MiB", microbatch_cap=CAP,
+                              effective_batch=CAP)  # fmt: skip
+    default = autoaccum.estimate(loss_of(None), params, batch, **kw)
+    own = autoaccum.estimate(loss_of(block_remat), params, batch, **kw)
+    taken = autoaccum.estimate(loss_of(block_remat), params, batch, accumulation_from=default.to_dict(), **kw)
+    assert len(taken.points) == len(own.points) - 2
+    for m in (8, 16, 48, 100, 128):
+        assert taken.bytes_at(m, CAP) == pytest.approx(own.bytes_at(m, CAP), rel=0.02), m

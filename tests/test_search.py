@@ -10,6 +10,7 @@ import pytest
 
 from autoaccum._tune.race import FINALISTS, race
 from autoaccum._tune.search import MIN_GAIN, Config, Search, Trial, clearly_faster
+from autoaccum._tune.trials import ceiling
 
 STRATEGIES = ("scan", "scan:unroll=2", "loop", "multisteps")
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # a probe's bound of 83 at an effective batch of 256: sizes up to 64
@@ -219,3 +220,23 @@ def test_the_search_and_the_race_find_the_best_of_95_percent_of_landscapes() -> 
         timed, grid = timed + len(trials), grid + len(sizes) * len(VARIANTS)
     assert found >= 0.95 * 200, found
     assert timed <= grid / 2, (timed, grid)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_refused_size_bounds_its_variant_without_passing_over_a_size_that_fits(seed: int) -> None:
+    """After a size that splits the batch evenly is refused on XLA's compile-only bytes, `ceiling` keeps every size
+    that fits (on a step of ``fixed + per_example * m`` bytes whose fixed part is at least the state's) and
+    excludes the refused size; reference: the largest fitting size counted by hand."""
+    rng = random.Random(seed)
+    state = rng.randrange(1, 1 << 20)
+    fixed, per_example = state + rng.randrange(0, 1 << 20), rng.randrange(1, 1 << 16)
+    effective_batch = 2 ** rng.randrange(4, 11)
+    limit = fixed + per_example * rng.randrange(1, effective_batch)  # fits 1 .. some m' below the batch
+    refused = [m for m in (2**k for k in range(11)) if m <= effective_batch and fixed + per_example * m > limit]
+    for m in refused:
+        largest_fitting = max(k for k in range(1, m) if fixed + per_example * k <= limit)
+        c = ceiling(m, (fixed + per_example * m, limit), state, effective_batch)
+        assert largest_fitting <= c < m, (m, c, largest_fitting)
+        exact = ceiling(m, (state + per_example * m, state + per_example * largest_fitting), state, effective_batch)
+        assert exact == largest_fitting  # where nothing beyond the state is fixed, the jump lands on the answer
+    assert ceiling(48, (10**9, 10**6), 0, 128) == 47  # an uneven split: the next size down, no more

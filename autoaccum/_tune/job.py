@@ -275,7 +275,12 @@ def _estimates(job: Job, probed: ProbeResult, bounds: list[int], worker: Worker 
     for i, setting in enumerate(job.settings):
         if i == 0 and not accumulates:
             continue  # the probe measured it
-        predicted = _estimate(job, setting, probed.memory_limit_bytes, worker, kw)
+        # the accumulator and the batch are the same for every loss and remat: the first estimate's serve all
+        like = next(
+            (e for j, e in accumulating.items() if job.settings[j].accumulator_dtype == setting.accumulator_dtype), None
+        )
+        more = {} if like is None else {"accumulation_from": like.to_dict()}
+        predicted = _estimate(job, setting, probed.memory_limit_bytes, worker, {**kw, **more})
         if i:
             bounds[i] = probed.bound_for(predicted)
         if accumulates:

@@ -135,7 +135,7 @@ class Trials:
             self.clock.spend("failed", began, starts)
             trial.set_user_attr("reason", str(e))
             if str(e).startswith("out of memory"):  # larger sizes of this strategy and setting would too
-                self.ceilings[(config.setting, label)] = m - 1
+                self.ceilings[(config.setting, label)] = self._ceiling(m, e.needs)
             raise
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
@@ -146,6 +146,11 @@ class Trials:
         if timing.peak_bytes is not None:
             trial.set_user_attr("peak_bytes", timing.peak_bytes)
         return job.effective_batch / timing.seconds_per_step
+
+    def _ceiling(self, m: int, needs: tuple[int, int] | None) -> int:
+        probed, one_device = self.space.probed, self.job.layout is None  # (on a mesh the state is split)
+        state = probed.state_bytes if probed is not None and one_device else 0
+        return ceiling(m, needs, state, self.job.effective_batch)
 
     def _reused(self, trial: optuna.Trial, config: Config) -> float | None:
         """The throughput of the trial that measures this configuration, or its program, if another does (None:
@@ -259,6 +264,24 @@ class Trials:
         return timing.times or (timing.seconds_per_step,)
 
 
+def ceiling(m: int, needs: tuple[int, int] | None, state_bytes: int, effective_batch: int) -> int:
+    """The largest size left to time after microbatch ``m`` ran out of memory: below ``m``; where ``m`` splits the
+    batch evenly and ``needs`` gives XLA's bytes for it and the limit, at most where the line from ``state_bytes``
+    at size 0 through ``needs`` meets the limit. No size that fits lies beyond: the bytes that do not grow with the
+    microbatch are at least the state's.
+
+    Example:
+      >>> ceiling(16, (100, 34), state_bytes=1, effective_batch=128)  # 1 + 6.19 m bytes: 5 fits, 6 would not
+      5
+    """
+    if needs is None or effective_batch % m:  # (an uneven split's last microbatch costs extra)
+        return m - 1
+    need, limit = needs
+    if need <= limit or need <= state_bytes:
+        return m - 1
+    return min(m - 1, int(m * (limit - state_bytes) / (need - state_bytes)))
+
+
 def time_here(job: Job, measure: Callable[..., Timing]) -> TimeOne:
     """Times configurations in this process with ``measure(update, params, batch[, state=])``; each configuration's
     update is kept, so timing it again compiles nothing again."""
@@ -282,7 +305,11 @@ def time_in_worker(job: Job, worker: Worker) -> TimeOne:
         request = Request(build, config.microbatch_size, job.effective_batch, STEPS, warmup, config.setting)
         outcome = worker.time(request)
         if outcome.status == "oom":
-            raise TrialFailed(f"out of memory in the worker (limit {format_bytes(worker.limit)}): {outcome.message}")
+            refused = outcome.seconds is None and outcome.peak_bytes is not None  # by buffer assignment, not run
+            raise TrialFailed(
+                f"out of memory in the worker (limit {format_bytes(worker.limit)}): {outcome.message}",
+                (outcome.peak_bytes, worker.limit) if refused else None,  # type: ignore[arg-type]
+            )
         if outcome.status != "fits":
             message = (outcome.message or "").strip()
             raise TrialFailed(f"failed in the worker: {message if len(message) < 900 else message[:900] + ' ...'}")
