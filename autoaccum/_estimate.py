@@ -195,10 +195,13 @@ class Estimate(JsonMixin):
                 peak += self.accumulation_runtime_bytes_per_example * m
         return math.ceil(peak)
 
-    def calibrate(self, microbatch_size: int, peak_bytes: int, *, measured: Estimate | None = None) -> Estimate:
+    def calibrate(
+        self, microbatch_size: int, peak_bytes: int, *, measured: Estimate | None = None, batch_size: int | None = None
+    ) -> Estimate:
         """This estimate plus what a step measured on this device showed the compile-only figures miss: ``peak_bytes``
-        at ``microbatch_size`` (one microbatch) of ``measured``'s step (default this one's; another setting's
-        estimate borrows the probed one's measurement). The difference is taken not to grow with the step.
+        at ``microbatch_size`` (over ``batch_size`` examples; None: one microbatch) of ``measured``'s step (default
+        this one's; another setting's estimate borrows the probed one's measurement). The difference is taken not to
+        grow with the step.
 
         Example:
           >>> from autoaccum import workloads
@@ -207,7 +210,7 @@ class Estimate(JsonMixin):
           >>> est.calibrate(16, est.bytes_at(16) + 2**20).bytes_at(64) - est.bytes_at(64)
           1048576
         """
-        missed = peak_bytes - (self if measured is None else measured).bytes_at(microbatch_size)
+        missed = peak_bytes - (self if measured is None else measured).bytes_at(microbatch_size, batch_size)
         return dataclasses.replace(self, calibration_bytes=self.calibration_bytes + missed)
 
     def largest_microbatch(

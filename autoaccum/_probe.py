@@ -85,6 +85,7 @@ class ProbeResult(JsonMixin):
       isolate: whether trials ran in the worker; ``seconds``: the probe's wall time.
       message: a one-line summary for people.
       sizes: the only sizes tried, when the probe was given some.
+      effective_batch: the examples per update each trial accumulated (None: one microbatch per step).
     """
 
     max_microbatch: int
@@ -102,6 +103,7 @@ class ProbeResult(JsonMixin):
     seconds: float
     message: str
     sizes: tuple[int, ...] | None = None
+    effective_batch: int | None = None
 
     json_format = "autoaccum.probe/1"
     json_properties = ("runs", "step_seconds")
@@ -123,11 +125,13 @@ class ProbeResult(JsonMixin):
 
     def bound_for(self, other: Estimate) -> int:
         """The largest microbatch predicted to fit for another setting of the probed step (``other``'s estimate),
-        without probing it: the `calibrated` answer within the limit, at `FIRST_MARGIN` of itself below the cap, as a
-        multiple of ``granularity``."""
+        without probing it: the `calibrated` answer within the limit (accumulating ``effective_batch`` examples where
+        the probe did and ``other`` can tell), at `FIRST_MARGIN` of itself below the cap, as a multiple of
+        ``granularity``."""
         g = self.granularity
         top = min(self.microbatch_cap, other.microbatch_cap)
-        answer = min(self.calibrated(other).largest_microbatch(self.memory_limit_bytes), top)
+        batch = self.effective_batch if other.accumulation_bytes is not None else None  # (else one microbatch's)
+        answer = min(self.calibrated(other).largest_microbatch(self.memory_limit_bytes, batch), top)
         if answer < top:
             answer = math.floor(answer * FIRST_MARGIN)
         return answer // g * g
@@ -140,7 +144,7 @@ class ProbeResult(JsonMixin):
             return other
         largest = max(fits, key=lambda t: t.microbatch_size)
         peak = largest.peak_bytes or self.memory_limit_bytes
-        return other.calibrate(largest.microbatch_size, peak, measured=self.estimate)
+        return other.calibrate(largest.microbatch_size, peak, measured=self.estimate, batch_size=self.effective_batch)
 
     def predicted_peak(self, other: Estimate, microbatch_size: int, batch_size: int | None = None) -> int:
         """The peak bytes ``other`` (an estimate of another setting, or of this one with ``accumulation=True``)
@@ -188,6 +192,12 @@ class Setup:
     granularity: int
     isolate: bool
     trial_timeout: float | None
+    effective_batch: int | None = None
+
+    @property
+    def rows(self) -> Callable[[int], int]:
+        """The examples a trial of microbatch ``m`` runs: the effective batch when given, else ``m``."""
+        return lambda m: m if self.effective_batch is None else self.effective_batch
 
 
 def prepare(
@@ -207,6 +217,7 @@ def prepare(
     device: Any = None,
     options: Mapping[str, Any] | None = None,
     trial_timeout: float | None = DEFAULT_TRIAL_TIMEOUT,
+    effective_batch: int | None = None,
 ) -> Setup:
     """Checks a probe request and resolves its device and limit; runs nothing. See `probe` for arguments."""
     check_loss_fn(loss_fn)
@@ -214,6 +225,8 @@ def prepare(
     check_params(params)
     granularity = check_positive_int(granularity, "granularity")
     cap = DEFAULT_MAX_MICROBATCH if microbatch_cap is None else check_positive_int(microbatch_cap, "microbatch_cap")
+    if effective_batch is not None:
+        cap = min(cap, check_positive_int(effective_batch, "effective_batch"))
     if cap < granularity:
         raise ValueError(
             f"`microbatch_cap`={cap} is below `granularity`={granularity}, so no size can be tried; raise "
@@ -244,7 +257,7 @@ def prepare(
             f"`memory_limit`={format_bytes(limit)} ({limit} bytes) is below what the parameters, optimizer state "
             f"and model state alone need: {format_bytes(needed)} ({needed} bytes); give a limit above that."
         )
-    return Setup(job, info, limit, source, needed, cap, granularity, isolate, trial_timeout)
+    return Setup(job, info, limit, source, needed, cap, granularity, isolate, trial_timeout, effective_batch)
 
 
 def search(
@@ -368,9 +381,9 @@ class TrialRunner:
         return unless_oom(functools.partial(self._server.answer, request))
 
     def estimate(self) -> tuple[Estimate | None, str | None]:
-        """The compile-only `autoaccum.Estimate` of one microbatch's step, and why it is None when it is."""
-        cap = self.setup.microbatch_cap
-        estimate = {"microbatch_cap": cap, "accumulation": False}
+        """The compile-only `autoaccum.Estimate` of the step trials run, and why it is None when it is."""
+        cap, batch = self.setup.microbatch_cap, self.setup.effective_batch
+        estimate = {"microbatch_cap": cap, "accumulation": batch is not None, "effective_batch": batch}
         outcome = self.ask(Request(self._build, 0, 0, kind="estimate", estimate=estimate))
         if outcome.status == "oom":
             return None, "XLA ran out of memory compiling the step for an estimate"
@@ -380,7 +393,9 @@ class TrialRunner:
 
     def __call__(self, size: int) -> Trial:
         start = time.perf_counter()
-        outcome = self.ask(Request(self._build, size, size, kind="fits"))
+        # in a lent worker, that worker's own rule and cache: the tuner times the same program later
+        kind = "fits" if self._worker is None or self._owned else "time"
+        outcome = self.ask(Request(self._build, size, self.setup.rows(size), kind=kind))
         wall = time.perf_counter() - start
         error, detail = (outcome.message if outcome.status == status else None for status in ("error", "oom"))
         trial = Trial(size, outcome.status == "fits", outcome.seconds, error, outcome.peak_bytes, outcome.first_seconds,
@@ -412,6 +427,7 @@ def probe(
     trial_timeout: float | None = DEFAULT_TRIAL_TIMEOUT,
     progress: Callable[[Trial], None] | None = None,
     sizes: Sequence[int] | None = None,
+    effective_batch: int | None = None,
     max_microbatch: int | None = None,
 ) -> ProbeResult:
     """Finds the largest microbatch whose full update step really runs here, in few real runs.
@@ -438,6 +454,8 @@ def probe(
       trial_timeout: seconds a trial (or the estimate) may run before it is reported as hung; None: no limit.
       progress: called with each `Trial` as it finishes.
       sizes: try only these microbatch sizes (multiples of ``granularity`` up to ``microbatch_cap``).
+      effective_batch: run the step that accumulates this many examples per update in microbatches of the size
+        tried (the last one smaller where it does not divide; sizes up to it); default: one microbatch per step.
       max_microbatch: deprecated name of ``microbatch_cap``.
 
     Returns:
@@ -462,20 +480,24 @@ def probe(
         loss_fn, params, batch, optimizer=optimizer, strategy=strategy, memory_limit=memory_limit,
         microbatch_cap=microbatch_cap, granularity=granularity, has_aux=has_aux, state=state,
         loss_reduction=loss_reduction, isolate=isolate, device=device, options=options, trial_timeout=trial_timeout,
+        effective_batch=effective_batch,
     )  # fmt: skip
     if sizes is not None:
         sizes = _check_sizes(sizes, setup)
     trace_loss(loss_fn, params, batch, state)  # the loss's own error, here, before any child starts
     with TrialRunner(setup, progress) as runner:
         model, why = runner.estimate()
+        g = setup.granularity
+        answer = None if model is None else model.largest_microbatch(setup.memory_limit_bytes, effective_batch)
         best = search(
-            runner, limit=setup.memory_limit_bytes, max_microbatch=setup.microbatch_cap,
-            granularity=setup.granularity,
-            predicted=None if model is None else model.max_microbatch // setup.granularity * setup.granularity,
+            runner, limit=setup.memory_limit_bytes, max_microbatch=setup.microbatch_cap, granularity=g,
+            predicted=None if answer is None else min(answer, setup.microbatch_cap) // g * g,
             per_example_bytes=None if model is None else model.per_example_bytes, sizes=sizes,
         )  # fmt: skip
         trials = tuple(runner.trials)
     where, above = f"under {format_bytes(setup.memory_limit_bytes)} on {setup.device.name}", _failed_above(trials, best)
+    if effective_batch is not None:
+        where += f", accumulating {effective_batch} examples"
     if best == 0:
         least = setup.granularity if sizes is None else sizes[0]
         message = f"nothing fits: even a microbatch of {least} does not run {where}."
@@ -489,7 +511,7 @@ def probe(
     return ProbeResult(
         best, trials, setup.device, setup.memory_limit_bytes, setup.limit_source, setup.granularity,
         setup.microbatch_cap, build["strategy"], options, setup.state_bytes, model, setup.isolate,
-        time.perf_counter() - start, message, sizes,
+        time.perf_counter() - start, message, sizes, effective_batch,
     )  # fmt: skip
 
 

@@ -626,23 +626,27 @@ class Server:
             compiled(False)
             return Outcome("fits", estimate=est.to_dict())
         if request.kind == "fits":
-            trial = compile_trial(self.job_for(request), request.microbatch_size, self.device, makers=self.makers)
+            trial = compile_trial(
+                self.job_for(request), request.microbatch_size, self.device, rows=request.rows, makers=self.makers
+            )
             compiled(False)
-            return measured(trial, self.platform, self.limit)
-        key = json.dumps([request.build, request.microbatch_size, request.rows, request.setting], sort_keys=True)
+            return measured(trial, self.platform, self.limit)  # run even if XLA's figure is over: the probe is exact
+        job = self.job_for(request)  # keyed by the build it resolves to: the probe's and a trial's meet
+        key = json.dumps(
+            [job.build, request.microbatch_size, request.rows, request.setting], sort_keys=True, default=str
+        )
         cached = self.cache.get(key)
         ran_before = cached is not None
         if cached is None:
             cached = self.cache[key] = compile_trial(
-                self.job_for(request), request.microbatch_size, self.device, rows=request.rows, makers=self.makers
+                job, request.microbatch_size, self.device, rows=request.rows, makers=self.makers
             )
             self.rates[key] = 0.0
         compiled(ran_before)
-        if cached.need_bytes is not None and cached.need_bytes > self.limit:  # a lower bound of the peak: not run
+        refused = self._refused(cached)
+        if refused is not None:
             del self.cache[key], self.rates[key]
-            message = f"not run: XLA's buffer assignment alone needs {cached.need_bytes:,} B, over the limit of "
-            return Outcome("oom", peak_bytes=cached.need_bytes, compile_seconds=cached.seconds,
-                           message=message + f"{self.limit:,} B")  # fmt: skip
+            return refused
         again = ran_before and not request.warmup  # re-timed with no warm-up: its first call is a step like the others
         timed = measured(cached, self.platform, self.limit, steps=request.steps, warmup=request.warmup, resident=True,
                          time_first=again)  # fmt: skip
@@ -651,6 +655,15 @@ class Server:
         for old in evicted(self.rates):
             del self.cache[old], self.rates[old]
         return outcome
+
+    def _refused(self, compiled: Compiled) -> Outcome | None:
+        """The out-of-memory outcome of a step whose programs alone need more than the limit (a lower bound of its
+        peak: it is not run), else None."""
+        need = compiled.need_bytes
+        if need is None or need <= self.limit:
+            return None
+        message = f"not run: XLA's buffer assignment alone needs {need:,} B, over the limit of {self.limit:,} B"
+        return Outcome("oom", peak_bytes=need, compile_seconds=compiled.seconds, message=message)
 
 
 _TIMEOUT: dict[str, Any] = {"event": "timeout"}

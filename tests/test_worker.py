@@ -13,8 +13,7 @@ import optax
 import pytest
 from seams import tune
 
-from autoaccum._estimate import estimate
-from autoaccum._probe import prepare
+from autoaccum._probe import prepare, probe
 from autoaccum._worker import MAX_CACHED, Request, Timing, Worker
 
 
@@ -141,12 +140,11 @@ def wide_loss(params: Any, batch: Any) -> jax.Array:
     return jnp.mean((jax.nn.relu(batch["x"] @ params["w1"]) @ params["w2"] - batch["y"]) ** 2)
 
 
-def test_sizes_whose_accumulating_step_is_predicted_over_the_limit_are_never_timed() -> None:
-    """The probe runs one microbatch's step: under 24 MiB, 256 examples fit. The accumulating step over 512
-    (2 x 256) also holds the accumulator and the whole batch: the calibrated estimate predicts it over the
-    limit, so the tuner never times it; run in the worker, it really does run out of memory. (Sizes predicted
-    just under the limit may still run over it: CPU peaks of one step vary by a few percent from run to run, and
-    such a trial fails in the worker as before.)"""
+def test_the_tuners_probe_runs_the_accumulating_step_and_nothing_above_its_boundary_is_timed() -> None:
+    """The tuner's probe runs the step the tuner times: the one accumulating the effective batch (512), which also
+    holds the accumulator and the whole batch. Under 24 MiB its boundary lies below the largest one-microbatch step
+    (a probe of its own, without ``effective_batch``: the reference); the next size tried ran out of memory in the
+    worker, and no size above the boundary, nor one the calibrated estimate predicts over the limit, is timed."""
     params = {"w1": jnp.zeros((256, 4096)), "w2": jnp.zeros((4096, 1))}
     batch = {"x": jnp.ones((512, 256)), "y": jnp.ones((512, 1))}
     timed: list[int] = []
@@ -159,23 +157,19 @@ def test_sizes_whose_accumulating_step_is_predicted_over_the_limit_are_never_tim
         wide_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="24MiB", strategies=["scan"],
         storage=":memory:", measure=measure, race_rounds=0,
     )  # fmt: skip
-    assert result.probe is not None
-    boundary, limit = result.probe.max_microbatch, result.probe.memory_limit_bytes
-    assert 256 <= boundary < 512 and timed and boundary not in timed, (boundary, timed)
-    accumulating = estimate(
-        wide_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit=limit, microbatch_cap=512, effective_batch=512
-    )
-    assert all(result.probe.predicted_peak(accumulating, m, 512) <= limit for m in timed)
-    assert result.probe.predicted_peak(accumulating, boundary, 512) > limit
-    assert boundary in result.predicted_over["remat=None"]
-    assert not set(timed) & set(result.predicted_over["remat=None"])
+    found = result.probe
+    assert found is not None and found.effective_batch == 512 and found.estimate is not None
+    boundary, limit = found.max_microbatch, found.memory_limit_bytes
+    single = probe(wide_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit=limit, microbatch_cap=512)
+    assert 0 < boundary < single.max_microbatch, (boundary, single.max_microbatch)
+    assert found.failed_above is not None and timed and max(timed) <= boundary, (found.trials, timed)
+    assert all(found.predicted_peak(found.estimate, m, 512) <= limit for m in timed)
     setup = prepare(wide_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="24MiB")
     with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
-        dropped = w.time(Request({"strategy": "scan"}, boundary, 512, 3, 1))
-        assert dropped.status == "oom", dropped  # run: XLA's buffer assignment alone is under the limit
-        assert "not run" not in (dropped.message or "")
-        after = w.time(Request({"strategy": "scan"}, 8, 512, 3, 1))  # in a fresh worker
-        assert after.status != "error" and after.times and w.restarts == 2, after
+        assert w.time(Request({"strategy": "scan"}, boundary, 512, 3, 1)).status == "fits"  # in a worker of its own
+    with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+        above = w.time(Request({"strategy": "scan"}, found.failed_above, 512, 3, 1))
+        assert above.status == "oom", above
 
 
 def test_the_worker_compiles_what_makes_the_inputs_once_and_each_trial_steps_on_the_same_inputs() -> None:

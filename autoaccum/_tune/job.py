@@ -192,8 +192,8 @@ class Space(JsonMixin):
     """The sizes each knob setting (by index, the default first) may time (`Space.bound`); stored with the study.
 
     Attributes:
-      bounds: the largest microbatch predicted to fit one microbatch's step (the probe's for the default setting,
-        the calibrated estimate's for the others; ``microbatch_bound`` for all when given).
+      bounds: the largest microbatch whose step accumulating the effective batch fits (the probe's for the default
+        setting, the calibrated estimate's for the others; ``microbatch_bound`` for all when given).
       fitting: the candidate sizes within the bound, at least ``min_microbatch``, whose accumulating step is not
         predicted over the limit.
       predicted_over: per setting (by its text), the candidates left out as predicted over the limit.
@@ -211,9 +211,9 @@ class Space(JsonMixin):
 
     @classmethod
     def bound(cls, job: Job, microbatch_bound: int | None, clock: Clock, worker: Worker | None = None) -> Space:
-        """Probes the default setting (unless ``microbatch_bound`` is given) and bounds every other setting by its
-        compile-only estimate calibrated by the probe (`ProbeResult.bound_for`). Where the effective batch needs
-        accumulating, sizes whose accumulating step the calibrated estimate predicts over the limit are left out.
+        """Probes the default setting's step over the effective batch (unless ``microbatch_bound`` is given) and
+        bounds every other setting by its compile-only estimate calibrated by the probe (`ProbeResult.bound_for`).
+        Sizes whose accumulating step the calibrated estimate predicts over the limit are left out.
 
         Raises:
           RuntimeError: no size at least ``min_microbatch`` fits, or none is a candidate.
@@ -228,7 +228,7 @@ class Space(JsonMixin):
                     memory_limit=job.memory_limit, microbatch_cap=eb, state=job.state,
                     has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"],
                     options=None if default.remat is None else {"remat": default.remat},
-                    sizes=[m for m in probe_sizes(eb) if m >= job.min_microbatch],
+                    sizes=[m for m in probe_sizes(eb) if m >= job.min_microbatch], effective_batch=eb,
                     **({} if job.children else {"isolate": False}),  # type: ignore[arg-type]
                 )  # fmt: skip
             microbatch_bound = probed.max_microbatch
@@ -280,7 +280,10 @@ def _estimates(job: Job, probed: ProbeResult, bounds: list[int], worker: Worker 
             (e for j, e in accumulating.items() if job.settings[j].accumulator_dtype == setting.accumulator_dtype), None
         )
         more = {} if like is None else {"accumulation_from": like.to_dict()}
-        predicted = _estimate(job, setting, probed.memory_limit_bytes, worker, {**kw, **more})
+        if i == 0 and probed.estimate is not None:
+            predicted = probed.estimate  # the probe's, of the step it ran: accumulating the effective batch
+        else:
+            predicted = _estimate(job, setting, probed.memory_limit_bytes, worker, {**kw, **more})
         if i:
             bounds[i] = probed.bound_for(predicted)
         if accumulates:
