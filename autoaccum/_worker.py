@@ -668,6 +668,9 @@ class Server:
 
 _TIMEOUT: dict[str, Any] = {"event": "timeout"}
 
+READ_SLICE = 0.25
+"""The longest a worker's caller waits in one system call (an interrupt takes effect within it)."""
+
 
 class Worker:
     """Answers requests of one `Job` in a child process under ``limit`` bytes per device, as a context manager.
@@ -786,9 +789,11 @@ class Worker:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return _TIMEOUT
-            ready, _, _ = select.select([self._answers], [], [], left)
+            # In slices: a signal the kernel hands to another thread (Optuna's heartbeat, rich's refresh) wakes
+            # no select of this one, and Python raises its KeyboardInterrupt here only once this call returns.
+            ready, _, _ = select.select([self._answers], [], [], READ_SLICE if left is None else min(left, READ_SLICE))
             if not ready:
-                return _TIMEOUT
+                continue
             chunk = os.read(self._answers, 1 << 16)
             if not chunk:
                 return None
