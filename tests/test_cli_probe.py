@@ -151,3 +151,33 @@ def test_workload_file_imports_modules_beside_it(tmp_path: Path) -> None:
     (tmp_path / "bad.py").write_text("from no_such_module import x\n")
     result = CliRunner().invoke(main, ["probe", f"{tmp_path / 'bad.py'}:make"])
     assert result.exit_code == 2 and "ModuleNotFoundError" in result.output, result.output
+
+
+WIDE = """\
+import jax, jax.numpy as jnp, optax
+import autoaccum
+
+def loss(params, batch):
+    return jnp.mean((jax.nn.relu(batch["x"] @ params["w1"]) @ params["w2"] - batch["y"]) ** 2)
+
+def workload():
+    params = {"w1": jnp.zeros((256, 4096)), "w2": jnp.zeros((4096, 1))}  # the accumulator weighs 4 MiB
+    batch = {"x": jnp.ones((512, 256)), "y": jnp.ones((512, 1))}
+    return autoaccum.Workload(loss, params, batch, optax.sgd(0.1))
+"""
+
+
+def test_probe_with_an_effective_batch_answers_for_the_accumulating_step(tmp_path: Path) -> None:
+    """``--effective-batch 512`` runs the step accumulating 512 examples, which also holds the accumulator and the
+    whole batch: its boundary is below the one-microbatch step's (the same probe without it, the reference)."""
+    (tmp_path / "wide.py").write_text(WIDE)
+    spec = f"{tmp_path / 'wide.py'}:workload"
+    answers = []
+    for extra in ([], ["--effective-batch", "512"]):
+        result = invoke("probe", spec, "--memory-limit", "24MiB", "--microbatch-cap", "512", "--json", *extra)
+        assert result.exit_code == 0
+        answers.append(json.loads(result.output))
+    single, accumulating = answers
+    assert single["effective_batch"] is None and accumulating["effective_batch"] == 512
+    assert 0 < accumulating["max_microbatch"] < single["max_microbatch"], (accumulating, single)
+    assert invoke("probe", spec, "--effective-batch", "0").exit_code == 2

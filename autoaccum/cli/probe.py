@@ -45,6 +45,11 @@ if TYPE_CHECKING:
 @click.option("--max-microbatch", type=int, hidden=True, help="Deprecated: --microbatch-cap.")
 @click.option("--granularity", type=int, default=1, show_default=True, help="Try only multiples of this (e.g. 8).")
 @click.option(
+    "--effective-batch", type=click.IntRange(min=1),
+    help="Run the step that accumulates this many examples per update (tune's): the answer is the largest microbatch "
+    "an update of that many examples can use [default: one microbatch per step].",
+)  # fmt: skip
+@click.option(
     "--trial-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_TRIAL_TIMEOUT,
     show_default=True,
     help="Seconds a trial (compiling and running its step in a child process), or the compile-only estimate, "
@@ -64,6 +69,7 @@ def probe(
     microbatch_cap: int,
     max_microbatch: int | None,
     granularity: int,
+    effective_batch: int | None,
     trial_timeout: float,
     no_isolate: bool,
     as_json: bool,
@@ -107,7 +113,7 @@ def probe(
     kwargs = dict(
         optimizer=w.optimizer, strategy=strategy, memory_limit=memory_limit, microbatch_cap=microbatch_cap,
         granularity=granularity, has_aux=w.has_aux, state=w.state, loss_reduction=w.loss_reduction,
-        isolate=not no_isolate, trial_timeout=None if no_isolate else trial_timeout,
+        isolate=not no_isolate, trial_timeout=None if no_isolate else trial_timeout, effective_batch=effective_batch,
     )  # fmt: skip
     with warnings_as_lines(make_console(stderr=True) if as_json else console):
         try:
