@@ -669,6 +669,12 @@ def stage_tune(report: Report, args: argparse.Namespace) -> None:
         peak_bytes=peak, memory_limit_bytes=limit, peak_over_limit=None if peak is None else peak / limit,
         tune_seconds=tune_seconds, unit_seconds=unit, tune_units=tune_seconds / unit if unit else None,
         tune_phases=result.phases, tune_result_units=result.units,
+        tune_trials=[
+            {"config": f"{t.microbatch_size} x {_label(labels, t.strategy, t.options)}", "knobs": t.knobs,
+             "remat": t.remat, "state": t.state, "compile_seconds": t.compile_seconds, "throughput": t.throughput,
+             "reason": None if t.reason is None else t.reason[:300]}
+            for t in result.trials
+        ],  # what each trial cost and why one failed: where the next change goes
     )  # fmt: skip
     report.write()
     sizes = [m for m in microbatch_candidates(preset.tune_batch, bound) if m >= preset.tune_min_microbatch]
@@ -888,7 +894,9 @@ def _md_tune(s: dict[str, Any]) -> list[str]:
     keys = ("workload", "pick", "grid_best", "pick_over_grid_best", "control", "peak_bytes", "memory_limit_bytes",
             "peak_over_limit", "tune_seconds", "unit_seconds", "tune_units", "grid_seconds", "grid_programs",
             "trials", "probe_runs")  # fmt: skip
-    return _table(("figure", "value"), [(k, s[k]) for k in keys if k in s])
+    lines = _table(("figure", "value"), [(k, s[k]) for k in keys if k in s])
+    failed = [f"{t['config']} {t['knobs'] or ''}: {t['reason']}" for t in s.get("tune_trials", []) if t["reason"]]
+    return lines + [f"- failed: {f}" for f in failed]
 
 
 def _md_throughput(s: dict[str, Any]) -> list[str]:

@@ -153,6 +153,7 @@ def test_dry_run_tune(dry_run: dict[str, Any]) -> None:
     assert 0 < tune["peak_bytes"] <= tune["memory_limit_bytes"] and tune["peak_over_limit"] <= 1
     assert tune["tune_seconds"] > tune["unit_seconds"] > 0 and tune["tune_units"] > 1
     assert set(tune["side_by_side"]) == {"pick", "grid", "control"}
+    assert len(tune["tune_trials"]) == tune["trials"] and all(t["state"] for t in tune["tune_trials"])
 
 
 @pytest.mark.slow
