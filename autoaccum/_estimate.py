@@ -24,7 +24,7 @@ import bisect
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -454,7 +454,7 @@ def estimate(
     target: str | Path | None = None,
     on_compile: Callable[[Point | None, float], None] | None = None,
     max_microbatch: int | None = None,
-    accumulation_from: Estimate | Mapping[str, Any] | None = None,
+    accumulation_from: Estimate | None = None,
     **options: Any,
 ) -> Estimate:
     """Predicts, by compiling only, the peak memory of the update step at every microbatch size.
@@ -482,7 +482,7 @@ def estimate(
       on_compile: called as each compilation finishes with its `Point` (``None`` for the optimizer step) and the
         seconds it took to lower and compile.
       max_microbatch: deprecated name of ``microbatch_cap``.
-      accumulation_from: an estimate (or its ``to_dict()``) of the same step with another loss of the same
+      accumulation_from: an estimate of the same step with another loss of the same
         parameters and batch (a knob's other setting): its accumulator and batch terms are taken, and of the
         accumulating steps only the uneven split is compiled.
       **options: the strategy's options (e.g. ``unroll=2``).
@@ -544,13 +544,12 @@ def estimate(
     def make_update(m: int) -> Update:
         return build_update(loss_fn, optimizer, microbatch_size=m, has_state=state is not None, **build)
 
-    like = Estimate.from_dict(accumulation_from) if isinstance(accumulation_from, Mapping) else accumulation_from
     measurer = _Measurer(make_update, optimizer, params, batch, state, compile_options, where, on_compile, workers)
     with measurer:
         s1 = units(min(max(FIRST_SIZE, 2 * g), cap))
         sizes = [(s1, s1)]
         if accumulation:  # 2 and 4 microbatches of s1 (unless taken), and 2 of s1 plus a smaller last one
-            sizes += [] if like is not None else [(s1, 2 * s1), (s1, 4 * s1)]
+            sizes += [] if accumulation_from is not None else [(s1, 2 * s1), (s1, 4 * s1)]
             sizes += [(s1, 2 * s1 + units(s1 // 2) if s1 > g else 3 * s1)]
         measurer.submit([*sizes, (0, 0)])
         (single1,) = measurer.measure(sizes[:1])
@@ -562,7 +561,7 @@ def estimate(
             platform=platform, shards=g, compiler=compiler, target=target_name,
         )  # fmt: skip
         if accumulation:
-            fields.update(_accumulation(single1, measurer.measure(sizes[1:]), like))
+            fields.update(_accumulation(single1, measurer.measure(sizes[1:]), accumulation_from))
         else:
             fields.update(accumulation_bytes=None, per_batch_example_bytes=None, remainder_bytes_per_example=None)
         opt = measurer.futures[0, 0].result()

@@ -194,10 +194,9 @@ class Setup:
     trial_timeout: float | None
     effective_batch: int | None = None
 
-    @property
-    def rows(self) -> Callable[[int], int]:
+    def rows(self, m: int) -> int:
         """The examples a trial of microbatch ``m`` runs: the effective batch when given, else ``m``."""
-        return lambda m: m if self.effective_batch is None else self.effective_batch
+        return m if self.effective_batch is None else self.effective_batch
 
 
 def prepare(

@@ -615,13 +615,16 @@ class Server:
         """The request's `Outcome`; calls ``compiled(cached)`` once its programs are compiled. A ``"time"`` request
         whose programs alone need more than the limit is not run. Raises what the step raises (see `guarded`)."""
         if request.kind == "estimate":
-            from autoaccum._estimate import estimate
+            from autoaccum._estimate import Estimate, estimate
 
             job = self.job_for(request)
             params, batch, state = job.inputs()
+            kw = dict(request.estimate)  # (as JSON carried it: an estimate it names comes as its dict)
+            if kw.get("accumulation_from") is not None:
+                kw["accumulation_from"] = Estimate.from_dict(kw["accumulation_from"])
             est = estimate(
                 job.loss_fn, params, batch, optimizer=job.optimizer, state=state, memory_limit=self.limit,
-                **dict(request.estimate), **dict(job.build),
+                **kw, **dict(job.build),
             )  # fmt: skip
             compiled(False)
             return Outcome("fits", estimate=est.to_dict())

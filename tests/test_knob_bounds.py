@@ -186,7 +186,7 @@ def test_another_setting_takes_the_accumulation_terms_and_compiles_fewer_steps(b
                               effective_batch=CAP)  # fmt: skip
     default = autoaccum.estimate(loss_of(None), params, batch, **kw)
     own = autoaccum.estimate(loss_of(block_remat), params, batch, **kw)
-    taken = autoaccum.estimate(loss_of(block_remat), params, batch, accumulation_from=default.to_dict(), **kw)
+    taken = autoaccum.estimate(loss_of(block_remat), params, batch, accumulation_from=default, **kw)
     assert len(taken.points) == len(own.points) - 2
     for m in (8, 16, 48, 100, 128):
         assert taken.bytes_at(m, CAP) == pytest.approx(own.bytes_at(m, CAP), rel=0.02), m

@@ -279,7 +279,7 @@ def _estimates(job: Job, probed: ProbeResult, bounds: list[int], worker: Worker 
         like = next(
             (e for j, e in accumulating.items() if job.settings[j].accumulator_dtype == setting.accumulator_dtype), None
         )
-        more = {} if like is None else {"accumulation_from": like.to_dict()}
+        more = {} if like is None else {"accumulation_from": like}
         if i == 0 and probed.estimate is not None:
             predicted = probed.estimate  # the probe's, of the step it ran: accumulating the effective batch
         else:
@@ -307,7 +307,10 @@ def _estimate(job: Job, setting: Setting, limit: int, worker: Worker | None, kw:
             loss_reduction=job.loss_kw["loss_reduction"], **setting.build, **kw,
         )  # fmt: skip
     build = {"strategy": job.names[0], **setting.build}
-    request = Request(build, 1, job.effective_batch, kind="estimate", setting=job.settings.index(setting), estimate=kw)
+    wire = {k: v.to_dict() if isinstance(v, Estimate) else v for k, v in kw.items()}  # (the request travels as JSON)
+    request = Request(
+        build, 1, job.effective_batch, kind="estimate", setting=job.settings.index(setting), estimate=wire
+    )
     outcome = worker.ask(request)
     if outcome.status != "fits" or outcome.estimate is None:
         raise RuntimeError(f"the compile-only estimate of {setting} failed in the worker: {outcome.message}")
