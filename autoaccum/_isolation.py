@@ -61,7 +61,8 @@ class Outcome(JsonMixin):
       status: ``"fits"``, ``"oom"`` or ``"error"``.
       seconds: the median timed step, when it fit; ``times`` each timed step; ``first_seconds`` the first step.
       peak_bytes: memory used at the peak, counted like the limit; None where not measurable.
-      message: the OOM or error message; ``compile_seconds``: time spent compiling.
+      message: the OOM or error message; ``compile_seconds``: time spent compiling; ``cached_seconds``: compile
+        time JAX's persistent cache saved.
       estimate: an estimate request's `autoaccum.Estimate`, as `to_dict` writes it.
     """
 
@@ -73,6 +74,7 @@ class Outcome(JsonMixin):
     compile_seconds: float | None = None
     times: list[float] | None = None
     estimate: dict[str, Any] | None = None
+    cached_seconds: float | None = None
 
 
 def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outcome:

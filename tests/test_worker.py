@@ -253,8 +253,8 @@ def test_a_second_worker_finds_the_programs_of_the_first_in_the_compilation_cach
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Workers share JAX's persistent compilation cache under the study's cache folder: the first one writes its
-    programs there, a second one timing the same configuration finds every program (writes nothing new); with
-    AUTOACCUM_COMPILATION_CACHE=0 nothing is written."""
+    programs there, a second one timing the same configuration finds every program (writes nothing new) and reports
+    the compile time the cache saved it; with AUTOACCUM_COMPILATION_CACHE=0 nothing is written."""
     from autoaccum._worker import use_compilation_cache
 
     monkeypatch.setenv("AUTOACCUM_CACHE", str(tmp_path))
@@ -264,11 +264,15 @@ def test_a_second_worker_finds_the_programs_of_the_first_in_the_compilation_cach
         params, batch = problem(features=16)
         setup = prepare(linear_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB")
         files: list[set[str]] = []
+        saved: list[float | None] = []
         for _ in range(2):
             with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
-                assert w.ask(Request({"strategy": "scan"}, 4, 8, 2, 0)).status == "fits"
+                outcome = w.ask(Request({"strategy": "scan"}, 4, 8, 2, 0))
+                assert outcome.status == "fits"
             files.append({p.name for p in (tmp_path / "jax").iterdir()})
+            saved.append(outcome.cached_seconds)
         assert files[0] and files[1] == files[0], files
+        assert saved[0] == 0 and saved[1], saved  # what the hits saved (their compile time less reading them)
         monkeypatch.setenv("AUTOACCUM_COMPILATION_CACHE", "0")
         assert use_compilation_cache() is None
         monkeypatch.setenv("AUTOACCUM_CACHE", str(tmp_path / "off"))

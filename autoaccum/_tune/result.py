@@ -27,7 +27,8 @@ class TrialRecord(JsonMixin):
       number: Optuna's trial number.
       microbatch_size, accumulation_steps, strategy, options: the configuration.
       throughput: measured examples per second (``None`` unless the trial completed).
-      compile_seconds: the first (compiling) call's duration (``None`` if unknown).
+      compile_seconds: the first (compiling) call's duration (``None`` if unknown); cached_seconds: what JAX's
+        persistent cache saved it (with ``compile_seconds``, the uncached compile time).
       state: Optuna's trial state name (``COMPLETE``, ``FAIL``, ``RUNNING``, ...).
       reason: why it failed, if it did.
       same_program_as: the trial whose timing this one reuses: the same program, timed once
@@ -55,6 +56,7 @@ class TrialRecord(JsonMixin):
     remat: str | None = None
     accumulator_dtype: str = "float32"
     knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    cached_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +86,8 @@ class TuneResult(JsonMixin):
         the JSON).
       seconds: this run's wall time.
       phases: this run's seconds per phase (`PHASES`).
-      units: ``seconds`` over one compile plus five steps of the picked program (None where unmeasured): the
-        tune's cost, whatever the machine's speed.
+      units: ``seconds`` over one compile (uncached) plus five steps of the picked program (None where
+        unmeasured): the tune's cost, whatever the machine's speed.
     """
 
     plan: Plan
@@ -167,7 +169,7 @@ def record(trial: optuna.trial.FrozenTrial, effective_batch: int, labels: dict[s
         same_program_as=attrs.get("same_program_as"), peak_bytes=attrs.get("peak_bytes"),
         seconds=quartiles(attrs["times"]) if complete and attrs.get("times") else None,
         remat=attrs.get("remat"), accumulator_dtype=attrs.get("accumulator_dtype", "float32"),
-        knobs=dict(attrs.get("knobs") or {}),
+        knobs=dict(attrs.get("knobs") or {}), cached_seconds=attrs.get("cached_seconds", 0.0),
     )  # fmt: skip
 
 

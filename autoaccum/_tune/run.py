@@ -126,7 +126,8 @@ def _result(job: Job, space: Space, study: optuna.Study, runners: list[Runner], 
 
 
 def _summary(result: TuneResult, resumed: int, new: int, seconds: float) -> dict[str, Any]:
-    """The result's message, and its cost in units: ``seconds`` over one compile plus five steps of the pick."""
+    """The result's message, and its cost in units: ``seconds`` over one compile plus five steps of the pick (its
+    compile as if JAX's persistent cache had not had it)."""
     message = f"new study {result.study_name}: {new} trials"
     if resumed:
         message = f"resumed: {resumed} trials from earlier runs, {new} new (study {result.study_name}; pass fresh=True"
@@ -135,7 +136,7 @@ def _summary(result: TuneResult, resumed: int, new: int, seconds: float) -> dict
     pick = next(r for r in result.trials if r.number == number)
     units = None
     if pick.compile_seconds is not None and pick.seconds is not None:
-        units = seconds / (pick.compile_seconds + 5 * pick.seconds[1])
+        units = seconds / (pick.compile_seconds + pick.cached_seconds + 5 * pick.seconds[1])
     return dict(resumed_trials=resumed, new_trials=new, message=message, seconds=seconds, units=units)
 
 

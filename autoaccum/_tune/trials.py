@@ -142,6 +142,7 @@ class Trials:
             raise
         self.clock.spend("steps", began, starts, timing.compile_seconds)
         trial.set_user_attr("compile_seconds", timing.compile_seconds)
+        trial.set_user_attr("cached_seconds", timing.cached_seconds)
         trial.set_user_attr("times", list(timing.times or (timing.seconds_per_step,)))
         if timing.peak_bytes is not None:
             trial.set_user_attr("peak_bytes", timing.peak_bytes)
@@ -314,6 +315,7 @@ def time_in_worker(job: Job, worker: Worker) -> TimeOne:
             message = (outcome.message or "").strip()
             raise TrialFailed(f"failed in the worker: {message if len(message) < 900 else message[:900] + ' ...'}")
         times = tuple(outcome.times or ())
-        return Timing(outcome.seconds or 0.0, outcome.compile_seconds or 0.0, len(times), times, outcome.peak_bytes)
+        return Timing(outcome.seconds or 0.0, outcome.compile_seconds or 0.0, len(times), times, outcome.peak_bytes,
+                      outcome.cached_seconds or 0.0)  # fmt: skip
 
     return time_one
