@@ -316,19 +316,24 @@ def analyse(
         if m is None:
             raise RuntimeError(f"XLA gives no memory analysis on {jax.devices()[0].platform}; cannot predict memory.")
         peak = max(peak, live_bytes(m) + program.resident_bytes)
-        if platform == COMPILE_ONLY_GPU:
-            from autoaccum._gpu_compile import check_gpu, gpu_cost
-
-            check_gpu(c)
-            f, b = gpu_cost(c, program.lowered)
-        else:
-            cost = c.cost_analysis() or {}
-            if isinstance(cost, list):  # older jax returns one dict per computation
-                cost = cost[0] if cost else {}
-            f, b = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+        f, b = program_cost(c, program, platform)
         flops, accessed = flops + f, accessed + b
     runtime = 0 if platform == COMPILE_ONLY_GPU else runtime_bytes(platform, compiled)
     return Point(0, size, peak, flops, accessed, runtime)
+
+
+def program_cost(compiled: jax.stages.Compiled, program: Program, platform: str) -> tuple[float, float]:
+    """``(flops, bytes accessed)`` of one compiled program, by XLA's cost analysis (on `COMPILE_ONLY_GPU`, of the
+    GPU-optimised modules: `autoaccum._gpu_compile.gpu_cost`)."""
+    if platform == COMPILE_ONLY_GPU:
+        from autoaccum._gpu_compile import check_gpu, gpu_cost
+
+        check_gpu(compiled)
+        return gpu_cost(compiled, program.lowered)
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older jax returns one dict per computation
+        cost = cost[0] if cost else {}
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
 
 def step_memory(

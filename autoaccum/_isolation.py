@@ -62,8 +62,9 @@ class Outcome(JsonMixin):
       seconds: the median timed step, when it fit; ``times`` each timed step; ``first_seconds`` the first step.
       peak_bytes: memory used at the peak, counted like the limit; None where not measurable.
       message: the OOM or error message; ``compile_seconds``: time spent compiling; ``cached_seconds``: compile
-        time JAX's persistent cache saved.
+        time JAX's persistent cache saved; ``costs``: ``[flops, bytes accessed]`` of each program the step runs.
       estimate: an estimate request's `autoaccum.Estimate`, as `to_dict` writes it.
+      need_bytes: XLA's buffer-assignment bytes, where they alone refused the step (it was not run).
     """
 
     status: str
@@ -75,6 +76,8 @@ class Outcome(JsonMixin):
     times: list[float] | None = None
     estimate: dict[str, Any] | None = None
     cached_seconds: float | None = None
+    costs: list[list[float]] | None = None
+    need_bytes: int | None = None
 
 
 def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outcome:

@@ -223,6 +223,8 @@ class Compiled:
     cached_seconds: float = 0.0
     """What JAX's persistent cache saved compiling them: its hits' compile times less reading them (with
     ``seconds``, the uncached compile time)."""
+    costs: tuple[tuple[float, float], ...] = ()
+    """``(flops, bytes accessed)`` of each program, by XLA's cost analysis (`autoaccum._estimate.program_cost`)."""
 
 
 def compile_trial(
@@ -230,7 +232,7 @@ def compile_trial(
 ) -> Compiled:
     """Compiles from shapes alone every program a trial of microbatch ``size`` runs on ``rows`` examples (default
     ``size``). ``makers``, kept across one job's trials: the compiled programs that make the inputs."""
-    from autoaccum._estimate import live_bytes
+    from autoaccum._estimate import live_bytes, program_cost
 
     rows = size if rows is None else rows
     makers = {} if makers is None else makers
@@ -252,7 +254,7 @@ def compile_trial(
             resized = jax.jit(functools.partial(resize_batch, size=rows), **out)
             makers["batch", rows] = resized.lower(abstract(device_copy(job.batch))).compile()
         make_params, init, resize = makers["params"], makers["init"], makers["batch", rows]
-        extra, need = [], []
+        extra, need, costs = [], [], []
         try:
             programs = job.programs(update, rows)
         except NotImplementedError:
@@ -260,15 +262,17 @@ def compile_trial(
                 raise
             programs = []  # (the loop strategy on an Explicit mesh, see `on_device`: its first call compiles it)
         for program in programs:
-            analysis = program.lowered.compile().memory_analysis()  # likewise kept by the strategy's jitted functions
+            executable = program.lowered.compile()  # likewise kept by the strategy's jitted functions
+            costs.append(program_cost(executable, program, jax.default_backend()))
+            analysis = executable.memory_analysis()
             if analysis is not None:
                 live = live_bytes(analysis)
                 extra.append(live - analysis.argument_size_in_bytes)
                 need.append(live + program.resident_bytes)
     seconds = time.perf_counter() - start
     return Compiled(
-        job, size, device, update, make_params, init, resize, seconds, max(extra, default=None), max(need, default=None),
-        sum(saved),
+        job, size, device, update, make_params, init, resize, seconds, max(extra, default=None),
+        max(need, default=None), sum(saved), tuple(costs),
     )  # fmt: skip
 
 
@@ -278,9 +282,9 @@ def cache_hits() -> Iterator[list[float]]:
     stored, less reading it (below 0 where reading took longer)."""
     saved: list[float] = []
 
-    def listen(event: str, seconds: float, **_: Any) -> None:
+    def listen(event: str, duration_secs: float, **_: str | int) -> None:
         if event == "/jax/compilation_cache/compile_time_saved_sec":
-            saved.append(seconds)
+            saved.append(duration_secs)
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
@@ -289,11 +293,22 @@ def cache_hits() -> Iterator[list[float]]:
         jax.monitoring.unregister_event_duration_listener(listen)
 
 
+class _Over(Exception):
+    """A step's peak so far is over the limit: the calls left would not lower it."""
+
+
 def run_trial(
-    compiled: Compiled, peak: Callable[[], int | None], *, steps: int = 1, warmup: int = 0, time_first: bool = False
+    compiled: Compiled,
+    peak: Callable[[], int | None],
+    *,
+    steps: int = 1,
+    warmup: int = 0,
+    time_first: bool = False,
+    stop_above: int | None = None,
 ) -> Outcome:
     """Makes the inputs on the device and runs the compiled step (`run_steps`), letting each call's memory go before
-    the next (`settle`); ``peak()`` then gives the memory used. Raises whatever the step raises."""
+    the next (`settle`); ``peak()`` then gives the memory used. With ``stop_above``, the calls stop once ``peak()``
+    is above it (the outcome has no step times). Raises whatever the step raises."""
     job, update, device = compiled.job, compiled.update, compiled.device
     with on_device(job, device):
         params = compiled.make_params()
@@ -303,14 +318,25 @@ def run_trial(
     with on_device(job, device, running=True):
         inputs = memory_stats(device).get("bytes_in_use")  # a GPU's live bytes now; None on the CPU
         before = proc_status("VmSize")
-        between = functools.partial(settle, before)
-        out, first, times = run_steps(update, made, steps=steps, warmup=warmup, time_first=time_first, between=between)
+
+        def between() -> None:
+            settle(before)
+            if stop_above is not None and (so_far := peak() or 0) > stop_above:
+                raise _Over(so_far)
+
+        try:
+            out, first, times = run_steps(update, made, steps=steps, warmup=warmup, time_first=time_first,
+                                          between=between)  # fmt: skip
+        except _Over as over:
+            return Outcome("fits", peak_bytes=over.args[0], compile_seconds=compiled.seconds, times=[],
+                           cached_seconds=compiled.cached_seconds)  # fmt: skip
     used = peak()
     if used is None and inputs is not None and compiled.step_bytes is not None:
         used = inputs + compiled.step_bytes  # a GPU's peak did not rise (bigger work ran before): live + the step's
     del out
     return Outcome("fits", seconds=statistics.median(times), first_seconds=first, peak_bytes=used,
-                   compile_seconds=compiled.seconds, times=times, cached_seconds=compiled.cached_seconds)  # fmt: skip
+                   compile_seconds=compiled.seconds, times=times, cached_seconds=compiled.cached_seconds,
+                   costs=[list(c) for c in compiled.costs])  # fmt: skip
 
 
 def run_steps(
@@ -467,8 +493,10 @@ def measured(
 ) -> Outcome:
     """`run_trial` under the limit per device: on the CPU the address-space cap (a GPU's allocator is capped at start).
     An XLA error under the cap that is not an OOM by its text does not fit if the same step then runs without the
-    cap, else it stands. ``resident``: as for `address_space_cap`."""
-    run = functools.partial(run_trial, steps=steps, warmup=warmup, time_first=time_first)
+    cap, else it stands. ``resident``: as for `address_space_cap`, and the calls stop once the peak is over the
+    limit (`over_limit` reports it)."""
+    stop = limit if resident else None
+    run = functools.partial(run_trial, steps=steps, warmup=warmup, time_first=time_first, stop_above=stop)
     n = compiled.job.devices
     if platform != "cpu":
         if compiled.job.mesh is None:
@@ -689,7 +717,7 @@ class Server:
         if need is None or need <= self.limit:
             return None
         message = f"not run: XLA's buffer assignment alone needs {need:,} B, over the limit of {self.limit:,} B"
-        return Outcome("oom", peak_bytes=need, compile_seconds=compiled.seconds, message=message)
+        return Outcome("oom", peak_bytes=need, compile_seconds=compiled.seconds, message=message, need_bytes=need)
 
 
 _TIMEOUT: dict[str, Any] = {"event": "timeout"}

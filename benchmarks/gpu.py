@@ -74,8 +74,9 @@ from autoaccum._catalog import UnknownAcceleratorError, lookup, suggest
 from autoaccum._gpu_compile import compiler_status
 from autoaccum._probe import TrialRunner, prepare
 from autoaccum._tune.space import microbatch_candidates, program_key, variants
+from autoaccum._tune.trials import STEPS, WARMUP
 from autoaccum._units import format_bytes
-from autoaccum._worker import is_oom
+from autoaccum._worker import Request, is_oom
 
 NA_CPU = "not applicable on cpu"
 """What the report says of a figure that exists only on a GPU (NVML, XLA's GPU allocator, a catalogued peak)."""
@@ -623,11 +624,12 @@ def _label(labels: dict[str, tuple[str, dict[str, Any]]], strategy: str, options
 
 def time_grid(
     worker: Any, labels: dict[str, Any], sizes: list[int], batch: int, clock: Clock
-) -> tuple[dict[tuple[int, str], float], int]:
-    """Examples/s of every configuration of the grid (each program once, `program_key`), in one worker."""
-    bench = _sibling("tune")
-    timed: dict[Any, float] = {}
+) -> tuple[dict[tuple[int, str], float], int, dict[tuple[int, str], list[list[float]]]]:
+    """Examples/s of every configuration of the grid (each program once, `program_key`), in one worker, and the
+    costs (XLA's ``[flops, bytes accessed]`` per program) the worker compiled each with."""
+    timed: dict[Any, tuple[float, list[list[float]]]] = {}
     grid: dict[tuple[int, str], float] = {}
+    costs: dict[tuple[int, str], list[list[float]]] = {}
     for m in sizes:
         for label, variant in labels.items():
             key = program_key(m, variant, batch)
@@ -635,11 +637,37 @@ def time_grid(
                 if not clock.allows():
                     continue
                 start = time.perf_counter()
-                timed[key] = bench.side_by_side(worker, {"c": (m, label, None)}, labels, batch, 1)["c"]
+                name, options = variant
+                outcome = worker.time(Request({"strategy": name, **options, "remat": None}, m, batch, STEPS, WARMUP))
+                rate = statistics.median(batch / t for t in outcome.times) if outcome.status == "fits" else 0.0
+                timed[key] = (rate, outcome.costs or [])
                 clock.lap(start)
-            if timed[key]:
-                grid[(m, label)] = timed[key]
-    return grid, len(timed)
+            if timed[key][0]:
+                grid[(m, label)], costs[(m, label)] = timed[key]
+    return grid, len(timed), costs
+
+
+def cost_ranking(
+    w: autoaccum.Workload, grid: dict[tuple[int, str], float], costs: dict[tuple[int, str], list[list[float]]],
+    labels: dict[str, Any], batch: int,
+) -> dict[str, Any]:  # fmt: skip
+    """How well XLA's cost analysis orders the grid's configurations with their strategies' default options
+    (`benchmarks/scaling.py`'s roofline and ranking, with this device's rates): Spearman's rho and the best of the
+    3 predicted fastest over the grid's best."""
+    scaling = _sibling("scaling")
+    rates, opt = scaling.machine_rates(), scaling.optimizer_cost(w)
+    rows = []
+    for (m, label), rate in grid.items():
+        name, options = labels[label]
+        if ":" in label or not costs.get((m, label)):  # (unrolled variants run other bodies than the roofline's)
+            continue
+        predicted = scaling.predicted_seconds(name, -(-batch // m), [tuple(c) for c in costs[(m, label)]], opt, rates)
+        row = {"microbatch_size": m, "strategy": name, "options": options, "remat": None}
+        rows.append({**row, "predicted_seconds": predicted, "step_seconds": batch / rate, "examples_per_second": rate})
+    if len(rows) < 2:
+        return {"cost_ranking": f"not enough configurations with costs ({len(rows)})"}
+    ranked = scaling.ranking(rows)
+    return {"cost_ranking": {**ranked, "configurations": len(rows), "rates": rates}}
 
 
 def stage_tune(report: Report, args: argparse.Namespace) -> None:
@@ -657,7 +685,8 @@ def stage_tune(report: Report, args: argparse.Namespace) -> None:
     )  # fmt: skip
     tune_seconds = time.perf_counter() - start
     pick, timed = _pick(result)
-    unit = (timed.compile_seconds or 0.0) + UNIT_STEPS * (timed.seconds[1] if timed.seconds else 0.0)
+    compiling = (timed.compile_seconds or 0.0) + timed.cached_seconds  # (as if uncached)
+    unit = compiling + UNIT_STEPS * (timed.seconds[1] if timed.seconds else 0.0)
     peak, limit = result.peak_bytes, result.memory_limit_bytes
     labels = variants(list(preset.tune_strategies or autoaccum.strategies.available()))
     plan = result.plan
@@ -682,7 +711,7 @@ def stage_tune(report: Report, args: argparse.Namespace) -> None:
     clock = Clock(args.stage_budget - tune_seconds)
     with bench.worker_for(setup) as worker:
         start = time.perf_counter()
-        grid, programs = time_grid(worker, labels, sizes, preset.tune_batch, clock)
+        grid, programs, costs = time_grid(worker, labels, sizes, preset.tune_batch, clock)
         grid_seconds = time.perf_counter() - start
         if not grid:
             out["grid"] = f"not run: no configuration of the grid fit in the stage's budget ({args.stage_budget:.0f} s)"
@@ -698,6 +727,10 @@ def stage_tune(report: Report, args: argparse.Namespace) -> None:
         side_by_side=rates, pick_over_grid_best=1.0 if pick_config[:2] == best else rates["pick"] / rates["grid"],
         control=rates["control"] / rates["grid"],
     )  # fmt: skip
+    try:  # evidence for a compile-only ranking (issue 31); its failure is a finding, not the stage's
+        out.update(cost_ranking(w, grid, costs, labels, preset.tune_batch))
+    except Exception as e:
+        out["cost_ranking"] = f"failed: {_first_line(str(e))}"
     report.write()
 
 

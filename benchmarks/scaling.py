@@ -57,7 +57,7 @@ UNIT_STEPS = 5
 """A unit is one compile plus this many steps of the picked program."""
 TRIAL_STEPS = 6
 """Steps a tune trial runs after compiling (a warm-up and five timed), for the derived ``steps`` phase."""
-PHASES = ("probe", "estimate", "compile", "steps", "race", "worker_start", "build")
+PHASES = ("probe", "estimate", "compile", "steps", "failed", "race", "worker_start", "build")
 
 
 def workload() -> autoaccum.Workload:

@@ -154,6 +154,8 @@ def test_dry_run_tune(dry_run: dict[str, Any]) -> None:
     assert tune["tune_seconds"] > tune["unit_seconds"] > 0 and tune["tune_units"] > 1
     assert set(tune["side_by_side"]) == {"pick", "grid", "control"}
     assert len(tune["tune_trials"]) == tune["trials"] and all(t["state"] for t in tune["tune_trials"])
+    ranking = tune["cost_ranking"]  # XLA's costs of the worker's programs order the grid: how well, on this device
+    assert -1 <= ranking["spearman"] <= 1 and 0 < ranking["cost_top3_over_best"] <= 1, ranking
 
 
 @pytest.mark.slow

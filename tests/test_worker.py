@@ -14,7 +14,7 @@ import pytest
 from seams import tune
 
 from autoaccum._probe import prepare, probe
-from autoaccum._worker import MAX_CACHED, Request, Timing, Worker
+from autoaccum._worker import MAX_CACHED, Request, Timing, Worker, compile_trial, over_limit, run_trial
 
 
 def linear_loss(params: Any, batch: Any) -> jax.Array:
@@ -61,6 +61,28 @@ def test_a_trial_over_the_limit_fails_in_the_worker_unrun_where_xla_says_so() ->
         again = w.time(Request({"strategy": "loop"}, 16, 64, 3, 1))
         assert again.status == "fits" and w.restarts == 1
     assert params["w"].shape == (256, 8) and not params["w"].is_deleted()  # the caller's arrays untouched
+
+
+def test_a_step_over_the_limit_stops_after_its_first_call() -> None:
+    """With ``stop_above``, a trial's calls stop once the peak so far reads above it: one call, no step times, and
+    `over_limit` reports it out of memory; under it, every call runs (1 + warm-up + timed)."""
+    calls: list[int] = []
+
+    def counted_loss(params: Any, batch: Any) -> jax.Array:
+        jax.debug.callback(lambda: calls.append(1))
+        return linear_loss(params, batch)
+
+    params, batch = problem(features=16)
+    setup = prepare(counted_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB")
+    compiled = compile_trial(setup.job, 4, jax.devices()[0])
+    over = run_trial(compiled, lambda: 2**40, steps=5, warmup=1, stop_above=2**30)
+    jax.effects_barrier()
+    assert over.times == [] and over.peak_bytes == 2**40 and len(calls) == 1, (over, calls)
+    assert over_limit(over, 2**30).status == "oom"
+    under = run_trial(compiled, lambda: 2**20, steps=5, warmup=1, stop_above=2**30)
+    jax.effects_barrier()
+    assert under.times is not None and len(under.times) == 5 and len(calls) == 1 + 7
+    assert over_limit(under, 2**30).status == "fits"
 
 
 @pytest.mark.slow
@@ -269,6 +291,7 @@ def test_a_second_worker_finds_the_programs_of_the_first_in_the_compilation_cach
             with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
                 outcome = w.ask(Request({"strategy": "scan"}, 4, 8, 2, 0))
                 assert outcome.status == "fits"
+                assert outcome.costs and all(flops > 0 and moved > 0 for flops, moved in outcome.costs)
             files.append({p.name for p in (tmp_path / "jax").iterdir()})
             saved.append(outcome.cached_seconds)
         assert files[0] and files[1] == files[0], files

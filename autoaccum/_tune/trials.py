@@ -306,10 +306,9 @@ def time_in_worker(job: Job, worker: Worker) -> TimeOne:
         request = Request(build, config.microbatch_size, job.effective_batch, STEPS, warmup, config.setting)
         outcome = worker.time(request)
         if outcome.status == "oom":
-            refused = outcome.seconds is None and outcome.peak_bytes is not None  # by buffer assignment, not run
             raise TrialFailed(
                 f"out of memory in the worker (limit {format_bytes(worker.limit)}): {outcome.message}",
-                (outcome.peak_bytes, worker.limit) if refused else None,  # type: ignore[arg-type]
+                None if outcome.need_bytes is None else (outcome.need_bytes, worker.limit),
             )
         if outcome.status != "fits":
             message = (outcome.message or "").strip()
