@@ -17,7 +17,7 @@ from seams import tune
 
 import autoaccum
 from autoaccum import Plan, Update, workloads
-from autoaccum._tune.race import quartiles, race
+from autoaccum._tune.race import FINALISTS, quartiles, race
 from autoaccum._tune.space import microbatch_candidates, variants
 from autoaccum._worker import Timing, TrialFailed
 
@@ -384,15 +384,15 @@ def test_the_finalists_race_and_a_lucky_trial_loses(linear: autoaccum.Workload) 
     assert result.plan.microbatch_size == 4
     by_number = {r.number: r.microbatch_size for r in result.trials}
     sizes = [by_number[r.trial] for r in result.race]
-    assert sizes == [4, 2, 3, 1]  # the winner, then the others by median
-    winner, lucky, slow, slowest = result.race
+    assert sizes[:2] == [4, 2] and len(sizes) == FINALISTS and sizes[2] in (1, 3)  # the winner, then by median
+    winner, lucky, slow = result.race
     assert winner.out_after is None and lucky.out_after is not None  # none out in round 1:
-    assert slow.out_after == slowest.out_after == 2
+    assert slow.out_after == 2
     assert result.plan.throughput == pytest.approx(24 / winner.quartiles[1])
     # Interleaved: the race's first round times each finalist once, before any is timed twice.
-    assert sorted(order[4:8]) == [1, 2, 3, 4]
+    assert sorted(order[4:7]) == sorted(sizes)
     # Each configuration's update is built once and re-timed as it is (its programs compiled once).
-    assert all(len(u) > 1 and all(x is u[0] for x in u) for m, u in updates.items() if m in (1, 2, 3, 4)), updates
+    assert all(len(u) > 1 and all(x is u[0] for x in u) for m, u in updates.items() if m in sizes), updates
     counts.clear()
     again = tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, **kw)
     assert again.race == result.race  # deterministic given the timings

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from autoaccum._json import JsonMixin
 
-FINALISTS = 5
+FINALISTS = 3
 """Configurations the race re-times: the study's fastest by their trials (distinct programs)."""
 
 ROUNDS = 4
