@@ -204,6 +204,9 @@ def materialize(params: PyTree, seed: int = 0) -> PyTree:
     return jax.tree.unflatten(treedef, made)
 
 
+CACHE_SAVED = "/jax/compilation_cache/compile_time_saved_sec"
+
+
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     """A trial's programs, compiled before anything of its size is allocated. Per device, None where unknown:
@@ -238,7 +241,7 @@ def compile_trial(
     makers = {} if makers is None else makers
     start = time.perf_counter()
     update = job.update(size)
-    with on_device(job, device), cache_hits() as saved:
+    with on_device(job, device), recorded(CACHE_SAVED) as saved:
         params_s = job.abstract_params()
         placed: dict[str, Any] = {}
         if job.mesh is not None:  # made where the mesh's step expects them
@@ -277,13 +280,14 @@ def compile_trial(
 
 
 @contextlib.contextmanager
-def cache_hits() -> Iterator[list[float]]:
-    """Inside it, the list gets what each hit of JAX's persistent compilation cache saved: the compile time it
-    stored, less reading it (below 0 where reading took longer)."""
+def recorded(name: str) -> Iterator[list[float]]:
+    """Inside it, the list gets the seconds of each event ``name`` that `jax.monitoring` records (`CACHE_SAVED`: what
+    a hit of JAX's persistent compilation cache saved, the compile time it stored less reading it, below 0 where
+    reading took longer)."""
     saved: list[float] = []
 
     def listen(event: str, duration_secs: float, **_: str | int) -> None:
-        if event == "/jax/compilation_cache/compile_time_saved_sec":
+        if event == name:
             saved.append(duration_secs)
 
     jax.monitoring.register_event_duration_secs_listener(listen)

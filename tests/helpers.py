@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -14,7 +13,7 @@ import numpy as np
 import optax
 
 from autoaccum import Update
-from autoaccum._worker import Timing, TrialFailed
+from autoaccum._worker import Timing, TrialFailed, recorded
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))  # one program, not op by op
@@ -37,20 +36,9 @@ def copy(tree: Any) -> Any:
     return jax.tree.map(jnp.array, tree)
 
 
-@contextlib.contextmanager
-def count_backend_compiles() -> Iterator[list[str]]:
-    """Every XLA backend compilation while the block runs (`jax.monitoring`'s compile-time events)."""
-    seen: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+def count_backend_compiles() -> contextlib.AbstractContextManager[list[float]]:
+    """Every XLA backend compilation while the block runs (the seconds of `jax.monitoring`'s compile events)."""
+    return recorded("/jax/core/compile/backend_compile_duration")
 
 
 def fake_measure(calls: list[tuple[int, str, tuple[Any, ...]]] | None = None, fail_from: int | None = None) -> Any:
