@@ -74,9 +74,8 @@ from autoaccum._catalog import UnknownAcceleratorError, lookup, suggest
 from autoaccum._gpu_compile import compiler_status
 from autoaccum._probe import TrialRunner, prepare
 from autoaccum._tune.space import microbatch_candidates, program_key, variants
-from autoaccum._tune.trials import STEPS, WARMUP
 from autoaccum._units import format_bytes
-from autoaccum._worker import Request, is_oom
+from autoaccum._worker import is_oom
 
 NA_CPU = "not applicable on cpu"
 """What the report says of a figure that exists only on a GPU (NVML, XLA's GPU allocator, a catalogued peak)."""
@@ -627,6 +626,7 @@ def time_grid(
 ) -> tuple[dict[tuple[int, str], float], int, dict[tuple[int, str], list[list[float]]]]:
     """Examples/s of every configuration of the grid (each program once, `program_key`), in one worker, and the
     costs (XLA's ``[flops, bytes accessed]`` per program) the worker compiled each with."""
+    bench = _sibling("tune")
     timed: dict[Any, tuple[float, list[list[float]]]] = {}
     grid: dict[tuple[int, str], float] = {}
     costs: dict[tuple[int, str], list[list[float]]] = {}
@@ -637,10 +637,9 @@ def time_grid(
                 if not clock.allows():
                     continue
                 start = time.perf_counter()
-                name, options = variant
-                outcome = worker.time(Request({"strategy": name, **options, "remat": None}, m, batch, STEPS, WARMUP))
-                rate = statistics.median(batch / t for t in outcome.times) if outcome.status == "fits" else 0.0
-                timed[key] = (rate, outcome.costs or [])
+                outcomes: dict[str, Any] = {}
+                rate = bench.side_by_side(worker, {"c": (m, label, None)}, labels, batch, 1, outcomes=outcomes)["c"]
+                timed[key] = (rate, outcomes["c"].costs or [])
                 clock.lap(start)
             if timed[key][0]:
                 grid[(m, label)], costs[(m, label)] = timed[key]

@@ -57,9 +57,10 @@ def side_by_side(
     rows: int,
     rounds: int,
     settings: dict[str, int] | None = None,
+    outcomes: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """Median examples/s of each config over ``rounds`` interleaved rounds in one worker (``settings``: the index
-    of each config's knob setting among the worker's, default 0)."""
+    of each config's knob setting among the worker's, default 0; ``outcomes``: gets each config's last `Outcome`)."""
     rates: dict[str, list[float]] = {key: [] for key in configs}
     for r in range(rounds):
         keys = list(configs)[r % len(configs) :] + list(configs)[: r % len(configs)]
@@ -69,6 +70,8 @@ def side_by_side(
             setting = (settings or {}).get(key, 0)
             build = {"strategy": name, **options, "remat": remat}
             outcome = worker.time(Request(build, m, rows, STEPS, WARMUP, setting=setting))
+            if outcomes is not None:
+                outcomes[key] = outcome
             if outcome.status == "fits":
                 rates[key].extend(rows / t for t in outcome.times or ())
     return {key: statistics.median(v) if v else 0.0 for key, v in rates.items()}
