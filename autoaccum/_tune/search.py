@@ -7,7 +7,9 @@
 2. **Knobs.** Every other setting of the knobs at its own largest size, with the fastest variant so far.
 3. **Descent.** From the fastest of those, halve the microbatch; stop after two halvings in a row not
    `clearly_faster` than the best so far, or at one slower by more than two readings' drift (`DRIFT`).
-4. **Coordinates.** Where the descent went down, the other variants at the size it stopped at.
+4. **Coordinates.** Where the descent went down, the other variants at its best size; where it went on level
+   past that size, also, at the last size it found level, the variants whose first trial was level with the
+   leader's (a variant's gain can grow with the steps: scan unrolled).
 
 Then the sampler spends what is left of the budget, and the race settles the finalists. No JAX, no Optuna.
 """
@@ -140,9 +142,9 @@ class Search:
         starts = [self._start(strategy, s, seen) for s in range(1, len(self.sizes))]
         return self._wanted([c for c in starts if isinstance(c, Config)], seen)
 
-    def _walk(self, seen: Mapping[Config, Trial]) -> tuple[Trial | None, Config | None]:
-        """The descent from the fastest first trial: the best trial it found, and the next size to time (None: it
-        has stopped)."""
+    def _walk(self, seen: Mapping[Config, Trial]) -> tuple[Trial | None, Trial | None, Config | None]:
+        """The descent from the fastest first trial: the best trial it found, the last it found level with (or
+        faster than) the best, and the next size to time (None: it has stopped)."""
         tops = {s: self._top(s) for s in range(len(self.sizes))}
         firsts = [t for t in seen.values() if t.config.microbatch_size == tops[t.config.setting]]
         best = max((t for t in firsts if t.throughput is not None), key=lambda t: t.throughput or 0.0, default=None)
@@ -153,23 +155,35 @@ class Search:
             below = Config(max(half), strategy, setting) if half else None
             trial = None if below is None else seen.get(below) or self._same_program(below, seen)
             if below is None or trial is None:
-                return best, below
-            if trial.throughput is None or trial.throughput * (1 + 2 * DRIFT) < best.throughput:
-                return best, None
+                return best, here, below
+            if not level(trial, best):
+                return best, here, None
             flat = 0 if clearly_faster(trial, best) else flat + 1
             if flat >= 2:
-                return best, None
+                return best, trial, None
             best = max(best, trial, key=lambda t: t.throughput or 0.0)
             here = trial
-        return best, None
+        return best, here, None
 
     def _descent(self, seen: Mapping[Config, Trial]) -> list[Config]:
-        _, below = self._walk(seen)
+        _, _, below = self._walk(seen)
         return [] if below is None else self._wanted([below], seen)
 
     def _coordinates(self, seen: Mapping[Config, Trial]) -> list[Config]:
-        here, _ = self._walk(seen)
-        if here is None or here.config.microbatch_size == self._top(here.config.setting):
+        best, last, _ = self._walk(seen)
+        if best is None or last is None:
             return []
-        m, _, setting = dataclasses.astuple(here.config)
-        return self._wanted([Config(m, s, setting) for s in self.strategies], seen)
+        m, leader, setting = dataclasses.astuple(best.config)
+        top = self._top(setting)
+        configs = [] if m == top else [Config(m, s, setting) for s in self.strategies]
+        lead = self._start(leader, setting, seen)
+        if last.config.microbatch_size not in (m, top) and isinstance(lead, Trial):
+            starts = {s: self._start(s, setting, seen) for s in self.strategies}
+            close = [s for s, t in starts.items() if isinstance(t, Trial) and level(t, lead)]
+            configs += [Config(last.config.microbatch_size, s, setting) for s in close]
+        return self._wanted(configs, seen)
+
+
+def level(a: Trial, b: Trial) -> bool:
+    """Whether ``a`` reads at most two trials' drift (`DRIFT`) slower than ``b`` (a failed one never is)."""
+    return a.throughput is not None and b.throughput is not None and a.throughput * (1 + 2 * DRIFT) >= b.throughput
