@@ -7,9 +7,10 @@
 2. **Knobs.** Every other setting of the knobs at its own largest size, with the fastest variant so far.
 3. **Descent.** From the fastest of those, halve the microbatch; stop after two halvings in a row not
    `clearly_faster` than the best so far, or at one slower by more than two readings' drift (`DRIFT`).
-4. **Coordinates.** Where the descent went down, the other variants at its best size; then, where it went on
-   level past that size, the variants level with the fastest at the best size, at the last size it found level
-   (a variant's gain can grow with the steps: scan unrolled).
+4. **Coordinates.** Where the descent went down, the other variants at its best size (but those whose first
+   trial read clearly slower than the leader's, beyond two readings' drift); then, where it went on level past that
+   size, the variants level with the fastest at the best size, at the last size it found level (a variant's gain
+   can grow with the steps: scan unrolled).
 
 Then the sampler spends what is left of the budget, and the race settles the finalists. No JAX, no Optuna.
 """
@@ -173,17 +174,18 @@ class Search:
         best, last, _ = self._walk(seen)
         if best is None or last is None:
             return []
-        m, _, setting = dataclasses.astuple(best.config)
-        here = [] if m == self._top(setting) else self._wanted([Config(m, s, setting) for s in self.strategies], seen)
+        m, leader, setting = dataclasses.astuple(best.config)
+        firsts = {s: self._start(s, setting, seen) for s in self.strategies}
+        lead = firsts[leader]  # out: the variants whose first trial read clearly slower than the leader's
+        out = {s for s, t in firsts.items() if isinstance(lead, Trial) and isinstance(t, Trial) and not level(t, lead)}
+        kept = [s for s in self.strategies if s not in out]
+        here = [] if m == self._top(setting) else self._wanted([Config(m, s, setting) for s in kept], seen)
         if here or last.config.microbatch_size >= m:
             return here
-        at_best = {
-            s: seen.get(Config(m, s, setting)) or self._same_program(Config(m, s, setting), seen)
-            for s in self.strategies
-        }
+        at_best = {s: seen.get(Config(m, s, setting)) or self._same_program(Config(m, s, setting), seen) for s in kept}
         timed = {s: t for s, t in at_best.items() if t is not None and t.throughput is not None}
-        lead = max(timed.values(), key=lambda t: t.throughput or 0.0)
-        close = [s for s, t in timed.items() if level(t, lead)]
+        fastest = max(timed.values(), key=lambda t: t.throughput or 0.0)
+        close = [s for s, t in timed.items() if level(t, fastest)]
         return self._wanted([Config(last.config.microbatch_size, s, setting) for s in close], seen)
 
 
