@@ -152,10 +152,10 @@ def tune_figures(run: dict[str, Any]) -> dict[str, Any]:
 def _trial_line(t: dict[str, Any]) -> str:
     """``#3 16 x scan unroll=2: 1,234 ex/s (compile 4.1 s)``, or the trial's reason for failing (for reading a run)."""
     options = " ".join(f"{k}={v}" for k, v in (t.get("options") or {}).items())
-    head = f"#{t['number']} {t['microbatch_size']} x {t['strategy']} {options} {t.get('remat') or ''}".strip()
+    head = f"#{t['number']} {t.get('microbatch_size')} x {t.get('strategy')} {options} {t.get('remat') or ''}".strip()
     if t.get("throughput") is not None:
         return f"{head}: {t['throughput']:,.0f} ex/s (compile {t.get('compile_seconds') or 0.0:.1f} s)"
-    return f"{head}: {t['state']} {(t.get('reason') or '')[:160]}"
+    return f"{head}: {t.get('state', 'FAIL')} {(t.get('reason') or '')[:160]}"
 
 
 # -- grid: every strategy x power-of-two size, in this process --------------------------------------------------
