@@ -179,9 +179,9 @@ class Search:
         lead = firsts[leader]  # out: the variants whose first trial read clearly slower than the leader's
         out = {s for s, t in firsts.items() if isinstance(lead, Trial) and isinstance(t, Trial) and not level(t, lead)}
         kept = [s for s in self.strategies if s not in out]
-        here = [] if m == self._top(setting) else self._wanted([Config(m, s, setting) for s in kept], seen)
-        if here or last.config.microbatch_size >= m:
-            return here
+        wanted = [] if m == self._top(setting) else self._wanted([Config(m, s, setting) for s in kept], seen)
+        if wanted or last.config.microbatch_size >= m:
+            return wanted
         at_best = {s: seen.get(Config(m, s, setting)) or self._same_program(Config(m, s, setting), seen) for s in kept}
         timed = {s: t for s, t in at_best.items() if t is not None and t.throughput is not None}
         fastest = max(timed.values(), key=lambda t: t.throughput or 0.0)
