@@ -241,6 +241,20 @@ def test_a_variant_that_gains_where_the_leader_is_level_is_found() -> None:
 
 
 @pytest.mark.parametrize("seed", range(20))
+def test_a_variant_clearly_slower_at_the_top_is_not_timed_again_below(seed: int) -> None:
+    """loop reads twice as slow as scan at every size; scan is fastest at 8: the descent goes down, and the other
+    variants are timed at 8, but not loop (slower beyond two readings' drift at the top), which the best still is."""
+    speed = {64: 2.0, 32: 1.6, 16: 1.3, 8: 1.0, 4: 1.3, 2: 1.5, 1: 2.0}
+    seconds = lambda c: speed[c.microbatch_size] * (2.0 if c.strategy == "loop" else 1.0)  # noqa: E731
+    search = Search([SIZES], STRATEGIES, 256)
+    trials = run(search, seconds, random.Random(seed), len(SIZES) * len(STRATEGIES))
+    assert [t.config.microbatch_size for t in trials if t.config.strategy == "loop"] == [64]
+    assert {t.config.strategy for t in trials if t.config.microbatch_size == 8} == set(STRATEGIES) - {"loop"}
+    best = max(trials, key=lambda t: t.throughput or 0.0)
+    assert best.config.microbatch_size == 8 and best.config.strategy != "loop"
+
+
+@pytest.mark.parametrize("seed", range(20))
 def test_a_refused_size_bounds_its_variant_without_passing_over_a_size_that_fits(seed: int) -> None:
     """After a size that splits the batch evenly is refused on XLA's compile-only bytes, `ceiling` keeps every size
     that fits (on a step of ``fixed + per_example * m`` bytes whose fixed part is at least the state's) and
