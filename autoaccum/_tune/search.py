@@ -107,14 +107,17 @@ class Search:
         top = self._top(setting)
         for m in sorted((m for m in self.sizes[setting] if top is not None and m <= top), reverse=True):
             config = Config(m, strategy, setting)
-            trial = seen.get(config) or self._same_program(config, seen)
+            trial = self._timed(config, seen)
             if trial is None:
                 return config
             if trial.throughput is not None:
                 return trial
         return None
 
-    def _same_program(self, config: Config, seen: Mapping[Config, Trial]) -> Trial | None:
+    def _timed(self, config: Config, seen: Mapping[Config, Trial]) -> Trial | None:
+        """The settled trial of ``config``, else of another configuration of its program (None: neither)."""
+        if config in seen:
+            return seen[config]
         key = self.program(config)
         return next((t for c, t in seen.items() if self.program(c) == key), None)
 
@@ -122,7 +125,7 @@ class Search:
         """``configs`` not timed yet, one per program."""
         out: list[Config] = []
         for config in configs:
-            if self._same_program(config, seen) is None and all(self.program(c) != self.program(config) for c in out):
+            if self._timed(config, seen) is None and all(self.program(c) != self.program(config) for c in out):
                 out.append(config)
         return out
 
@@ -154,7 +157,7 @@ class Search:
             m, strategy, setting = dataclasses.astuple(here.config)
             half = [c for c in self.sizes[setting] if c <= m // 2]
             below = Config(max(half), strategy, setting) if half else None
-            trial = None if below is None else seen.get(below) or self._same_program(below, seen)
+            trial = None if below is None else self._timed(below, seen)
             if below is None or trial is None:
                 return best, here, below
             if not level(trial, best):
@@ -182,7 +185,7 @@ class Search:
         wanted = [] if m == self._top(setting) else self._wanted([Config(m, s, setting) for s in kept], seen)
         if wanted or last.config.microbatch_size >= m:
             return wanted
-        at_best = {s: seen.get(Config(m, s, setting)) or self._same_program(Config(m, s, setting), seen) for s in kept}
+        at_best = {s: self._timed(Config(m, s, setting), seen) for s in kept}
         timed = {s: t for s, t in at_best.items() if t is not None and t.throughput is not None}
         fastest = max(timed.values(), key=lambda t: t.throughput or 0.0)
         close = [s for s, t in timed.items() if level(t, fastest)]
