@@ -330,6 +330,11 @@ def program_cost(compiled: jax.stages.Compiled, program: Program, platform: str)
 
         check_gpu(compiled)
         return gpu_cost(compiled, program.lowered)
+    return xla_cost(compiled)
+
+
+def xla_cost(compiled: jax.stages.Compiled) -> tuple[float, float]:
+    """``(flops, bytes accessed)`` of a program compiled for this machine, by XLA's cost analysis."""
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older jax returns one dict per computation
         cost = cost[0] if cost else {}

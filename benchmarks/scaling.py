@@ -45,6 +45,7 @@ import optax
 
 import autoaccum
 from autoaccum import workloads
+from autoaccum._estimate import xla_cost
 
 SIZES = {"0.17M": (64, 4, 2), "0.93M": (128, 4, 4), "5.0M": (256, 8, 6)}
 """The issue's models, ``(width, heads, layers)`` at vocabulary 512 (0.170M, 0.933M and 5.02M parameters)."""
@@ -181,14 +182,6 @@ def machine_rates() -> dict[str, float]:
     return {"flops_per_second": flops, "bytes_per_second": bandwidth}
 
 
-def cost_of(compiled: Any) -> tuple[float, float]:
-    """(FLOPs, bytes accessed) of a compiled program, from XLA's cost analysis."""
-    cost = compiled.cost_analysis() or {}
-    if isinstance(cost, list):  # older jax: one dict per computation
-        cost = cost[0] if cost else {}
-    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-
-
 def optimizer_cost(w: autoaccum.Workload) -> tuple[float, float]:
     """(FLOPs, bytes accessed) of one optimizer step on ``w``'s parameters (update and apply), compiled alone."""
 
@@ -197,7 +190,7 @@ def optimizer_cost(w: autoaccum.Workload) -> tuple[float, float]:
         return optax.apply_updates(params, updates), opt_state
 
     opt_state = jax.eval_shape(w.optimizer.init, w.params)
-    return cost_of(jax.jit(apply).lower(w.params, opt_state, w.params).compile())
+    return xla_cost(jax.jit(apply).lower(w.params, opt_state, w.params).compile())
 
 
 def predicted_seconds(
@@ -246,7 +239,7 @@ def time_config(w: autoaccum.Workload, config: dict[str, Any], steps: int, limit
         m = c.memory_analysis()
         peaks.append(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
         peaks[-1] += p.resident_bytes
-    out.update(peak_bytes=max(peaks), costs=[cost_of(c) for c in compiled])
+    out.update(peak_bytes=max(peaks), costs=[xla_cost(c) for c in compiled])
     if out["peak_bytes"] > limit:
         return out
     params, opt_state, loss = update(params, opt_state, w.batch)  # the programs above: nothing compiles again
