@@ -56,10 +56,13 @@ class Strategy(abc.ABC):
       name: the registry key (``strategies.available()``).
       options: tunable options and the values worth trying, e.g. ``{"unroll": (1, 2)}``; the first value is
         the default.
+      memory_grows_with: options whose larger value, the others equal, needs no less memory at any microbatch
+        size: the tuner does not compile a variant at a size where a lighter one ran out of memory.
     """
 
     name: ClassVar[str]
     options: ClassVar[Mapping[str, Sequence[Any]]] = {}
+    memory_grows_with: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, spec: Spec, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.options))

@@ -53,6 +53,7 @@ class Scan(Strategy):
 
     name = "scan"
     options: ClassVar[Mapping[str, Sequence[Any]]] = {"unroll": (1, 2, 8)}
+    memory_grows_with: ClassVar[tuple[str, ...]] = ("unroll",)
 
     @classmethod
     def program_options(cls, options: Mapping[str, Any], steps: int) -> dict[str, Any]:

@@ -489,6 +489,34 @@ def test_an_accumulating_step_out_of_memory_lowers_its_strategys_bound_and_tries
     assert all(r.reason and r.reason.startswith("out of memory") for r in failed)
 
 
+def test_a_variant_that_needs_more_memory_is_not_compiled_where_a_lighter_one_ran_out() -> None:
+    """scan's memory grows with ``unroll`` (`Strategy.memory_grows_with`): here a step holds ``m x min(unroll,
+    steps)`` examples' temporaries and runs out of memory above 16. Once ``unroll=2`` ran out at a size, ``unroll=8``
+    is never measured at that size or above; the pick fits."""
+    w = workloads.linear(batch_size=64, features=8)
+    calls: list[tuple[int, int, bool]] = []
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        m, unroll = update.microbatch_size, update.options.get("unroll", 1)
+        steps = update.accumulation_steps(64)
+        fits = m * min(unroll, steps) <= 16
+        calls.append((m, unroll, fits))
+        if not fits:
+            raise TrialFailed(f"out of memory: RESOURCE_EXHAUSTED (fake) at microbatch {m}")
+        return Timing(seconds_per_step=steps * (0.004 / min(unroll, steps) + 0.001 * m), compile_seconds=0.1, steps=5)
+
+    result = tune(
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=16, strategies=["scan"],
+        storage=":memory:", measure=measure, race_rounds=0,
+    )  # fmt: skip
+    for i, (m, unroll, _) in enumerate(calls):
+        lighter_failed = [m2 for m2, u2, fits in calls[:i] if not fits and u2 <= unroll and m2 <= m]
+        assert not lighter_failed or unroll == 1, (calls, i)
+    assert any(not fits for _, u, fits in calls if u == 2)  # the landscape does refuse a lighter variant
+    plan = result.plan
+    assert plan.microbatch_size * min(plan.options.get("unroll", 1), -(-64 // plan.microbatch_size)) <= 16
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_strategy_slower_at_every_size_does_not_walk_the_tune_down_to_1(seed: int) -> None:
     """The WideResNet's landscape on a CPU (effective batch 256, a bound of 83): scan 8x slower than loop and

@@ -19,7 +19,7 @@ from autoaccum._preflight import trace_loss, warn_if_not_finite
 from autoaccum._probe import LENT, ProbeResult, probe
 from autoaccum._tune.result import Clock, scoped
 from autoaccum._tune.search import Config
-from autoaccum._tune.space import microbatch_candidates, probe_sizes, program_key, variants
+from autoaccum._tune.space import lighter, microbatch_candidates, probe_sizes, program_key, variants
 from autoaccum._units import format_bytes, parse_bytes
 from autoaccum._update import Update, build_update, resolve_strategy
 from autoaccum._worker import Request, Worker
@@ -57,6 +57,10 @@ class Job:
     def labels(self) -> dict[str, tuple[str, dict[str, Any]]]:
         """The strategy variants searched, by label (`autoaccum._tune.space.variants`)."""
         return variants(self.names, fsdp=self.layout is not None and self.layout.sharded_params)
+
+    def lighter(self, label: str) -> list[str]:
+        """The variants that need no more memory than ``label``'s at any size, ``label`` among them."""
+        return [other for other, v in self.labels.items() if lighter(v, self.labels[label])]
 
     def loss_for(self, setting: Setting) -> Callable[..., Any]:
         """The loss of ``setting`` (the loss's own knobs' values given to the factory)."""

@@ -34,6 +34,21 @@ def variants(names: Sequence[str], *, fsdp: bool = False) -> dict[str, tuple[str
     return out
 
 
+def lighter(a: tuple[str, Mapping[str, Any]], b: tuple[str, Mapping[str, Any]]) -> bool:
+    """Whether variant ``a`` needs no more memory than ``b`` at any size (`variants` values): the same strategy,
+    ``a``'s options no larger in its ``memory_grows_with``, equal in the others.
+
+    Example:
+      >>> lighter(("scan", {"unroll": 2}), ("scan", {"unroll": 8})), lighter(("scan", {"unroll": 8}), ("scan", {}))
+      (True, False)
+    """
+    (name, mine), (other, theirs) = a, b
+    grows = get_strategy(name).memory_grows_with
+    defaults = {k: v[0] for k, v in get_strategy(name).options.items()}
+    x, y = {**defaults, **mine}, {**defaults, **theirs}
+    return name == other and all(x[k] <= y[k] if k in grows else x[k] == y[k] for k in {*x, *y})
+
+
 def program_key(m: int, variant: tuple[str, Mapping[str, Any]], effective_batch: int) -> tuple[Any, ...]:
     """What microbatch ``m`` with ``variant`` (a `variants` value) compiles to, for one knob setting: equal keys
     run the same program (one step: the plain step; else the options `Strategy.program_options` keeps).

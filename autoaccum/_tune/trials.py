@@ -56,7 +56,8 @@ class Trials:
       searched_only: stop where the search proposes nothing more (no budget given).
       time_one, on_trial, clock: how a configuration is timed; ``callback(record, done, total)`` after each of this
         worker's trials; where compiles and timed steps add their seconds.
-      ceilings: per (setting, strategy label), below the smallest size whose accumulating step ran out of memory.
+      ceilings: per (setting, strategy label), below the smallest size whose accumulating step ran out of memory
+        (a heavier variant's bound too: `Job.lighter`).
     """
 
     job: Job
@@ -121,7 +122,8 @@ class Trials:
         trial.set_user_attr("remat", setting.remat)
         trial.set_user_attr("accumulator_dtype", setting.accumulator_dtype)
         trial.set_user_attr("knobs", setting.values)
-        bound = self.ceilings.get((config.setting, label), space.bounds[config.setting])  # a ceiling is lower
+        top = space.bounds[config.setting]  # lowered by a ceiling: this variant's or a lighter one's
+        bound = min(self.ceilings.get((config.setting, other), top) for other in job.lighter(label))
         if m > bound or m not in space.fitting[config.setting]:  # never timed: it claims nothing
             trial.set_user_attr("above_bound", bound)
             raise optuna.TrialPruned(f"microbatch {m} is not timed with {label}, {setting} (bound {bound})")
