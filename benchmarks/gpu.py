@@ -87,8 +87,6 @@ WITHIN = 0.05
 OUTSIDE = tempfile.gettempdir()
 """Where the kit's own child processes start: from the checkout's root, ``python -c`` would import its
 ``autoaccum/`` folder (no ``autoaccum.strategies``: setuptools maps ``strategies/`` there) over the installed one."""
-UNIT_STEPS = 5
-"""Tune's cost is counted in units of one compile plus this many steps of the pick."""
 
 
 # -- presets ----------------------------------------------------------------------------------------------------
@@ -684,8 +682,7 @@ def stage_tune(report: Report, args: argparse.Namespace) -> None:
     )  # fmt: skip
     tune_seconds = time.perf_counter() - start
     pick, timed = _pick(result)
-    compiling = (timed.compile_seconds or 0.0) + timed.cached_seconds  # (as if uncached)
-    unit = compiling + UNIT_STEPS * (timed.seconds[1] if timed.seconds else 0.0)
+    unit = timed.unit_seconds
     peak, limit = result.peak_bytes, result.memory_limit_bytes
     labels = variants(list(preset.tune_strategies or autoaccum.strategies.available()))
     plan = result.plan

@@ -46,6 +46,7 @@ import optax
 import autoaccum
 from autoaccum import workloads
 from autoaccum._estimate import xla_cost
+from autoaccum._tune.result import UNIT_STEPS
 
 SIZES = {"0.17M": (64, 4, 2), "0.93M": (128, 4, 4), "5.0M": (256, 8, 6)}
 """The issue's models, ``(width, heads, layers)`` at vocabulary 512 (0.170M, 0.933M and 5.02M parameters)."""
@@ -54,8 +55,6 @@ LARGE = {"19M": (512, 8, 6)}
 VOCAB = 512
 ENV = "AUTOACCUM_SCALING_LM"
 """How the tune's process and its children learn the model: JSON of `workload`'s keyword arguments."""
-UNIT_STEPS = 5
-"""A unit is one compile plus this many steps of the picked program."""
 TRIAL_STEPS = 6
 """Steps a tune trial runs after compiling (a warm-up and five timed), for the derived ``steps`` phase."""
 PHASES = ("probe", "estimate", "compile", "steps", "failed", "race", "worker_start", "build")

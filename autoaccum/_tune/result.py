@@ -18,6 +18,9 @@ from autoaccum._tune.race import Runner, quartiles
 from autoaccum._update import Update
 from autoaccum.strategies import PyTree
 
+UNIT_STEPS = 5
+"""A tune's cost unit is one compile plus this many steps of the program it picks."""
+
 
 @dataclasses.dataclass(frozen=True)
 class TrialRecord(JsonMixin):
@@ -57,6 +60,14 @@ class TrialRecord(JsonMixin):
     accumulator_dtype: str = "float32"
     knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
     cached_seconds: float = 0.0
+
+    @property
+    def unit_seconds(self) -> float | None:
+        """One compile (as if JAX's persistent cache had not had it) plus `UNIT_STEPS` steps of this trial's
+        program: a tune's cost unit (None unless this trial compiled and timed it)."""
+        if self.compile_seconds is None or self.seconds is None:
+            return None
+        return self.compile_seconds + self.cached_seconds + UNIT_STEPS * self.seconds[1]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -134,9 +134,7 @@ def _summary(result: TuneResult, resumed: int, new: int, seconds: float) -> dict
         message += " to start over)"
     number = result.race[0].trial if result.race else result.trials[0].number
     pick = next(r for r in result.trials if r.number == number)
-    units = None
-    if pick.compile_seconds is not None and pick.seconds is not None:
-        units = seconds / (pick.compile_seconds + pick.cached_seconds + 5 * pick.seconds[1])
+    units = None if pick.unit_seconds is None else seconds / pick.unit_seconds
     return dict(resumed_trials=resumed, new_trials=new, message=message, seconds=seconds, units=units)
 
 
