@@ -778,6 +778,7 @@ def _methods(w: autoaccum.Workload, preset: Preset) -> tuple[list[Any], list[Any
     methods = [
         bench.full_batch(w.loss_fn, w.optimizer, w.batch),
         ours,
+        bench.ours(w.loss_fn, w.optimizer, w.batch, m, "loop"),  # the tuner's other variant (benchmarks/gpu_bytes.py)
         bench.manual(w.loss_fn, w.optimizer, mbs),
         bench.multisteps(w.loss_fn, w.optimizer, mbs),
         bench.microbatch(w.loss_fn, w.optimizer, w.batch, m),

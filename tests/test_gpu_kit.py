@@ -163,8 +163,8 @@ def test_dry_run_throughput(dry_run: dict[str, Any]) -> None:
     throughput = dry_run["stages"]["throughput"]
     methods = {row["method"]: row for row in throughput["methods"]}
     assert set(methods) == {
-        "full batch (no accumulation)", "default (strategy=auto)", "manual accumulate + apply", "optax.MultiSteps",
-        "optax.microbatching.microbatch",
+        "full batch (no accumulation)", "default (strategy=auto)", "loop", "manual accumulate + apply",
+        "optax.MultiSteps", "optax.microbatching.microbatch",
     }  # fmt: skip
     assert throughput["check"]["passed"], throughput["check"]
     assert throughput["step_flops"] > 0 and all(row["tflops"] > 0 for row in methods.values())

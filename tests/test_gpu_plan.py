@@ -377,3 +377,25 @@ def test_plan_demo_plans_each_model(gpu_compiler: None, monkeypatch: pytest.Monk
     result = run("--demo", "--gpu", "H100")
     assert result.exit_code == 0, result.output
     assert "workload tiny" in result.output and "XLA:GPU sm_90 (compile-only)" in result.output
+
+
+def test_gpu_bytes_reads_one_microbatch_per_program(gpu_compiler: None) -> None:
+    """``benchmarks/gpu_bytes.py`` at the kit's tiny preset: the scan's one program and each of the loop's are one
+    microbatch's work (XLA's cost analysis counts a ``while`` body once), so their FLOPs agree within the optimizer
+    step's share, not 4x apart (k = 4)."""
+    import importlib.util
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bytes.py"
+    spec = importlib.util.spec_from_file_location("_autoaccum_benchmarks_gpu_bytes", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    rows = module.measure("H200", module.kit.PRESETS["tiny"])
+    scan = [r for r in rows if r["strategy"] == "scan"]
+    loop = [r for r in rows if r["strategy"] == "loop"]
+    assert len(scan) == 1 and len(loop) >= 2
+    assert all(r["flops"] > 0 and r["bytes_accessed"] > 0 for r in rows)
+    most = max(r["flops"] for r in loop)
+    assert most / 2 < scan[0]["flops"] < 2 * most, (scan, loop)
