@@ -249,7 +249,15 @@ def start_hanging(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], in
     marker = tmp_path / "hanging"
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "HANG_MARKER": str(marker)}
     command = [sys.executable, "-m", "autoaccum", args[0], f"{tmp_path / 'wl.py'}:workload", *args[1:]]
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C as a terminal sends it: the command starts with SIGINT handled, also where this run inherited it
+    # ignored (a background job's), which the command would keep
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 120
     while not (marker.exists() and marker.read_text().strip()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
