@@ -21,18 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 import autoaccum
-from autoaccum._gpu_compile import check_gpu, gpu_cost, on_gpu
+from autoaccum._batch import abstract
+from autoaccum._gpu_compile import _DEFINITION, _array_bytes, check_gpu, gpu_cost, on_gpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu as kit  # (the kit's workloads and presets)
 
 STRATEGIES = ("scan", "loop")
 _HEAD = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
-_COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[\d,]*\} copy\(")
-_ITEM = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
 def nested_loop_copies(hlo: str) -> tuple[int, int]:
@@ -58,21 +56,17 @@ def nested_loop_copies(hlo: str) -> tuple[int, int]:
         if not any(" while(" in line for line in bodies[name]):
             continue
         for line in bodies[name]:
-            m = _COPY.search(line)
-            if m:
-                dtype, dims = m.groups()
+            m = _DEFINITION.match(line)
+            if m and m.group(3) == "copy" and "[]" not in m.group(2):  # (not the loop counters' scalar copies)
                 count += 1
-                size += _ITEM.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                size += _array_bytes(m.group(2))
     return count, size
 
 
 def measure(target: str | Path, preset: kit.Preset) -> list[dict[str, Any]]:
     """One row per compiled program of each strategy's update (see the module docstring)."""
     w = kit.lm(preset.lm, "bfloat16", preset.batch)
-    shapes = [
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), t) for t in (w.params, w.batch)
-    ]
-    params, batch = on_gpu(target, *shapes)
+    params, batch = on_gpu(target, abstract(w.params), abstract(w.batch))
     rows = []
     for strategy in STRATEGIES:
         update = autoaccum.build_update(w.loss_fn, w.optimizer, microbatch_size=preset.microbatch, strategy=strategy)

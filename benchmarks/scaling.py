@@ -45,8 +45,9 @@ import optax
 
 import autoaccum
 from autoaccum import workloads
-from autoaccum._estimate import xla_cost
+from autoaccum._estimate import live_bytes, xla_cost
 from autoaccum._tune.result import UNIT_STEPS
+from autoaccum._tune.trials import STEPS, WARMUP
 
 SIZES = {"0.17M": (64, 4, 2), "0.93M": (128, 4, 4), "5.0M": (256, 8, 6)}
 """The issue's models, ``(width, heads, layers)`` at vocabulary 512 (0.170M, 0.933M and 5.02M parameters)."""
@@ -55,7 +56,7 @@ LARGE = {"19M": (512, 8, 6)}
 VOCAB = 512
 ENV = "AUTOACCUM_SCALING_LM"
 """How the tune's process and its children learn the model: JSON of `workload`'s keyword arguments."""
-TRIAL_STEPS = 6
+TRIAL_STEPS = WARMUP + STEPS
 """Steps a tune trial runs after compiling (a warm-up and five timed), for the derived ``steps`` phase."""
 PHASES = ("probe", "estimate", "compile", "steps", "failed", "race", "worker_start", "build")
 
@@ -236,8 +237,7 @@ def time_config(w: autoaccum.Workload, config: dict[str, Any], steps: int, limit
     peaks = []
     for c, p in zip(compiled, programs, strict=True):
         m = c.memory_analysis()
-        peaks.append(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
-        peaks[-1] += p.resident_bytes
+        peaks.append(live_bytes(m) + p.resident_bytes)
     out.update(peak_bytes=max(peaks), costs=[xla_cost(c) for c in compiled])
     if out["peak_bytes"] > limit:
         return out

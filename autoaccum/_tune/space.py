@@ -43,10 +43,12 @@ def lighter(a: tuple[str, Mapping[str, Any]], b: tuple[str, Mapping[str, Any]]) 
       (True, False)
     """
     (name, mine), (other, theirs) = a, b
-    grows = get_strategy(name).memory_grows_with
-    defaults = {k: v[0] for k, v in get_strategy(name).options.items()}
+    if name != other:
+        return False
+    cls = get_strategy(name)
+    defaults = {k: v[0] for k, v in cls.options.items()}
     x, y = {**defaults, **mine}, {**defaults, **theirs}
-    return name == other and all(x[k] <= y[k] if k in grows else x[k] == y[k] for k in {*x, *y})
+    return all(x[k] <= y[k] if k in cls.memory_grows_with else x[k] == y[k] for k in {*x, *y})
 
 
 def program_key(m: int, variant: tuple[str, Mapping[str, Any]], effective_batch: int) -> tuple[Any, ...]:
