@@ -484,7 +484,8 @@ def estimate(
         ``batch_size``); ``False`` saves three compilations.
       effective_batch: refine the fit for plans of this many examples per update.
       refine_for: more memory limits to refine the fit around, one compilation each.
-      compiler_options: XLA options for the analysis compilations, on top of `COMPILER_OPTIONS`.
+      compiler_options: XLA options for the analysis compilations, on top of `COMPILER_OPTIONS` (and, on a GPU,
+        `analysis_options`).
       workers: compilations run in parallel.
       target: a catalogued GPU (``"H100"``, ...) or the path of a target description: compile with XLA's GPU compiler
         for that card on compile-only devices (the ``gpu-plan`` extra; ``"auto"`` picks a GPU's strategy); without
@@ -549,7 +550,7 @@ def estimate(
         has_aux=has_aux, loss_reduction=loss_reduction, **options,
     )  # fmt: skip
     where = COMPILE_ONLY_GPU if platform == "gpu" and target is not None else platform
-    compile_options = {**COMPILER_OPTIONS, **(compiler_options or {})}
+    compile_options = {**COMPILER_OPTIONS, **analysis_options(platform, target), **(compiler_options or {})}
 
     def make_update(m: int) -> Update:
         return build_update(loss_fn, optimizer, microbatch_size=m, has_state=state is not None, **build)
@@ -587,6 +588,22 @@ def estimate(
             measurer.measure([(m, m) for m in todo])
             est = _fitted(measurer, opt, seconds=time.perf_counter() - start, **fields)
     return est
+
+
+def analysis_options(platform: str, target: str | Path | None) -> dict[str, Any]:
+    """The options of an estimate's compiles beyond `COMPILER_OPTIONS`: on a GPU here (no ``target``), as for
+    compile-only GPU programs (`autoaccum._gpu_compile.GPU_COMPILER_OPTIONS`: no Triton tiling autotuned, code
+    generation not optimised; the same memory figures); a ``target`` brings its own (`_for_target`), the CPU none.
+
+    Example:
+      >>> analysis_options("gpu", None)["xla_gpu_enable_triton_gemm"], analysis_options("cpu", None)
+      (False, {})
+    """
+    if platform != "gpu" or target is not None:
+        return {}
+    from autoaccum._gpu_compile import GPU_COMPILER_OPTIONS
+
+    return dict(GPU_COMPILER_OPTIONS)
 
 
 def _for_target(

@@ -63,10 +63,11 @@ GPU_COMPILER_OPTIONS: dict[str, Any] = {
     "xla_gpu_disable_gpuasm_optimizations": True,
     "xla_llvm_disable_expensive_passes": True,
 }
-"""Options for compile-only GPU programs. Matrix products go to cuBLAS, as XLA falls back to when it cannot
-autotune: without a GPU nothing is autotuned, and XLA's Triton GEMM tiling then fails on some small products
-(jax 0.10.2: ``Couldn't find output tile sizes`` for an f32[784,32] weight gradient). Code generation is not
-optimised (ptxas and LLVM's expensive passes off: 2.4 s to 1.4 s for the MLP's step): buffer assignment comes
+"""Options for GPU programs compiled to be analysed, not run: compile-only ones, and the estimate's on a card
+(`autoaccum.estimate`). Matrix products go to cuBLAS, as XLA falls back to when it cannot autotune: without a GPU
+nothing is autotuned, and XLA's Triton GEMM tiling then fails on some small products (jax 0.10.2: ``Couldn't find
+output tile sizes`` for an f32[784,32] weight gradient); on a card, no Triton tiling is autotuned. Code generation
+is not optimised (ptxas and LLVM's expensive passes off: 2.4 s to 1.4 s for the MLP's step): buffer assignment comes
 before it, so the memory figures are the same (``tests/test_gpu_plan.py`` checks it)."""
 
 _FILES = {

@@ -468,6 +468,7 @@ def probe_case(preset: Preset, case: Case) -> dict[str, Any]:
         limit_source=result.limit_source,
         estimate=estimate,
         estimate_ratio=None if not (estimate and m) else estimate / m,
+        estimate_seconds=None if result.estimate is None else result.estimate.seconds,
         message=result.message,
         trials=[
             {"microbatch": t.microbatch_size, "fits": t.fits, "wall_seconds": t.wall_seconds,
@@ -892,16 +893,16 @@ def _md_probe(s: dict[str, Any]) -> list[str]:
     rows = []
     for r in s.get("cases", []):
         if "boundary" not in r:
-            rows.append((r["case"], r.get("skipped") or r.get("error", "")[-200:], *[""] * 7))
+            rows.append((r["case"], r.get("skipped") or r.get("error", "")[-200:], *[""] * 8))
             continue
         c = r["check"]
         check = c.get("skipped") or c.get("error") or f"{c['fits']} / {c['above_fits']} ({c['above']})"
         rows.append((
-            r["case"], _size(r["memory_limit_bytes"]), r["boundary"], r["runs"], r["seconds"], r["estimate"],
-            r["estimate_ratio"], check, c.get("resource_exhausted", ""),
+            r["case"], _size(r["memory_limit_bytes"]), r["boundary"], r["runs"], r["seconds"],
+            r.get("estimate_seconds"), r["estimate"], r["estimate_ratio"], check, c.get("resource_exhausted", ""),
         ))  # fmt: skip
-    header = ("case", "limit", "boundary M", "runs", "probe s", "compile-only estimate", "estimate / M",
-              "fresh: M fits / M+g fits", "M+g RESOURCE_EXHAUSTED")  # fmt: skip
+    header = ("case", "limit", "boundary M", "runs", "probe s", "its estimate s", "compile-only estimate",
+              "estimate / M", "fresh: M fits / M+g fits", "M+g RESOURCE_EXHAUSTED")  # fmt: skip
     return _table(header, rows)
 
 
