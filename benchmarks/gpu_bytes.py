@@ -75,6 +75,8 @@ def measure(target: str | Path, preset: kit.Preset) -> list[dict[str, Any]]:
             compiled = program.lowered.compile()
             check_gpu(compiled)
             flops, moved = gpu_cost(compiled, program.lowered)
+            if not flops:  # (the loop's zero sums: no microbatch's work)
+                continue
             copies, copied = nested_loop_copies(compiled.as_text() or "")
             rows.append({
                 "strategy": strategy, "program": i, "flops": flops, "bytes_accessed": moved,

@@ -478,7 +478,7 @@ def accumulate_in_scan(
 
         first = jax.tree.map(lambda x: x[0], stacked)
         shapes = jax.eval_shape(lambda p, b, s: body_grad_fn(p, b, s)[0], params, first, state)
-        start = (zeros or _zeros)(shapes)
+        start = (zeros or zero_accum)(shapes)
         (scanned, state), _ = jax.lax.scan(body, (start, state), stacked, unroll=unroll)
         weight = jnp.asarray(m, spec.accumulator_dtype)
         acc = scanned._replace(grads=jax.tree.map(lambda g: g * weight, scanned.grads)) if raw else scanned
@@ -489,7 +489,8 @@ def accumulate_in_scan(
     return acc, state
 
 
-def _zeros(shapes: Accum) -> Accum:
+def zero_accum(shapes: Accum) -> Accum:
+    """Zero sums of ``shapes`` (one device)."""
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ from autoaccum.strategies._base import (
     add,
     take,
     tree_bytes,
+    zero_accum,
 )
 from autoaccum.strategies._layout import Layout
 from autoaccum.strategies._strategy import Call, Strategy
@@ -23,13 +25,14 @@ class Loop(Strategy):
     """The classic hand-written accumulation loop.
 
     ``accumulate(acc, params, batch, start, state)`` adds one microbatch's weighted sums to ``acc`` (donated,
-    so it is updated in place; ``acc=None`` starts new sums) and returns them with the microbatch's new state;
-    ``apply(params, opt_state, acc)`` divides by the total weight and runs the optimizer once. Each microbatch
-    is one dispatch from Python; the batch stays on the device and each microbatch is sliced inside the
-    compiled function. On one device the last microbatch and the optimizer step are one program (``finish``):
-    ``k`` dispatches an update, as ``optax.MultiSteps`` takes, not ``k + 1`` (on the example convnet the
-    separate step cost 1 ms of 9 a step); on a mesh they stay apart, so the gathered parameters are freed
-    before the optimizer runs.
+    so it is updated in place) and returns them with the microbatch's new state; ``apply(params, opt_state, acc)``
+    divides by the total weight and runs the optimizer once. Each microbatch is one dispatch from Python; the batch
+    stays on the device and each microbatch is sliced inside the compiled function. On one device the sums start
+    from zeros (``start``, a program of broadcasts), so the first microbatch runs the program the others run, and
+    the last microbatch and the optimizer step are one program (``finish``): two programs compute gradients, and
+    an update takes ``k + 1`` dispatches, one of them the zeros (on the example convnet a separate optimizer step
+    cost 1 ms of 9 a step); on a mesh the last microbatch and the step stay apart, so the gathered parameters are
+    freed before the optimizer runs.
     """
 
     name = "loop"
@@ -44,6 +47,13 @@ class Loop(Strategy):
         self._finish = jax.jit(
             self._finish_fn, donate_argnums=self.donate_argnums(1, 2, 5), static_argnames=("size", "dtypes")
         )
+        # (its inputs only give the shapes, kept so that the zeros are made where they are)
+        self._start = jax.jit(self._start_fn, static_argnames=("size", "dtypes"), keep_unused=True)
+
+    def _start_fn(self, params: PyTree, batch: PyTree, state: PyTree, *, size: int, dtypes: OutDtypes) -> Accum:
+        """Zero sums shaped like one microbatch's of ``size`` examples (one device)."""
+        one = functools.partial(self._accumulate_fn, None, size=size, dtypes=dtypes, layout=None)
+        return zero_accum(jax.eval_shape(one, params, batch, 0, state)[0])
 
     def _accumulate_fn(
         self,
@@ -87,6 +97,8 @@ class Loop(Strategy):
         acc = None
         if layout is None:
             *rest, (last, last_size) = call.microbatches
+            if rest:
+                acc = self._start(params, batch, state, size=rest[0][1], dtypes=dtypes)
             for start, size in rest:
                 acc, state = self._accumulate(acc, params, batch, start, state, size=size, dtypes=dtypes, layout=None)
             return self._finish(acc, params, opt_state, batch, last, state, size=last_size, dtypes=dtypes)
@@ -118,11 +130,10 @@ class Loop(Strategy):
         acc, _ = jax.eval_shape(
             lambda p, b, s: self._accumulate_fn(None, p, b, 0, s, size=first, **kwargs), inputs, batch, state_in
         )
-        if layout is None:  # the last microbatch runs in `finish`, with the optimizer step
+        if layout is None:  # zero sums, each microbatch but the last, then the last with the optimizer step
             (*rest, (_, last)) = microbatches
-            lowered = ([accumulate(None, first)] if rest else []) + [
-                accumulate(acc, n) for n in sorted({n for _, n in rest[1:]})
-            ]
+            start = [self._start.lower(params, batch, state, size=first, dtypes=dtypes)] if rest else []
+            lowered = start + [accumulate(acc, n) for n in sorted({n for _, n in rest})]
             programs = [Program(low, tree_bytes(opt_state)) for low in lowered]
             finish = self._finish.lower(
                 acc if rest else None, params, opt_state, batch, 0, state, size=last, dtypes=dtypes
