@@ -7,7 +7,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
-import numpy as np
 from autoaccum.strategies import _state
 from autoaccum.strategies._base import (
     Accum,
@@ -22,7 +21,9 @@ from autoaccum.strategies._base import (
     output_dtypes,
     signature,
     split,
+    take,
     weighted_grad,
+    zero_accum,
 )
 from autoaccum.strategies._layout import Layout, check_microbatch, layout_of
 from autoaccum.strategies._sharding import OnMesh, combine_state
@@ -84,6 +85,13 @@ class Strategy(abc.ABC):
         )
         # With state_update="once": the state carried through the microbatches (one small program per update).
         self._carry = jax.jit(_state.begin, donate_argnums=self.donate_argnums(0))
+        # Zero sums on one device, so that the first microbatch runs the program the others run (its inputs only
+        # give the shapes, kept so the zeros are made where they are).
+        self._zeros = jax.jit(self._zeros_fn, static_argnames=("size",), keep_unused=True)
+
+    def _zeros_fn(self, params: PyTree, batch: PyTree, state: PyTree, *, size: int) -> Accum:
+        """Zero sums shaped like those of ``batch``'s first ``size`` rows."""
+        return zero_accum(jax.eval_shape(lambda p, b, s: self._grad(p, take(b, 0, size), s)[0], params, batch, state))
 
     @classmethod
     def program_options(cls, options: Mapping[str, Any], steps: int) -> dict[str, Any]:
@@ -156,7 +164,7 @@ class Strategy(abc.ABC):
 
         Equals one full-batch step on their concatenation. Each microbatch is added to the sums by one jitted
         call (one compiled program per distinct microbatch size), then one jitted call divides by the total
-        weight and runs the optimizer. The sums start from host zeros, so the first call compiles nothing extra.
+        weight and runs the optimizer. The sums start from zeros, so the first call compiles nothing extra.
 
         Raises:
           ValueError: ``microbatches`` is empty, or one of them is malformed.
@@ -171,9 +179,8 @@ class Strategy(abc.ABC):
             if dtypes is None:
                 dtypes = self.out_dtypes(params, microbatch, state)
                 layout = self.layout(params, microbatch, state)
-                if layout is None:  # host zeros: the first call compiles the same program as the others
-                    shapes = jax.eval_shape(lambda p, b, s: self._grad(p, b, s)[0], params, microbatch, state)
-                    acc = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+                if layout is None:  # the first call compiles the same program as the others
+                    acc = self._zeros(params, microbatch, state, size=leading_size(microbatch))
                 else:
                     state = self.on_mesh(layout).stack_state(state)
             acc, state = self._add(acc, params, microbatch, state, dtypes=dtypes, layout=layout)

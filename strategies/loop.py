@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -15,7 +14,6 @@ from autoaccum.strategies._base import (
     add,
     take,
     tree_bytes,
-    zero_accum,
 )
 from autoaccum.strategies._layout import Layout
 from autoaccum.strategies._strategy import Call, Strategy
@@ -28,7 +26,7 @@ class Loop(Strategy):
     so it is updated in place) and returns them with the microbatch's new state; ``apply(params, opt_state, acc)``
     divides by the total weight and runs the optimizer once. Each microbatch is one dispatch from Python; the batch
     stays on the device and each microbatch is sliced inside the compiled function. On one device the sums start
-    from zeros (``start``, a program of broadcasts), so the first microbatch runs the program the others run, and
+    from zeros (a program of broadcasts), so the first microbatch runs the program the others run, and
     the last microbatch and the optimizer step are one program (``finish``): two programs compute gradients, and
     an update takes ``k + 1`` dispatches, one of them the zeros (on the example convnet a separate optimizer step
     cost 1 ms of 9 a step); on a mesh the last microbatch and the step stay apart, so the gathered parameters are
@@ -47,13 +45,6 @@ class Loop(Strategy):
         self._finish = jax.jit(
             self._finish_fn, donate_argnums=self.donate_argnums(1, 2, 5), static_argnames=("size", "dtypes")
         )
-        # (its inputs only give the shapes, kept so that the zeros are made where they are)
-        self._start = jax.jit(self._start_fn, static_argnames=("size", "dtypes"), keep_unused=True)
-
-    def _start_fn(self, params: PyTree, batch: PyTree, state: PyTree, *, size: int, dtypes: OutDtypes) -> Accum:
-        """Zero sums shaped like one microbatch's of ``size`` examples (one device)."""
-        one = functools.partial(self._accumulate_fn, None, size=size, dtypes=dtypes, layout=None)
-        return zero_accum(jax.eval_shape(one, params, batch, 0, state)[0])
 
     def _accumulate_fn(
         self,
@@ -98,7 +89,7 @@ class Loop(Strategy):
         if layout is None:
             *rest, (last, last_size) = call.microbatches
             if rest:
-                acc = self._start(params, batch, state, size=rest[0][1], dtypes=dtypes)
+                acc = self._zeros(params, batch, state, size=rest[0][1])
             for start, size in rest:
                 acc, state = self._accumulate(acc, params, batch, start, state, size=size, dtypes=dtypes, layout=None)
             return self._finish(acc, params, opt_state, batch, last, state, size=last_size, dtypes=dtypes)
@@ -132,7 +123,7 @@ class Loop(Strategy):
         )
         if layout is None:  # zero sums, each microbatch but the last, then the last with the optimizer step
             (*rest, (_, last)) = microbatches
-            start = [self._start.lower(params, batch, state, size=first, dtypes=dtypes)] if rest else []
+            start = [self._zeros.lower(params, batch, state, size=first)] if rest else []
             lowered = start + [accumulate(acc, n) for n in sorted({n for _, n in rest})]
             programs = [Program(low, tree_bytes(opt_state)) for low in lowered]
             finish = self._finish.lower(
