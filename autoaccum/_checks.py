@@ -66,3 +66,19 @@ def floating_dtype(value: Any) -> np.dtype | None:
     import jax.numpy as jnp  # its issubdtype knows ml_dtypes' floats (bfloat16), numpy's does not
 
     return dtype if jnp.issubdtype(dtype, jnp.floating) else None
+
+
+def check_accumulator_dtype(value: Any) -> np.dtype:
+    """``value`` as the floating dtype gradients accumulate in: TypeError naming it if it is not one, ValueError for
+    a 64-bit one while JAX runs without 64-bit types (it would accumulate in 32 bits, warning at every sum)."""
+    dtype = floating_dtype(value)
+    if dtype is None:
+        raise TypeError(f"`accumulator_dtype` must be a floating dtype such as jnp.float32, got {value!r}.")
+    import jax
+
+    if dtype.itemsize > 4 and not jax.config.read("jax_enable_x64"):
+        raise ValueError(
+            f"`accumulator_dtype`={value!r} is 64-bit, but JAX runs without 64-bit types and would accumulate in "
+            "float32; call jax.config.update('jax_enable_x64', True) before making any array, or use jnp.float32."
+        )
+    return dtype

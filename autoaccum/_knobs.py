@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from autoaccum._checks import check_loss_fn, floating_dtype
+from autoaccum._checks import check_accumulator_dtype, check_loss_fn, floating_dtype
 from autoaccum.strategies import REMAT_POLICIES, check_remat
 
 _VALUE_TYPES = (str, int, float, bool, type(None))
@@ -244,7 +244,7 @@ def check_dtype_values(accumulator_dtype: Any) -> tuple[str, ...]:
                 f"`accumulator_dtype` must be a floating dtype, or a tuple of them to search, got "
                 f"accumulator_dtype={accumulator_dtype!r}; e.g. jnp.float32 or (jnp.float32, jnp.bfloat16)."
             )
-        names.append(dtype.name)
+        names.append(check_accumulator_dtype(value).name)
     if not names or len(set(names)) != len(names):
         raise ValueError(
             f"`accumulator_dtype` must list each dtype once, at least one, got accumulator_dtype={accumulator_dtype!r}."

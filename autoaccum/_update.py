@@ -13,7 +13,13 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
-from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int, floating_dtype
+from autoaccum._checks import (
+    check_accumulator_dtype,
+    check_bool,
+    check_loss_fn,
+    check_optimizer,
+    check_positive_int,
+)
 from autoaccum.strategies import (
     Auto,
     LossReduction,
@@ -284,9 +290,7 @@ def build_update(
             "(loss, state)), but has_state=False; pass has_state=True, and the state to the update: "
             "update(params, opt_state, batch, state), with e.g. autoaccum.linen.init_state(variables, key)."
         )
-    dtype = floating_dtype(accumulator_dtype)
-    if dtype is None:
-        raise TypeError(f"`accumulator_dtype` must be a floating dtype such as jnp.float32, got {accumulator_dtype!r}.")
+    dtype = check_accumulator_dtype(accumulator_dtype)
     spec = Spec(
         loss_fn,
         optimizer,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from autoaccum._checks import check_bool, check_loss_fn, check_positive_int, floating_dtype
+from autoaccum._checks import check_accumulator_dtype, check_bool, check_loss_fn, check_positive_int
 from autoaccum.strategies import (
     Layout,
     LossReduction,
@@ -101,9 +101,7 @@ def value_and_grad(
     check_positive_int(microbatch_size, "microbatch_size")
     check_bool(has_aux, "has_aux")
     check_bool(has_state, "has_state")
-    dtype = floating_dtype(accumulator_dtype)
-    if dtype is None:
-        raise TypeError(f"`accumulator_dtype` must be a floating dtype such as jnp.float32, got {accumulator_dtype!r}.")
+    dtype = check_accumulator_dtype(accumulator_dtype)
     # The optimizer is no part of a gradient: the caller applies it.
     spec = Spec(
         loss_fn, optax.identity(), microbatch_size, has_aux, dtype, False, has_state, loss_reduction, remat=remat

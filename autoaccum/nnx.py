@@ -472,11 +472,23 @@ def tune(
 
 
 def workload(
-    loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree, name: str = "nnx"
+    loss_fn: Callable[..., Any],
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    batch: PyTree,
+    name: str = "nnx",
+    *,
+    has_aux: bool = False,
+    loss_reduction: str = "mean",
+    memory_limit: str | int | None = None,
 ) -> Workload:
-    """An `autoaccum.Workload` of ``loss_fn(model, batch)``, for the command line (``autoaccum probe FILE:fn``)."""
+    """An `autoaccum.Workload` of ``loss_fn(model, batch)``, for the command line (``autoaccum probe FILE:fn``);
+    ``has_aux``, ``loss_reduction`` (``"sum"``: a token-weighted loss) and ``memory_limit`` as for `Workload`."""
     f = functional(loss_fn, model, optimizer)
-    return Workload(f.loss_fn, f.params, batch, f.tx, state=f.state, name=name)
+    return Workload(
+        f.loss_fn, f.params, batch, f.tx, has_aux=has_aux, state=f.state, loss_reduction=loss_reduction, name=name,
+        memory_limit=memory_limit,
+    )  # fmt: skip
 
 
 __all__ = [

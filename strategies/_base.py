@@ -539,6 +539,26 @@ def apply_optimizer(
     return optax.apply_updates(params, updates), opt_state, finish_loss(spec, acc, dtypes)
 
 
+def check_optimizer_step(optimizer: optax.GradientTransformation, params: PyTree, opt_state: PyTree) -> None:
+    """Traces (abstractly) the one ``optimizer.update(grads, opt_state, params)`` an update makes; where that fails,
+    raises a TypeError naming the argument at fault: an optimizer that needs more arguments (a line search's loss),
+    or an ``opt_state`` that is not this optimizer's state of these parameters."""
+    try:
+        jax.eval_shape(lambda p, s: optimizer.update(p, s, p), params, opt_state)
+    except Exception as e:
+        first = (str(e).strip() or type(e).__name__).splitlines()[0][:300]
+        if "required keyword-only argument" in first:
+            raise TypeError(
+                f"`optimizer`.update needs arguments besides (grads, opt_state, params) ({first}): an update calls it "
+                "once with the accumulated gradient, so an optimizer that evaluates the loss itself (optax.lbfgs's "
+                "line search) cannot be accumulated; use one that takes the gradient alone, e.g. optax.adamw(1e-3)."
+            ) from e
+        raise TypeError(
+            f"`opt_state` does not fit the optimizer and these parameters: optimizer.update(grads, opt_state, params) "
+            f"raised {type(e).__name__}: {first}; pass update.init(params), the optimizer's state of these parameters."
+        ) from e
+
+
 def mean_grads(params: PyTree, acc: Accum) -> PyTree:
     """The whole batch's gradient: the accumulated sums divided by the total weight, cast back like ``params``."""
     # A multiply by one scalar reciprocal, not a divide per element: XLA fuses a cheap multiply into each of the

@@ -16,6 +16,7 @@ from autoaccum.strategies._base import (
     Spec,
     add,
     apply_optimizer,
+    check_optimizer_step,
     check_params,
     leading_size,
     output_dtypes,
@@ -74,6 +75,7 @@ class Strategy(abc.ABC):
         self.config = {k: options.get(k, v[0]) for k, v in self.options.items()}
         self._dtypes: dict[Any, OutDtypes] = {}
         self._calls: dict[Any, Call] = {}
+        self._stepped: set[Any] = set()  # signatures whose opt_state was checked against the optimizer
         self._grad = weighted_grad(spec)
         # Shared by the host-loop strategies and `stream`: the optimizer step on accumulated sums.
         self._apply = jax.jit(
@@ -117,9 +119,9 @@ class Strategy(abc.ABC):
           ValueError, TypeError: the batch or parameters are malformed (checked before anything is traced).
         """
         if self.spec.state_update != "once":
-            return self.run(self.checked(params, batch, state), params, opt_state, batch, state)
+            return self.run(self.checked(params, batch, state, opt_state), params, opt_state, batch, state)
         carried = self._carry(state)
-        call = self.checked(params, batch, carried)
+        call = self.checked(params, batch, carried, opt_state)
         params, opt_state, loss, carried = self.run(call, params, opt_state, batch, carried)
         return params, opt_state, loss, _state.end(carried)
 
@@ -134,13 +136,13 @@ class Strategy(abc.ABC):
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
         """`__call__` on arguments already checked: ``call`` is what `checked` made of them."""
 
-    def checked(self, params: PyTree, batch: PyTree, state: PyTree = ()) -> Call:
-        """The arguments checked (the batch's leading sizes, the parameters' dtypes, the layout and
-        ``microbatch_size`` against it) and the update's `Call`, once per `signature`: later calls with the same
-        structure, shapes, dtypes and shardings pay one flatten.
+    def checked(self, params: PyTree, batch: PyTree, state: PyTree = (), opt_state: PyTree | None = None) -> Call:
+        """The arguments checked (the batch's leading sizes, the parameters' dtypes, ``opt_state`` against the
+        optimizer when given, the layout and ``microbatch_size`` against it) and the update's `Call`, once per
+        `signature`: later calls with the same structure, shapes, dtypes and shardings pay one flatten.
 
         Raises:
-          ValueError, TypeError: as `leading_size`, `check_params` and `layout` do.
+          ValueError, TypeError: as `leading_size`, `check_params`, `check_optimizer_step` and `layout` do.
         """
         key = signature(params, batch, state)
         call = self._calls.get(key)
@@ -151,6 +153,11 @@ class Strategy(abc.ABC):
             if len(self._calls) >= MAX_SIGNATURES:
                 self._calls.clear()
             self._calls[key] = call
+        if opt_state is not None and key not in self._stepped:
+            check_optimizer_step(self.spec.optimizer, params, opt_state)
+            if len(self._stepped) >= MAX_SIGNATURES:
+                self._stepped.clear()
+            self._stepped.add(key)
         return call
 
     @abc.abstractmethod

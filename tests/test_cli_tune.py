@@ -78,6 +78,11 @@ def test_tune_bad_input_exits_2(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "does not exist" in result.stderr, explain(result)
     result = run("tune", "autoaccum.workloads:nope")
     assert result.exit_code == 2 and "has no function 'nope'" in result.stderr, explain(result)
+    for command in ("tune", "probe", "plan"):  # with --json, the error on stdout too, as exit 1's is
+        result = run(command, "no/such/file.py:workload", "--json")
+        assert result.exit_code == 2 and "does not exist" in result.stderr, explain(result)
+        answer = json.loads(result.stdout)
+        assert answer["exit_code"] == 2 and "does not exist" in answer["error"], explain(result)
     result = run("tune", LINEAR, "--storage", "nosuchdb://x", "--microbatch-bound", "4")
     assert result.exit_code == 2 and "cannot be opened" in result.stderr, explain(result)
     result = run("tune", LINEAR, "--effective-batch", "0")

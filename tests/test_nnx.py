@@ -312,3 +312,37 @@ def test_state_update_once_moves_batch_stats_once_per_update() -> None:
     np.testing.assert_allclose(mean, h.mean(axis=0), atol=1e-12)
     assert_states_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), atol=1e-6)
     assert int(model.drop.rngs.count[...]) == 4
+
+
+def test_nnx_workload_carries_a_token_weighted_loss_to_the_update() -> None:
+    """``autoaccum.nnx.workload(..., loss_reduction="sum")``: a loss returning ``(sum, weight)`` (padding masked)
+    makes a workload whose update, over an uneven split (3 + 3 + 1), equals one SGD step on the whole batch's
+    weighted mean, computed here by hand (atol 1e-6, float32)."""
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+    k1, k2 = jax.random.split(jax.random.key(3))
+    batch = {
+        "x": jax.random.normal(k1, (7, 4)), "y": jax.random.normal(k2, (7, 1)),
+        "mask": jnp.array([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]),
+    }  # fmt: skip
+
+    def token_loss(m: nnx.Linear, b: Any) -> tuple[jax.Array, jax.Array]:
+        per_row = ((m(b["x"]) - b["y"]) ** 2)[:, 0] * b["mask"]
+        return jnp.sum(per_row), jnp.sum(b["mask"])
+
+    w = autoaccum.nnx.workload(token_loss, model, optimizer, batch, loss_reduction="sum", memory_limit="64MiB")
+    assert (w.loss_reduction, w.has_aux, w.memory_limit) == ("sum", False, "64MiB")
+    update = autoaccum.build_update(
+        w.loss_fn, w.optimizer, microbatch_size=3, has_state=True, loss_reduction=w.loss_reduction
+    )
+    params, _, loss, _ = update(jax.tree.map(jnp.copy, w.params), update.init(w.params), w.batch, w.state)
+
+    kernel, bias = np.asarray(model.kernel[...], np.float64), np.asarray(model.bias[...], np.float64)
+    x, y, mask = (np.asarray(batch[k], np.float64) for k in ("x", "y", "mask"))
+    residual = (x @ kernel + bias - y)[:, 0] * mask
+    tokens = mask.sum()
+    grad_kernel = 2 * x.T @ residual[:, None] / tokens
+    grad_bias = 2 * residual.sum(keepdims=True) / tokens
+    np.testing.assert_allclose(float(loss), (residual**2).sum() / tokens, atol=1e-6)
+    np.testing.assert_allclose(params["kernel"], kernel - 0.5 * grad_kernel, atol=1e-6)
+    np.testing.assert_allclose(params["bias"], bias - 0.5 * grad_bias, atol=1e-6)

@@ -259,6 +259,30 @@ def test_bad_optimizer_and_dtype() -> None:
         autoaccum.build_update(lambda p, b: 0.0, "adam", microbatch_size=2)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="`accumulator_dtype` must be a floating dtype"):
         linear_update(accumulator_dtype=jnp.int32)
+    assert not jax.config.jax_enable_x64  # (64-bit types off, as by default: float64 would be float32)
+    with pytest.raises(ValueError, match=r"`accumulator_dtype`='float64' is 64-bit, but JAX runs without"):
+        linear_update(accumulator_dtype="float64")
+
+
+@pytest.mark.parametrize("strategy", ["scan", "loop", "multisteps", "auto"])
+def test_an_optimizer_state_or_optimizer_that_cannot_step_is_named(strategy: str) -> None:
+    params, batch = {"w": jnp.ones(4)}, {"x": jnp.ones((6, 4))}
+
+    def loss_fn(p: Any, b: Any) -> jax.Array:
+        return jnp.mean(b["x"] @ p["w"])
+
+    update = autoaccum.build_update(loss_fn, optax.adam(1e-3), microbatch_size=2, strategy=strategy)
+    for wrong in (optax.sgd(0.1).init(params), update.init({"w": jnp.ones(3)})):
+        with pytest.raises(TypeError, match=r"`opt_state` does not fit the optimizer .* pass update\.init\(params\)"):
+            update(params, wrong, batch)
+    assert float(params["w"][0]) == 1.0  # not donated away by the refused call
+    lbfgs = autoaccum.build_update(loss_fn, optax.lbfgs(), microbatch_size=2, strategy=strategy)
+    with pytest.raises(TypeError, match=r"`optimizer`\.update needs arguments besides .* 'value'"):
+        lbfgs(params, lbfgs.init(params), batch)
+    new_params, _, _ = update(params, update.init(params), batch)  # the right state steps
+    assert new_params["w"].shape == (4,)
+    with pytest.raises(ValueError, match=r"`accumulator_dtype`='float64' is 64-bit, but JAX runs without"):
+        autoaccum.value_and_grad(lambda p, b: 0.0, microbatch_size=2, accumulator_dtype="float64")
 
 
 def test_leaves_with_different_leading_sizes(strategy: str) -> None:

@@ -277,6 +277,11 @@ def test_plan_file_errors(linear: autoaccum.Workload, tmp_path: Path) -> None:
         ({"budget": 0}, ValueError, r"`budget` must be >= 1, got budget=0"),
         ({"strategies": ["scan", "fast"]}, ValueError, r"unknown `strategy` 'fast'; choose one of"),
         ({"strategies": []}, ValueError, r"`strategies` is empty"),
+        (
+            {"strategies": "scan"},
+            TypeError,
+            r"`strategies` must be a sequence .* got strategies='scan'; e\.g\. strategies=\['scan'\]",
+        ),
         ({"storage": "nosuchdb://x"}, ValueError, r"`storage`='nosuchdb://x' cannot be opened"),
         ({"memory_limit": "lots"}, ValueError, r"`memory_limit`='lots' does not parse"),
     ],

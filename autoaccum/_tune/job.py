@@ -167,6 +167,12 @@ def _check_numbers(kw: dict[str, Any], effective_batch: int) -> None:
 
 
 def _check_strategies(strategies: Sequence[str] | None) -> list[str]:
+    if isinstance(strategies, str) or not (strategies is None or isinstance(strategies, Sequence)):
+        example = [strategies] if isinstance(strategies, str) else ["scan", "loop"]
+        raise TypeError(
+            f"`strategies` must be a sequence of strategy names (None: all), got strategies={strategies!r}; e.g. "
+            f"strategies={example!r}."
+        )
     names = list(available_strategies() if strategies is None else strategies)
     if not names:
         raise ValueError(f"`strategies` is empty; choose from {', '.join(available_strategies())}.")
