@@ -199,7 +199,7 @@ def predicted_seconds(
     """A roofline step time from each program's cost, run as often as ``strategy`` runs it for ``steps``
     microbatches of one size. XLA counts a loop's body once: the scan's step and MultiSteps' step are one
     microbatch and one optimizer step (its ``cond`` counted once), so the microbatch is counted ``steps`` times
-    and the optimizer step (``opt``) once. The loop runs its first program once, its middle one ``steps - 2``
+    and the optimizer step (``opt``) once. The loop runs its zero sums once, its microbatch program ``steps - 1``
     times and its last (the last microbatch and the optimizer step) once."""
 
     def roof(flops: float, accessed: float) -> float:
@@ -216,7 +216,7 @@ def predicted_seconds(
         begin, step = costs
         return roof(*begin) + steps * roof(*less_opt(step)) + roof(*opt)
     if strategy == "loop":
-        runs = [1, steps - 2, 1] if len(costs) == 3 else [1] * len(costs)
+        runs = [1, steps - 1, 1] if len(costs) == 3 else [1] * len(costs)
         return sum(n * roof(*c) for n, c in zip(runs, costs, strict=True))
     raise ValueError(f"`strategy` {strategy!r} has no program count here; add it to predicted_seconds.")
 

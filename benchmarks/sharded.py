@@ -332,7 +332,7 @@ def ours(
                 n = sum(s == size and (i == len(calls) - 1) == last for i, (_, s) in enumerate(calls))
                 progs.append(Program(f"{'last' if last else 'microbatch'} (m={size})", hlo(low.lowered.compile()), n))
             return progs
-        # loop: the first microbatch's program, one per distinct size of the others, then the optimizer step
+        # loop on a mesh: the first microbatch's program, one per distinct size of the others, then the optimizer step
         (_, first), *rest = update.accumulation.microbatches(batch)
         sizes = sorted({size for _, size in rest})
         counts = [1] + [sum(size == s for _, size in rest) for s in sizes] + [1]

@@ -550,12 +550,13 @@ def check_optimizer_step(optimizer: optax.GradientTransformation, params: PyTree
         if "required keyword-only argument" in first:
             raise TypeError(
                 f"`optimizer`.update needs arguments besides (grads, opt_state, params) ({first}): an update calls it "
-                "once with the accumulated gradient, so an optimizer that evaluates the loss itself (optax.lbfgs's "
-                "line search) cannot be accumulated; use one that takes the gradient alone, e.g. optax.adamw(1e-3)."
+                "once with the accumulated gradient alone, so an optimizer that needs the loss too (optax.lbfgs's "
+                "line search, reduce_on_plateau's value) is not supported; use one that takes the gradient alone, "
+                "e.g. optax.adamw(1e-3)."
             ) from e
         raise TypeError(
-            f"`opt_state` does not fit the optimizer and these parameters: optimizer.update(grads, opt_state, params) "
-            f"raised {type(e).__name__}: {first}; pass update.init(params), the optimizer's state of these parameters."
+            f"optimizer.update(grads, opt_state, params) fails on these arguments ({type(e).__name__}: {first}); "
+            "`opt_state` must be the optimizer's state of these parameters: pass update.init(params)."
         ) from e
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
+import numpy as np
 from autoaccum.strategies import _state
 from autoaccum.strategies._base import (
     Accum,
@@ -18,11 +19,11 @@ from autoaccum.strategies._base import (
     apply_optimizer,
     check_optimizer_step,
     check_params,
+    dtype_of,
     leading_size,
     output_dtypes,
     signature,
     split,
-    take,
     weighted_grad,
     zero_accum,
 )
@@ -45,6 +46,8 @@ class Call(NamedTuple):
     key: Any
     layout: Layout | None
     microbatches: tuple[tuple[int, int], ...]
+    stepped: bool = False
+    """Whether the optimizer's step was checked on these arguments' ``opt_state`` (`check_optimizer_step`)."""
 
 
 class Strategy(abc.ABC):
@@ -75,7 +78,6 @@ class Strategy(abc.ABC):
         self.config = {k: options.get(k, v[0]) for k, v in self.options.items()}
         self._dtypes: dict[Any, OutDtypes] = {}
         self._calls: dict[Any, Call] = {}
-        self._stepped: set[Any] = set()  # signatures whose opt_state was checked against the optimizer
         self._grad = weighted_grad(spec)
         # Shared by the host-loop strategies and `stream`: the optimizer step on accumulated sums.
         self._apply = jax.jit(
@@ -87,13 +89,18 @@ class Strategy(abc.ABC):
         )
         # With state_update="once": the state carried through the microbatches (one small program per update).
         self._carry = jax.jit(_state.begin, donate_argnums=self.donate_argnums(0))
-        # Zero sums on one device, so that the first microbatch runs the program the others run (its inputs only
-        # give the shapes, kept so the zeros are made where they are).
-        self._zeros = jax.jit(self._zeros_fn, static_argnames=("size",), keep_unused=True)
+        # Zero sums on one device, so that the first microbatch runs the program the others run (`zeros`).
+        self._zeros = jax.jit(self._zeros_fn, static_argnames=("rows",), keep_unused=True)
 
-    def _zeros_fn(self, params: PyTree, batch: PyTree, state: PyTree, *, size: int) -> Accum:
-        """Zero sums shaped like those of ``batch``'s first ``size`` rows."""
-        return zero_accum(jax.eval_shape(lambda p, b, s: self._grad(p, take(b, 0, size), s)[0], params, batch, state))
+    def zeros(self, params: PyTree, batch: PyTree, state: PyTree, size: int) -> Accum:
+        """Zero sums shaped like those of ``batch``'s first ``size`` rows, made where ``params`` are (only the
+        batch's shapes go to the program: a host batch is not copied)."""
+        return self._zeros(params, state, rows=microbatch_shapes(batch, size))
+
+    def _zeros_fn(self, params: PyTree, state: PyTree, *, rows: Any) -> Accum:
+        treedef, leaves = rows
+        microbatch = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in leaves])
+        return zero_accum(jax.eval_shape(lambda p, b, s: self._grad(p, b, s)[0], params, microbatch, state))
 
     @classmethod
     def program_options(cls, options: Mapping[str, Any], steps: int) -> dict[str, Any]:
@@ -120,6 +127,8 @@ class Strategy(abc.ABC):
         """
         if self.spec.state_update != "once":
             return self.run(self.checked(params, batch, state, opt_state), params, opt_state, batch, state)
+        if not self._calls:  # the first call checks the optimizer's step before the carry donates ``state``
+            check_optimizer_step(self.spec.optimizer, params, opt_state)
         carried = self._carry(state)
         call = self.checked(params, batch, carried, opt_state)
         params, opt_state, loss, carried = self.run(call, params, opt_state, batch, carried)
@@ -146,18 +155,17 @@ class Strategy(abc.ABC):
         """
         key = signature(params, batch, state)
         call = self._calls.get(key)
-        if call is None:
-            leading_size(batch)
-            check_params(params)
-            call = Call(key, self.layout(params, batch, state), tuple(self.microbatches(batch)))
+        if call is None or (opt_state is not None and not call.stepped):
+            if call is None:
+                leading_size(batch)
+                check_params(params)
+                call = Call(key, self.layout(params, batch, state), tuple(self.microbatches(batch)))
+            if opt_state is not None:
+                check_optimizer_step(self.spec.optimizer, params, opt_state)
+                call = call._replace(stepped=True)
             if len(self._calls) >= MAX_SIGNATURES:
                 self._calls.clear()
             self._calls[key] = call
-        if opt_state is not None and key not in self._stepped:
-            check_optimizer_step(self.spec.optimizer, params, opt_state)
-            if len(self._stepped) >= MAX_SIGNATURES:
-                self._stepped.clear()
-            self._stepped.add(key)
         return call
 
     @abc.abstractmethod
@@ -171,7 +179,8 @@ class Strategy(abc.ABC):
 
         Equals one full-batch step on their concatenation. Each microbatch is added to the sums by one jitted
         call (one compiled program per distinct microbatch size), then one jitted call divides by the total
-        weight and runs the optimizer. The sums start from zeros, so the first call compiles nothing extra.
+        weight and runs the optimizer. The sums start from zeros (one small program), so the first microbatch's call
+        compiles the program the others run.
 
         Raises:
           ValueError: ``microbatches`` is empty, or one of them is malformed.
@@ -187,7 +196,7 @@ class Strategy(abc.ABC):
                 dtypes = self.out_dtypes(params, microbatch, state)
                 layout = self.layout(params, microbatch, state)
                 if layout is None:  # the first call compiles the same program as the others
-                    acc = self._zeros(params, microbatch, state, size=leading_size(microbatch))
+                    acc = self.zeros(params, microbatch, state, leading_size(microbatch))
                 else:
                     state = self.on_mesh(layout).stack_state(state)
             acc, state = self._add(acc, params, microbatch, state, dtypes=dtypes, layout=layout)
@@ -263,3 +272,9 @@ class Strategy(abc.ABC):
         m = self.spec.microbatch_size
         full, rest = split(leading_size(batch), m)
         return [(i * m, m) for i in range(full)] + ([(full * m, rest)] if rest else [])
+
+
+def microbatch_shapes(batch: PyTree, size: int) -> tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]:
+    """The structure and ``(shape, dtype)`` of each leaf of ``batch``'s first ``size`` rows (hashable, static)."""
+    leaves, treedef = jax.tree.flatten(batch)
+    return treedef, tuple(((size, *np.shape(x)[1:]), dtype_of(x)) for x in leaves)

@@ -16,7 +16,7 @@ from autoaccum.strategies._base import (
     tree_bytes,
 )
 from autoaccum.strategies._layout import Layout
-from autoaccum.strategies._strategy import Call, Strategy
+from autoaccum.strategies._strategy import Call, Strategy, microbatch_shapes
 
 
 class Loop(Strategy):
@@ -89,7 +89,7 @@ class Loop(Strategy):
         if layout is None:
             *rest, (last, last_size) = call.microbatches
             if rest:
-                acc = self._zeros(params, batch, state, size=rest[0][1])
+                acc = self.zeros(params, batch, state, rest[0][1])
             for start, size in rest:
                 acc, state = self._accumulate(acc, params, batch, start, state, size=size, dtypes=dtypes, layout=None)
             return self._finish(acc, params, opt_state, batch, last, state, size=last_size, dtypes=dtypes)
@@ -123,7 +123,7 @@ class Loop(Strategy):
         )
         if layout is None:  # zero sums, each microbatch but the last, then the last with the optimizer step
             (*rest, (_, last)) = microbatches
-            start = [self._zeros.lower(params, batch, state, size=first)] if rest else []
+            start = [self._zeros.lower(params, state, rows=microbatch_shapes(batch, first))] if rest else []
             lowered = start + [accumulate(acc, n) for n in sorted({n for _, n in rest})]
             programs = [Program(low, tree_bytes(opt_state)) for low in lowered]
             finish = self._finish.lower(

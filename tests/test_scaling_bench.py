@@ -46,9 +46,9 @@ def test_predicted_seconds_counts_each_program_as_often_as_it_runs():
     assert scaling.predicted_seconds("multisteps", k, [begin, with_opt], opt, rates) == pytest.approx(
         3 + k * 10 + 2, abs=1e-9
     )
-    first, middle, last = (10.0, 0.0), (20.0, 0.0), (30.0, 0.0)  # 1, 2, 3 s
-    assert scaling.predicted_seconds("loop", k, [first, middle, last], opt, rates) == pytest.approx(
-        1 + (k - 2) * 2 + 3, abs=1e-9
+    zeros, middle, last = (0.0, 100.0), (20.0, 0.0), (30.0, 0.0)  # 1, 2, 3 s
+    assert scaling.predicted_seconds("loop", k, [zeros, middle, last], opt, rates) == pytest.approx(
+        1 + (k - 1) * 2 + 3, abs=1e-9
     )
     assert scaling.predicted_seconds("loop", 1, [last], opt, rates) == pytest.approx(3, abs=1e-9)
 

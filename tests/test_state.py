@@ -158,6 +158,19 @@ def test_state_update_once_moves_the_running_mean_once_per_update(strategy: str)
     np.testing.assert_array_equal(jax.random.key_data(state["key"]), jax.random.key_data(expected_state["key"]))
 
 
+def test_a_refused_opt_state_leaves_the_model_state_alone(strategy: str) -> None:
+    """An ``opt_state`` of another optimizer is refused before anything is donated, the carried state too."""
+    params, batch = regression(batch_size=8)
+    for once in ("once", "per_microbatch"):
+        update = autoaccum.build_update(
+            bn_dropout_loss, optax.adam(1e-3), microbatch_size=3, strategy=strategy, has_state=True, state_update=once
+        )
+        state = bn_state()
+        with pytest.raises(TypeError, match="`opt_state` must be the optimizer's state"):
+            update(params, optax.sgd(0.1).init(params), batch, state)
+        assert not any(x.is_deleted() for x in jax.tree.leaves((params, state))), once
+
+
 def test_state_update_once_streams_as_it_steps(strategy: str) -> None:
     # atol 1e-6 (float32): the same microbatches, from one batch or one at a time, give the same update.
     optimizer = optax.sgd(0.1)

@@ -280,7 +280,7 @@ def test_plan_file_errors(linear: autoaccum.Workload, tmp_path: Path) -> None:
         (
             {"strategies": "scan"},
             TypeError,
-            r"`strategies` must be a sequence .* got strategies='scan'; e\.g\. strategies=\['scan'\]",
+            r"`strategies` must be a sequence .* got the string strategies='scan'; e\.g\. strategies=\['scan'\]",
         ),
         ({"storage": "nosuchdb://x"}, ValueError, r"`storage`='nosuchdb://x' cannot be opened"),
         ({"memory_limit": "lots"}, ValueError, r"`memory_limit`='lots' does not parse"),

@@ -167,11 +167,10 @@ def _check_numbers(kw: dict[str, Any], effective_batch: int) -> None:
 
 
 def _check_strategies(strategies: Sequence[str] | None) -> list[str]:
-    if isinstance(strategies, str) or not (strategies is None or isinstance(strategies, Sequence)):
-        example = [strategies] if isinstance(strategies, str) else ["scan", "loop"]
+    if isinstance(strategies, str):
         raise TypeError(
-            f"`strategies` must be a sequence of strategy names (None: all), got strategies={strategies!r}; e.g. "
-            f"strategies={example!r}."
+            f"`strategies` must be a sequence of strategy names (None: all), got the string strategies={strategies!r}; "
+            f"e.g. strategies=[{strategies!r}]."
         )
     names = list(available_strategies() if strategies is None else strategies)
     if not names:
