@@ -83,6 +83,8 @@ def test_tune_bad_input_exits_2(tmp_path: Path) -> None:
         assert result.exit_code == 2 and "does not exist" in result.stderr, explain(result)
         answer = json.loads(result.stdout)
         assert answer["exit_code"] == 2 and "does not exist" in answer["error"], explain(result)
+    result = run("tune", LINEAR, "--budget", "many", "--json")  # an option click itself refuses
+    assert result.exit_code == 2 and "'many' is not a valid integer" in json.loads(result.stdout)["error"]
     result = run("tune", LINEAR, "--storage", "nosuchdb://x", "--microbatch-bound", "4")
     assert result.exit_code == 2 and "cannot be opened" in result.stderr, explain(result)
     result = run("tune", LINEAR, "--effective-batch", "0")

@@ -7,6 +7,7 @@ bad input (unknown workload, unparsable size, ...), 130 interrupted (Ctrl-C), 14
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -52,7 +53,8 @@ def interrupted(command: str | None, args: Sequence[str], terminated: bool) -> s
 class _Main(click.Group):
     """The command group: a command interrupted by Ctrl-C exits with 130, terminated by SIGTERM with 143 (not click's
     bare "Aborted!" and 1, or SIGTERM's silent death, which left the children and the temporary files behind),
-    saying so (`interrupted`)."""
+    saying so (`interrupted`); with ``--json``, bad usage or input (exit 2) is also ``{"error", "exit_code"}`` on
+    stdout, as a failure (exit 1) is."""
 
     def invoke(self, ctx: click.Context) -> Any:
         args = list(ctx.args)  # (the command's own, before click hands them on)
@@ -60,6 +62,10 @@ class _Main(click.Group):
         previous = signal.signal(signal.SIGTERM, _terminate) if handles else None
         try:
             return super().invoke(ctx)
+        except click.ClickException as e:  # bad usage or input (exit 2): with --json, as JSON on stdout too
+            if "--json" in args:
+                click.echo(json.dumps({"error": e.format_message(), "exit_code": e.exit_code}))
+            raise
         except KeyboardInterrupt as e:
             terminated = isinstance(e, _Terminated)
             click.echo(interrupted(ctx.invoked_subcommand, args, terminated), err=True)

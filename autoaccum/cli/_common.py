@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,22 +18,6 @@ def workload_arguments(fn: F) -> F:
     fn = click.option("--demo", is_flag=True, help="Use the built-in demo workload (a small transformer LM).")(fn)
     fn = click.argument("workload", required=False, metavar="[WORKLOAD]")(fn)
     return fn
-
-
-def json_errors(command: F) -> F:
-    """With ``--json``, a usage error or bad input met inside ``command`` (exit 2) is also printed on stdout as
-    ``{"error": ..., "exit_code": 2}``, as a failure (exit 1) is."""
-
-    @functools.wraps(command)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except click.ClickException as e:
-            if kwargs.get("as_json"):
-                click.echo(json.dumps({"error": e.format_message(), "exit_code": e.exit_code}))
-            raise
-
-    return wrapped  # type: ignore[return-value]
 
 
 def renamed_option(new: str, value: Any, old: str, old_value: Any) -> Any:

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import click
 
-from autoaccum.cli._common import json_errors, resolve_workload, strategy_help, workload_arguments
+from autoaccum.cli._common import resolve_workload, strategy_help, workload_arguments
 from autoaccum.cli._console import fit_table, make_console
 
 NOTE = (
@@ -93,7 +93,6 @@ GPU_NOTE = (
 )
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Save memory vs microbatch (PNG).")
-@json_errors
 def plan(
     workload: str | None,
     demo: bool,

@@ -13,7 +13,6 @@ from autoaccum._probe import DEFAULT_TRIAL_TIMEOUT
 from autoaccum._units import format_bytes
 from autoaccum.cli._common import (
     check_strategies,
-    json_errors,
     renamed_option,
     resolve_workload,
     strategy_help,
@@ -62,7 +61,6 @@ if TYPE_CHECKING:
     "--trial-timeout).",
 )  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON (the ProbeResult).")
-@json_errors
 def probe(
     workload: str | None,
     demo: bool,

@@ -12,7 +12,6 @@ from rich.text import Text
 from autoaccum._units import format_bytes
 from autoaccum.cli._common import (
     check_strategies,
-    json_errors,
     renamed_option,
     resolve_workload,
     strategy_help,
@@ -116,7 +115,6 @@ params, opt_state, loss{state} = update(params, opt_state, batch{state})"""
     help="Save a PNG: each trial's measured peak memory against its throughput, the limit, the pick.",
 )  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON (plan, trials, probe).")
-@json_errors
 def tune(
     workload: str | None,
     demo: bool,
