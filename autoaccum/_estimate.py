@@ -591,9 +591,10 @@ def estimate(
 
 
 def analysis_options(platform: str, target: str | Path | None) -> dict[str, Any]:
-    """The options of an estimate's compiles beyond `COMPILER_OPTIONS`: on a GPU here (no ``target``), as for
+    """The options of an estimate's compiles beyond `COMPILER_OPTIONS`: on a GPU here (no ``target``), those of
     compile-only GPU programs (`autoaccum._gpu_compile.GPU_COMPILER_OPTIONS`: no Triton tiling autotuned, code
-    generation not optimised; the same memory figures); a ``target`` brings its own (`_for_target`), the CPU none.
+    generation not optimised), whose plans matched the probed boundary on an H200; a probe calibrates its estimate by
+    the peak it measures. A ``target`` brings its own (`_for_target`), the CPU none.
 
     Example:
       >>> analysis_options("gpu", None)["xla_gpu_enable_triton_gemm"], analysis_options("cpu", None)
