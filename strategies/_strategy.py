@@ -78,6 +78,7 @@ class Strategy(abc.ABC):
         self.config = {k: options.get(k, v[0]) for k, v in self.options.items()}
         self._dtypes: dict[Any, OutDtypes] = {}
         self._calls: dict[Any, Call] = {}
+        self._streamed = False  # whether `stream` has checked the optimizer's step
         self._grad = weighted_grad(spec)
         # Shared by the host-loop strategies and `stream`: the optimizer step on accumulated sums.
         self._apply = jax.jit(
@@ -184,7 +185,11 @@ class Strategy(abc.ABC):
 
         Raises:
           ValueError: ``microbatches`` is empty, or one of them is malformed.
+          TypeError: the first stream's ``opt_state`` does not fit the optimizer (`check_optimizer_step`).
         """
+        if not self._streamed:  # (once per strategy: tracing the optimizer every update would cost each update)
+            check_optimizer_step(self.spec.optimizer, params, opt_state)
+            self._streamed = True
         once = self.spec.state_update == "once"
         state = self._carry(state) if once else state
         acc: Accum | None = None

@@ -159,7 +159,8 @@ def test_state_update_once_moves_the_running_mean_once_per_update(strategy: str)
 
 
 def test_a_refused_opt_state_leaves_the_model_state_alone(strategy: str) -> None:
-    """An ``opt_state`` of another optimizer is refused before anything is donated, the carried state too."""
+    """An ``opt_state`` of another optimizer is refused before anything is donated, the carried state too, by the
+    update and by `stream`."""
     params, batch = regression(batch_size=8)
     for once in ("once", "per_microbatch"):
         update = autoaccum.build_update(
@@ -168,6 +169,8 @@ def test_a_refused_opt_state_leaves_the_model_state_alone(strategy: str) -> None
         state = bn_state()
         with pytest.raises(TypeError, match="`opt_state` must be the optimizer's state"):
             update(params, optax.sgd(0.1).init(params), batch, state)
+        with pytest.raises(TypeError, match="`opt_state` must be the optimizer's state"):
+            update.stream(params, optax.sgd(0.1).init(params), [rows(batch, 0, 3), rows(batch, 3, 8)], state)
         assert not any(x.is_deleted() for x in jax.tree.leaves((params, state))), once
 
 
