@@ -255,6 +255,22 @@ def test_a_variant_clearly_slower_at_the_top_is_not_timed_again_below(seed: int)
 
 
 @pytest.mark.parametrize("seed", range(20))
+def test_a_variant_clearly_slower_at_one_knob_setting_is_not_timed_at_another(seed: int) -> None:
+    """loop reads twice as slow as scan at every size and both knob settings; the second setting is faster (scan
+    fastest at 8 there): the descent goes down with it, and the variants timed at its best size leave out loop, which
+    read slower at the first setting's top size (it has no trial at the second's), and which the best still is."""
+    speed = {64: 2.0, 32: 1.6, 16: 1.3, 8: 1.0, 4: 1.3, 2: 1.5, 1: 2.0}
+    seconds = lambda c: speed[c.microbatch_size] * (2.0 if c.strategy == "loop" else 1.0) / (1 + c.setting)  # noqa: E731
+    search = Search([SIZES, SIZES], STRATEGIES, 256)
+    trials = run(search, seconds, random.Random(seed), 2 * len(SIZES) * len(STRATEGIES))
+    assert [dataclass_tuple(t.config) for t in trials if t.config.strategy == "loop"] == [(64, "loop", 0)]
+    at_best = {t.config.strategy for t in trials if (t.config.microbatch_size, t.config.setting) == (8, 1)}
+    assert at_best == set(STRATEGIES) - {"loop"}
+    best = max(trials, key=lambda t: t.throughput or 0.0)
+    assert dataclass_tuple(best.config)[::2] == (8, 1) and best.config.strategy != "loop"
+
+
+@pytest.mark.parametrize("seed", range(20))
 def test_a_refused_size_bounds_its_variant_without_passing_over_a_size_that_fits(seed: int) -> None:
     """After a size that splits the batch evenly is refused on XLA's compile-only bytes, `ceiling` keeps every size
     that fits (on a step of ``fixed + per_example * m`` bytes whose fixed part is at least the state's) and

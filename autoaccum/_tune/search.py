@@ -8,9 +8,9 @@
 3. **Descent.** From the fastest of those, halve the microbatch; stop after two halvings in a row not
    `clearly_faster` than the best so far, or at one slower by more than two readings' drift (`DRIFT`).
 4. **Coordinates.** Where the descent went down, the other variants at its best size (but those whose first
-   trial read clearly slower than the leader's, beyond two readings' drift); then, where it went on level past that
-   size, the variants level with the fastest at the best size, at the last size it found level (a variant's gain
-   can grow with the steps: scan unrolled).
+   trial read clearly slower than the leader's, beyond two readings' drift, at any knob setting); then, where it
+   went on level past that size, the variants level with the fastest at the best size, at the last size it found
+   level (a variant's gain can grow with the steps: scan unrolled).
 
 Then the sampler spends what is left of the budget, and the race settles the finalists. No JAX, no Optuna.
 """
@@ -178,10 +178,7 @@ class Search:
         if best is None or last is None:
             return []
         m, leader, setting = dataclasses.astuple(best.config)
-        firsts = {s: self._start(s, setting, seen) for s in self.strategies}
-        lead = firsts[leader]  # out: the variants whose first trial read clearly slower than the leader's
-        out = {s for s, t in firsts.items() if isinstance(lead, Trial) and isinstance(t, Trial) and not level(t, lead)}
-        kept = [s for s in self.strategies if s not in out]
+        kept = [s for s in self.strategies if not self._slower(s, leader, seen)]
         wanted = [] if m == self._top(setting) else self._wanted([Config(m, s, setting) for s in kept], seen)
         if wanted or last.config.microbatch_size >= m:
             return wanted
@@ -190,6 +187,15 @@ class Search:
         fastest = max(timed.values(), key=lambda t: t.throughput or 0.0)
         close = [s for s, t in timed.items() if level(t, fastest)]
         return self._wanted([Config(last.config.microbatch_size, s, setting) for s in close], seen)
+
+    def _slower(self, strategy: str, leader: str, seen: Mapping[Config, Trial]) -> bool:
+        """Whether ``strategy``'s first trial read clearly slower than ``leader``'s (beyond two readings' drift) at a
+        knob setting where both have one: the strategies' ranking is taken not to turn with the knobs."""
+        for setting in range(len(self.sizes)):
+            mine, lead = self._start(strategy, setting, seen), self._start(leader, setting, seen)
+            if isinstance(mine, Trial) and isinstance(lead, Trial) and not level(mine, lead):
+                return True
+        return False
 
 
 def level(a: Trial, b: Trial) -> bool:
