@@ -481,8 +481,10 @@ def gpu_peak(device: Any) -> Callable[[], int | None]:
 
 
 def warm_up(device: Any) -> None:
-    """Starts the backend, its thread pools and the compiler, so that they are not charged to a trial."""
-    jax.block_until_ready(jax.jit(lambda x: x * 2 + 1)(jax.device_put(jnp.ones(8), device)))
+    """Starts the backend, its thread pools and the compiler, and runs a small gradient step, so that what a runtime
+    maps once per process on a first step (XLA:CPU: its dot kernels' code, about 8 MiB) is not charged to a trial."""
+    x = jax.device_put(jnp.ones((64, 64)), device)
+    jax.block_until_ready(jax.jit(jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w))))(x, x))
 
 
 def measured(
@@ -757,6 +759,7 @@ class Worker:
         self._buffer = b""
         self._log_path: Path | None = None
         self._kills: int | None = None  # the OOM-kill count when the request started (`oom_kills`)
+        self._log_start = 0  # the log's size when the request started: a death is judged by what came after
 
     def __enter__(self) -> Worker:
         self._dir = make_directory()
@@ -800,7 +803,8 @@ class Worker:
                 return self._dead()
             if ready is _TIMEOUT:
                 return self._hung(f"the worker did not start in {self.compile_timeout:g} s")
-        assert self._proc is not None and self._proc.stdin is not None
+        assert self._proc is not None and self._proc.stdin is not None and self._log_path is not None
+        self._log_start = self._log_path.stat().st_size if self._log_path.exists() else 0
         try:
             self._proc.stdin.write((json.dumps(dataclasses.asdict(request)) + "\n").encode())
             self._proc.stdin.flush()
@@ -825,17 +829,22 @@ class Worker:
     def _start(self) -> None:
         assert self._dir is not None, "use the Worker as a context manager"
         read_end, write_end = os.pipe()
-        self._log_path = self._dir / f"worker-{self.restarts}.log"
+        self._log_path, self._log_start = self._dir / f"worker-{self.restarts}.log", 0
         command = child_command(self._dir / "job.pkl", [str(write_end), str(self.limit)])
         env = child_env(self.device, self.limit, devices=self.job.devices)
         if _cache_dir():  # the caller's compilation cache (`use_compilation_cache`)
             env["JAX_COMPILATION_CACHE_DIR"] = str(_cache_dir())
-        with open(self._log_path, "wb") as log:  # (the child holds its own copy)
-            self._proc = subprocess.Popen(
-                command, env=env, stdin=subprocess.PIPE,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(write_end,),
-            )  # fmt: skip
-        os.close(write_end)
+        try:
+            with open(self._log_path, "wb") as log:  # (the child holds its own copy)
+                self._proc = subprocess.Popen(
+                    command, env=env, stdin=subprocess.PIPE,
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(write_end,),
+                )  # fmt: skip
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
         self._answers, self._buffer = read_end, b""
         self.restarts += 1
 
@@ -870,7 +879,9 @@ class Worker:
         assert self._proc is not None and self._log_path is not None
         returncode = self._proc.wait()
         self._stop()
-        output = self._log_path.read_bytes()[-20000:].decode(errors="replace")
+        with open(self._log_path, "rb") as log:
+            log.seek(self._log_start)
+            output = log.read()[-20000:].decode(errors="replace")
         now = oom_kills()
         outcome = classify_exit(returncode, output, None if self._kills is None or now is None else now > self._kills)
         return outcome, -returncode in OUTSIDE_KILLS and outcome.status != "oom"

@@ -30,6 +30,18 @@ def linear(features: int = FEATURES, rows: int = 4) -> tuple[Any, Any, Any]:
     return linear_loss, params, batch
 
 
+def mlp_loss(params: Any, batch: Any) -> jax.Array:
+    hidden = jax.nn.gelu(batch["x"] @ params["w1"])
+    return optax.softmax_cross_entropy_with_integer_labels(hidden @ params["w2"], batch["y"]).mean()
+
+
+def mlp(features: int = 256, hidden: int = 512) -> tuple[Any, Any, Any]:
+    """``(loss_fn, params, batch)`` of a two-layer classifier: its backward pass runs dots of transposed operands
+    (on XLA:CPU the first such step in a process maps its kernels' code, about 8 MiB)."""
+    params = {"w1": jnp.zeros((features, hidden)), "w2": jnp.zeros((hidden, 10))}
+    return mlp_loss, params, {"x": jnp.ones((4, features)), "y": jnp.zeros(4, jnp.int32)}
+
+
 def abort_past_64(params: Any, batch: Any) -> jax.Array:
     """Kills its process (SIGABRT, no allocation failure) when traced for more than 64 examples."""
     if batch["x"].shape[0] > 64:

@@ -96,7 +96,7 @@ def test_plans_for_catalogued_accelerators() -> None:
     assert tight.fits and tight.accumulation_steps > 1 and tight.step_seconds is None
     assert tight.microbatch_size * tight.accumulation_steps >= 1024 and tight.peak_bytes <= 48 * 2**20
     assert tight.to_dict()["bound"] is None
-    nothing = est.capacity(64, "4MiB")
+    nothing = est.capacity(64, "2MiB")
     assert not nothing.fits and nothing.accumulation_steps == 0 and nothing.max_microbatch == 0
 
 

@@ -35,6 +35,17 @@ def troubled_loss(params: Any, batch: Any) -> jax.Array:
     return loss
 
 
+def chatty_loss(params: Any, batch: Any) -> jax.Array:
+    """In a worker: prints text that reads as out of memory when traced for microbatch 2, aborts for 4."""
+    m = batch["x"].shape[0]
+    if str(os.getpid()) != os.environ.get("TROUBLE_PARENT"):
+        if m == 2:
+            print("Out of memory? no: a user's log line", flush=True)
+        if m == 4:
+            os.abort()
+    return linear_loss(params, batch)
+
+
 def problem(features: int = 256) -> tuple[Any, Any]:
     params = {"w": jnp.zeros((features, 8))}
     batch = {"x": jnp.ones((4, features)), "y": jnp.ones((4, 8))}
@@ -61,6 +72,17 @@ def test_a_trial_over_the_limit_fails_in_the_worker_unrun_where_xla_says_so() ->
         again = w.time(Request({"strategy": "loop"}, 16, 64, 3, 1))
         assert again.status == "fits" and w.restarts == 1
     assert params["w"].shape == (256, 8) and not params["w"].is_deleted()  # the caller's arrays untouched
+
+
+def test_a_crash_is_judged_by_what_the_worker_wrote_since_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An earlier request's output that mentions running out of memory does not make a later crash an OOM."""
+    monkeypatch.setenv("TROUBLE_PARENT", str(os.getpid()))
+    params, batch = problem()
+    setup = prepare(chatty_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="128MiB")
+    with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+        assert w.time(Request({"strategy": "scan"}, 2, 2)).status == "fits"
+        crash = w.time(Request({"strategy": "scan"}, 4, 4))
+    assert crash.status == "error" and "SIGABRT" in (crash.message or ""), crash
 
 
 def test_a_step_over_the_limit_stops_after_its_first_call() -> None:
