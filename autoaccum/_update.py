@@ -224,8 +224,9 @@ def build_update(
       has_state: whether ``loss_fn`` takes and returns a model state (then the update does too).
       loss_reduction: ``"mean"`` (``loss_fn`` returns the mean loss) or ``"sum"`` (it returns
         ``(loss_sum, weight)``).
-      accumulator_dtype: floating dtype for accumulating gradients, loss, aux and weights (float32 by default,
-        also for bf16 models); gradients are cast back like ``params`` before the optimizer.
+      accumulator_dtype: floating dtype for accumulating gradients (float32 by default, also for bf16 models);
+        they are cast back like ``params`` before the optimizer. The loss, aux and weights sum in it too, in at
+        least float32.
       donate: donate ``params``, ``opt_state`` and ``state`` to the update (saves a copy of each; the caller
         must not reuse the arrays it passed).
       gather_params: with ``params`` sharded over the batch's mesh axes (FSDP), gather them ``"once"`` per

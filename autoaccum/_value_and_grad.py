@@ -75,8 +75,8 @@ def value_and_grad(
         tracing ``loss_fn`` abstractly at two sizes) is per-example, on one device.
       has_state: whether ``loss_fn(params, batch, state)`` returns ``(loss, state)``.
       loss_reduction: ``"mean"`` or ``"sum"`` (``loss_fn`` returns ``(loss_sum, weight)``).
-      accumulator_dtype: floating dtype of the sums (float32 by default); the gradient is cast back like
-        ``params``.
+      accumulator_dtype: floating dtype of the gradient sums (float32 by default; the loss, aux and weights in at
+        least float32); the gradient is cast back like ``params``.
       remat: the ``jax.checkpoint`` policy of each microbatch's loss (`autoaccum.strategies.REMAT_POLICIES`).
       unroll: the ``lax.scan`` unroll factor (the ``scan`` strategy's option).
 

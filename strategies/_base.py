@@ -48,7 +48,7 @@ class Spec:
       optimizer: the optax optimizer; it advances once per update call.
       microbatch_size: examples per microbatch (the last one may be smaller).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      accumulator_dtype: dtype in which gradients, loss, aux and weights are accumulated.
+      accumulator_dtype: dtype in which gradients are accumulated (the loss, aux and weights: `sums_dtype`).
       donate: whether the update donates ``params``, ``opt_state`` and ``state`` (the caller must not reuse
         them).
       has_state: whether ``loss_fn`` takes and returns a model state, threaded through the microbatches.
@@ -77,6 +77,12 @@ class Spec:
     reduce_grads: Schedule = "once"
     remat: str | None = None
     state_update: Schedule = "per_microbatch"
+
+    @property
+    def sums_dtype(self) -> Any:
+        """The dtype of the loss, aux and weight sums: ``accumulator_dtype``, at least float32 (a few scalars: a
+        bfloat16 sum would round the loss, and a token count above 256)."""
+        return jnp.promote_types(self.accumulator_dtype, jnp.float32)
 
     def __post_init__(self) -> None:
         check_remat(self.remat)
@@ -309,13 +315,20 @@ _SUM_FIX = (
 )
 
 
+def _described(value: Any) -> str:
+    """``value`` for an error message: an array by its shape and dtype (a tracer's type name says nothing)."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return type(value).__name__
+
+
 def _split_aux(spec: Spec, out: Any) -> tuple[Any, PyTree]:
     """``(value, aux)`` of ``loss_fn``'s output (aux ``()`` without ``has_aux``), its shape checked."""
     is_sum = spec.loss_reduction == "sum"
     value_name = "(loss_sum, weight)" if is_sum else "loss"
     if spec.has_aux and not _is_pair(out):
         raise TypeError(
-            f"has_aux=True but `loss_fn` returned {type(out).__name__}, not a ({value_name}, aux) pair; "
+            f"has_aux=True but `loss_fn` returned {_described(out)}, not a ({value_name}, aux) pair; "
             "return (loss, aux) or pass has_aux=False."
         )
     if not spec.has_aux and not is_sum and isinstance(out, tuple):
@@ -338,7 +351,7 @@ def _loss_and_weight(spec: Spec, value: Any, batch: PyTree) -> tuple[jax.Array, 
     if is_sum:
         if not _is_pair(value):
             raise TypeError(
-                f"loss_reduction='sum' but `loss_fn` returned {type(value).__name__} where the pair "
+                f"loss_reduction='sum' but `loss_fn` returned {_described(value)} where the pair "
                 "(loss_sum, weight) belongs; return e.g. (jnp.sum(token_losses * mask), jnp.sum(mask)), or "
                 "pass loss_reduction='mean' for a mean loss."
             )
@@ -352,12 +365,13 @@ def _loss_and_weight(spec: Spec, value: Any, batch: PyTree) -> tuple[jax.Array, 
                 f"real tokens, jnp.sum(mask)), got shape {weight.shape} and dtype {weight.dtype}."
             )
     else:
-        loss, weight = value, jnp.asarray(leading_size(batch), spec.accumulator_dtype)
+        loss, weight = value, jnp.asarray(leading_size(batch), spec.sums_dtype)
     loss = jnp.asarray(loss)
     what = "the summed loss over the batch's examples" if is_sum else "the mean loss over the batch's examples"
     if loss.shape != ():
         raise ValueError(
-            f"`loss_fn` must return a scalar ({what}) but returned shape {loss.shape}; reduce it, e.g. with "
+            f"`loss_fn` must return a scalar ({what}) but returned shape {loss.shape} on a microbatch of "
+            f"{leading_size(batch)} example(s); reduce it, e.g. with "
             f"`{'.sum()' if is_sum else '.mean()'}`."
         )
     if not jnp.issubdtype(loss.dtype, jnp.floating):
@@ -412,22 +426,23 @@ def weighted_grad(spec: Spec, *, scale_grads: bool = True) -> Callable[[PyTree, 
 
     With ``loss_reduction="mean"`` the sums are ``n`` times the mean loss's gradient, loss and aux, with weight
     ``n`` (the microbatch's examples); with ``"sum"``, the gradient of ``loss_sum``, ``loss_sum``, ``weight``
-    times aux, and ``weight``. The products are formed in ``spec.accumulator_dtype``. ``state`` is not
-    differentiated. Without ``scale_grads`` the mean loss's gradient is left unscaled (the caller scales the
-    sum of equal microbatches once). With ``spec.remat`` the loss runs under ``jax.checkpoint`` with that policy.
+    times aux, and ``weight``: the gradients in ``spec.accumulator_dtype``, the rest in ``spec.sums_dtype``.
+    ``state`` is not differentiated. Without ``scale_grads`` the mean loss's gradient is left unscaled (the caller
+    scales the sum of equal microbatches once). With ``spec.remat`` the loss runs under ``jax.checkpoint`` with
+    that policy.
     """
     value_and_grad = jax.value_and_grad(rematerialised(checked_loss(spec), spec.remat), has_aux=True)
-    acc_dtype = spec.accumulator_dtype
+    acc_dtype, sums_dtype = spec.accumulator_dtype, spec.sums_dtype
     is_sum = spec.loss_reduction == "sum"
 
-    def scale(tree: PyTree, factor: Any) -> PyTree:
-        return jax.tree.map(lambda x: jnp.asarray(x, acc_dtype) * jnp.asarray(factor, acc_dtype), tree)
+    def scale(tree: PyTree, factor: Any, dtype: Any = sums_dtype) -> PyTree:
+        return jax.tree.map(lambda x: jnp.asarray(x, dtype) * jnp.asarray(factor, dtype), tree)
 
     def f(params: PyTree, microbatch: PyTree, state: PyTree) -> tuple[Accum, PyTree]:
         (loss, out), grads = value_and_grad(params, microbatch, state)
-        weight = jnp.asarray(out.weight, acc_dtype)
+        weight = jnp.asarray(out.weight, sums_dtype)
         factor = 1.0 if is_sum else weight
-        grads = scale(grads, factor if scale_grads else 1.0)
+        grads = scale(grads, factor if scale_grads else 1.0, acc_dtype)
         return Accum(grads, scale(loss, factor), scale(out.aux, weight), weight), out.state
 
     return f
@@ -505,11 +520,11 @@ class OutDtypes(NamedTuple):
     aux_shapes: tuple[tuple[int, ...], ...] = ()
     aux_treedef: Any = None
 
-    def zero_sums(self, accumulator_dtype: Any) -> Accum:
-        """Zero loss, aux and weight sums (no gradients) in ``accumulator_dtype``, to start accumulating from."""
-        aux = [jnp.zeros(shape, accumulator_dtype) for shape in self.aux_shapes]
+    def zero_sums(self, dtype: Any) -> Accum:
+        """Zero loss, aux and weight sums (no gradients) in ``dtype`` (`Spec.sums_dtype`), to accumulate from."""
+        aux = [jnp.zeros(shape, dtype) for shape in self.aux_shapes]
         treedef = self.aux_treedef if self.aux_treedef is not None else jax.tree.structure(())
-        loss, weight = jnp.zeros((), accumulator_dtype), jnp.zeros((), accumulator_dtype)  # two buffers: both donated
+        loss, weight = jnp.zeros((), dtype), jnp.zeros((), dtype)  # two buffers: both donated
         return Accum((), loss, jax.tree.unflatten(treedef, aux), weight)
 
 

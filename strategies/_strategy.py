@@ -33,6 +33,9 @@ from autoaccum.strategies._sharding import OnMesh, combine_state
 MAX_SIGNATURES = 64
 """Argument signatures a strategy remembers its checks and output dtypes for (a training loop sees one or two)."""
 
+NOT_GIVEN: Any = object()
+"""`Strategy.checked`'s ``opt_state`` when there is none to check (None is an ``opt_state`` given, and refused)."""
+
 
 class Call(NamedTuple):
     """What a strategy decided for one signature of its arguments (`Strategy.checked`).
@@ -146,22 +149,22 @@ class Strategy(abc.ABC):
     ) -> tuple[PyTree, PyTree, Any, PyTree]:
         """`__call__` on arguments already checked: ``call`` is what `checked` made of them."""
 
-    def checked(self, params: PyTree, batch: PyTree, state: PyTree = (), opt_state: PyTree | None = None) -> Call:
+    def checked(self, params: PyTree, batch: PyTree, state: PyTree = (), opt_state: Any = NOT_GIVEN) -> Call:
         """The arguments checked (the batch's leading sizes, the parameters' dtypes, ``opt_state`` against the
-        optimizer when given, the layout and ``microbatch_size`` against it) and the update's `Call`, once per
-        `signature`: later calls with the same structure, shapes, dtypes and shardings pay one flatten.
+        optimizer when given, None too, the layout and ``microbatch_size`` against it) and the update's `Call`, once
+        per `signature`: later calls with the same structure, shapes, dtypes and shardings pay one flatten.
 
         Raises:
           ValueError, TypeError: as `leading_size`, `check_params`, `check_optimizer_step` and `layout` do.
         """
         key = signature(params, batch, state)
         call = self._calls.get(key)
-        if call is None or (opt_state is not None and not call.stepped):
+        if call is None or (opt_state is not NOT_GIVEN and not call.stepped):
             if call is None:
                 leading_size(batch)
                 check_params(params)
                 call = Call(key, self.layout(params, batch, state), tuple(self.microbatches(batch)))
-            if opt_state is not None:
+            if opt_state is not NOT_GIVEN:
                 check_optimizer_step(self.spec.optimizer, params, opt_state)
                 call = call._replace(stepped=True)
             if len(self._calls) >= MAX_SIGNATURES:

@@ -60,15 +60,21 @@ class MultiSteps(Strategy):
         self._total = jax.jit(lambda sums: jax.tree.map(lambda x: x.sum(0), sums))  # the devices' loss sums
 
     def _wrapped(self, k: int, inner: optax.GradientTransformation | None = None) -> optax.MultiSteps:
-        inner = self.spec.optimizer if inner is None else inner
-        return optax.MultiSteps(inner, every_k_schedule=k, accumulator_dtype=self.spec.accumulator_dtype)
+        inner = optax.with_extra_args_support(self.spec.optimizer if inner is None else inner)
+
+        def update(updates: PyTree, state: PyTree, params: PyTree = None, **extra: Any) -> tuple[PyTree, PyTree]:
+            # the mean gradient cast like the parameters, as every strategy hands it to the optimizer (`mean_grads`)
+            return inner.update(optax.tree.cast_like(updates, params), state, params, **extra)
+
+        cast = optax.GradientTransformationExtraArgs(inner.init, update)
+        return optax.MultiSteps(cast, every_k_schedule=k, accumulator_dtype=self.spec.accumulator_dtype)
 
     def _wrap_fn(self, opt_state: PyTree, params: PyTree) -> optax.MultiStepsState:
         """A ``MultiStepsState`` around ``opt_state`` with a zero accumulator (the inner init is dead code)."""
         return self._wrapped(1).init(params)._replace(inner_opt_state=opt_state)  # the state does not depend on k
 
     def _begin_fn(self, opt_state: PyTree, params: PyTree, *, dtypes: OutDtypes) -> tuple[optax.MultiStepsState, Accum]:
-        return self._wrap_fn(opt_state, params), dtypes.zero_sums(self.spec.accumulator_dtype)
+        return self._wrap_fn(opt_state, params), dtypes.zero_sums(self.spec.sums_dtype)
 
     def _microbatch_step(
         self,
@@ -199,7 +205,7 @@ class MultiSteps(Strategy):
             return None, *self._begin(opt_state, params, dtypes=dtypes), state, dtypes
         # On a mesh: each device's own accumulator and sums, stacked.
         mesh = self.on_mesh(layout, host_loop=True)
-        sums, state = mesh.stacked_zeros(dtypes.zero_sums(self.spec.accumulator_dtype)), mesh.stack_state(state)
+        sums, state = mesh.stacked_zeros(dtypes.zero_sums(self.spec.sums_dtype)), mesh.stack_state(state)
         wrapped = self._wrap(opt_state, params)
         wrapped = wrapped._replace(acc_grads=mesh.stacked_zeros(wrapped.acc_grads))
         return layout, wrapped, sums, state, dtypes
@@ -230,7 +236,7 @@ class MultiSteps(Strategy):
         calls = self.microbatches(batch)
         layout = self.layout(params, batch, state)
         dtypes = self.out_dtypes(params, batch, state)
-        sums = jax.eval_shape(lambda: dtypes.zero_sums(self.spec.accumulator_dtype))
+        sums = jax.eval_shape(lambda: dtypes.zero_sums(self.spec.sums_dtype))
         wrapped = jax.eval_shape(self._wrap_fn, opt_state, params)
         if layout is not None:
             mesh = self.on_mesh(layout, host_loop=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -72,6 +73,12 @@ class Scan(Strategy):
 
     def __init__(self, spec: Spec, **options: Any) -> None:
         super().__init__(spec, **options)
+        unroll = self.config["unroll"]
+        if not isinstance(unroll, (bool, numbers.Integral)) or unroll < 0:
+            raise ValueError(
+                f"scan's option `unroll` must be an int >= 1 (microbatches per loop iteration; 0 or True: the whole "
+                f"loop) or False, got unroll={unroll!r}; e.g. unroll=2."
+            )
         self._step = jax.jit(self._update, donate_argnums=self.donate_argnums(0, 1, 3), static_argnames=("layout",))
 
     def _update(

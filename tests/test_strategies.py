@@ -129,6 +129,31 @@ def test_bf16_model_accumulates_in_float32(strategy: str) -> None:
     assert bf16_step_error(strategy, jnp.bfloat16) > 2 * error_f32
 
 
+def test_bf16_parameters_step_like_one_full_batch_step(strategy: str) -> None:
+    """A bfloat16 model under Adam: one microbatch equals the jitted full-batch step (the gradient handed to the
+    optimizer cast like the parameters, by every strategy); 4 + 4 + 2 microbatches stay within a few bfloat16
+    roundings of it, and the loss, summed in float32 even with a bfloat16 accumulator, within float32's."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {"w1": (0.3 * jax.random.normal(keys[0], (8, 16))).astype(jnp.bfloat16),
+              "w2": (0.3 * jax.random.normal(keys[1], (16,))).astype(jnp.bfloat16)}  # fmt: skip
+    batch = {"x": jax.random.normal(keys[2], (10, 8)), "y": jax.random.normal(keys[3], (10,))}
+
+    def loss_fn(p: Any, b: Any) -> jax.Array:
+        h = jax.nn.relu(b["x"].astype(jnp.bfloat16) @ p["w1"])
+        return jnp.mean(((h @ p["w2"]).astype(jnp.float32) - b["y"]) ** 2)
+
+    tx = optax.adam(1e-2)
+    expected = jax.jit(lambda p, s, b: full_batch_step(loss_fn, tx, p, s, b))(params, tx.init(params), batch)
+    for microbatch_size, atol in ((10, 0.0), (4, 2e-2)):
+        for accumulator_dtype in (jnp.float32, jnp.bfloat16):
+            update = autoaccum.build_update(
+                loss_fn, tx, microbatch_size=microbatch_size, strategy=strategy, accumulator_dtype=accumulator_dtype
+            )
+            new_params, opt_state, loss = update(copy(params), tx.init(params), batch)
+            assert_trees_close((new_params, opt_state), expected[:2], atol=atol)
+            np.testing.assert_allclose(float(loss), float(expected[2]), rtol=1e-6)
+
+
 @pytest.mark.parametrize("batch_size", [16, 18], ids=["even", "uneven"])
 def test_second_call_does_not_retrace(strategy: str, batch_size: int) -> None:
     traces = []
@@ -254,6 +279,12 @@ def test_unknown_strategy_option() -> None:
         linear_update(strategy="loop", unroll=2)
 
 
+@pytest.mark.parametrize("bad", [-1, 2.5, "8", None])
+def test_a_bad_unroll_is_named(bad: Any) -> None:
+    with pytest.raises(ValueError, match=rf"scan's option `unroll` must be an int >= 1 .*got unroll={bad!r}"):
+        linear_update(strategy="scan", unroll=bad)
+
+
 def test_bad_optimizer_and_dtype() -> None:
     with pytest.raises(TypeError, match=r"`optimizer` must be an optax\.GradientTransformation"):
         autoaccum.build_update(lambda p, b: 0.0, "adam", microbatch_size=2)  # type: ignore[arg-type]
@@ -272,7 +303,7 @@ def test_an_optimizer_state_or_optimizer_that_cannot_step_is_named(strategy: str
         return jnp.mean(b["x"] @ p["w"])
 
     update = autoaccum.build_update(loss_fn, optax.adam(1e-3), microbatch_size=2, strategy=strategy)
-    for wrong in (optax.sgd(0.1).init(params), update.init({"w": jnp.ones(3)})):
+    for wrong in (optax.sgd(0.1).init(params), update.init({"w": jnp.ones(3)}), None):
         with pytest.raises(TypeError, match=r"fails on these arguments .* `opt_state` must be .* update\.init"):
             update(params, wrong, batch)
     assert float(params["w"][0]) == 1.0  # not donated away by the refused call
@@ -307,7 +338,7 @@ def test_scalar_leaf_in_batch(strategy: str) -> None:
 
 def test_loss_that_is_not_a_scalar(strategy: str) -> None:
     update = autoaccum.build_update(lambda w, b: b @ w, optax.sgd(0.1), microbatch_size=2, strategy=strategy)
-    with pytest.raises(ValueError, match=r"must return a scalar .* returned shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"must return a scalar .* returned shape \(2,\) on a microbatch of 2 "):
         update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
 
 
@@ -318,7 +349,10 @@ def test_has_aux_mismatch(strategy: str) -> None:
         update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
     without = lambda w, b: jnp.mean(b @ w)  # noqa: E731
     update = autoaccum.build_update(without, optax.sgd(0.1), microbatch_size=2, strategy=strategy, has_aux=True)
-    with pytest.raises(TypeError, match=r"has_aux=True but `loss_fn` returned .*not a \(loss, aux\) pair"):
+    with pytest.raises(
+        TypeError,
+        match=r"has_aux=True but `loss_fn` returned an array of shape \(\) and dtype float32, not a \(loss, aux\) pair",
+    ):
         update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
 
 
