@@ -3,12 +3,14 @@ at the initial parameters."""
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from autoaccum.strategies import PyTree
 
@@ -32,6 +34,15 @@ def _on_many_devices(tree: PyTree) -> bool:
 
 def _call(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state: PyTree | None) -> Any:
     return loss_fn(params, batch) if state is None else loss_fn(params, batch, state)
+
+
+def loss_text(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state: PyTree | None = None) -> str:
+    """``loss_fn`` lowered on the batch's first example (nothing compiles or runs): its body, constants included,
+    for a fingerprint."""
+    plain = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype))
+    rows = plain(_abstract_rows(batch, 1))
+    lowered = jax.jit(lambda p, b, s: _call(loss_fn, p, b, s)).lower(plain(params), rows, plain(state))
+    return str(lowered.as_text())
 
 
 def trace_loss(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state: PyTree | None = None) -> None:

@@ -284,6 +284,8 @@ def test_plan_file_errors(linear: autoaccum.Workload, tmp_path: Path) -> None:
         ),
         ({"storage": "nosuchdb://x"}, ValueError, r"`storage`='nosuchdb://x' cannot be opened"),
         ({"memory_limit": "lots"}, ValueError, r"`memory_limit`='lots' does not parse"),
+        ({"seed": "a"}, ValueError, r"`seed` must be an int >= 0 \(the sampler's seed\), got seed='a'"),
+        ({"race_rounds": -1}, ValueError, r"`race_rounds` must be an int >= 0 \(0: no race\), got race_rounds=-1"),
     ],
 )
 def test_bad_input_fails_before_any_trial(
@@ -571,6 +573,63 @@ def test_no_trial_runs_a_microbatch_below_the_floor(linear: autoaccum.Workload) 
             w.loss_fn, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=31, min_microbatch=23,
             storage=":memory:", measure=measure,
         )  # fmt: skip
+
+
+def test_no_uneven_split_leaves_a_last_microbatch_below_the_floor() -> None:
+    """``min_microbatch`` bounds every microbatch: of 20 examples with a floor of 8, 16 (its last microbatch 4) is
+    never timed, though the landscape makes the largest microbatch fastest."""
+    w = workloads.linear(batch_size=20, features=8)
+    calls: list[int] = []
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        calls.append(update.microbatch_size)
+        return Timing(1e-3 * (21 - update.microbatch_size), 0.1, 5)
+
+    result = tune(
+        w.loss_fn, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=19, min_microbatch=8, budget=12,
+        storage=":memory:", measure=measure,
+    )  # fmt: skip
+    assert calls and all(m >= 8 and (20 % m == 0 or 20 % m >= 8) for m in calls), calls
+    assert result.plan.microbatch_size == 10
+
+
+def test_a_study_is_not_resumed_under_another_knob_loss_or_time_limit(tmp_path: Path) -> None:
+    """A change confined to a knob setting that is not the default (its loss's constant), or to a time limit (a
+    trial that timed out settles its configuration), starts a new study; the same arguments resume it."""
+    params, batch = {"w": jnp.zeros(4)}, {"x": jnp.ones((8, 4)), "y": jnp.ones(8)}
+
+    def knobs(scale: float) -> autoaccum.Knobs:
+        def make_loss(heavy: bool = False) -> Any:
+            x = (lambda b: jnp.tanh(b["x"] * scale)) if heavy else (lambda b: b["x"])
+            return lambda p, b: jnp.mean((x(b) @ p["w"] - b["y"]) ** 2)
+
+        return autoaccum.Knobs(make_loss, heavy=(False, True))
+
+    kw = dict(optimizer=optax.sgd(0.1), microbatch_bound=4, storage=f"sqlite:///{tmp_path / 's.db'}", budget=2)
+    first = tune(knobs(2.0), params, batch, measure=constant_measure([]), **kw)
+    again = tune(knobs(2.0), params, batch, measure=constant_measure([]), **kw)
+    other_loss = tune(knobs(100.0), params, batch, measure=constant_measure([]), **kw)
+    other_limit = tune(knobs(2.0), params, batch, measure=constant_measure([]), trial_timeout=60.0, **kw)
+    assert again.fingerprint == first.fingerprint and again.new_trials == 0
+    assert len({first.fingerprint, other_loss.fingerprint, other_limit.fingerprint}) == 3
+    assert other_loss.resumed_trials == other_limit.resumed_trials == 0
+
+
+def test_a_race_is_reused_only_with_its_rounds(tmp_path: Path) -> None:
+    """A study resumed with ``race_rounds=0`` returns no race and the fastest trial, not an earlier run's race."""
+    w = workloads.linear(batch_size=8, features=4)
+    timings = iter(range(10**6))
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:  # 4 reads fastest in its trial, 2 in the race
+        late = next(timings) >= 6
+        s = {8: 0.010, 4: 0.012 if late else 0.006, 2: 0.008, 1: 0.011}[update.microbatch_size]
+        return Timing(s, 0.01, 5, (s,) * 5)
+
+    kw = dict(optimizer=w.optimizer, microbatch_bound=8, storage=f"sqlite:///{tmp_path / 's.db'}", strategies=["loop"])
+    raced = tune(w.loss_fn, w.params, w.batch, race_rounds=4, measure=measure, **kw)
+    unraced = tune(w.loss_fn, w.params, w.batch, race_rounds=0, measure=measure, **kw)
+    assert raced.race and raced.plan.microbatch_size == 2
+    assert unraced.new_trials == 0 and not unraced.race and unraced.plan.microbatch_size == 4
 
 
 def test_a_loss_that_raises_raises_its_own_error_before_any_trial(linear: autoaccum.Workload) -> None:

@@ -62,6 +62,12 @@ class Job:
         """The variants that need no more memory than ``label``'s at any size, ``label`` among them."""
         return [other for other, v in self.labels.items() if lighter(v, self.labels[label])]
 
+    def floored(self, m: int) -> bool:
+        """Whether every microbatch of an update split by ``m`` has at least ``min_microbatch`` examples (the
+        last one, an uneven split's remainder, too)."""
+        rest = self.effective_batch % m
+        return m >= self.min_microbatch and (rest == 0 or rest >= self.min_microbatch)
+
     def loss_for(self, setting: Setting) -> Callable[..., Any]:
         """The loss of ``setting`` (the loss's own knobs' values given to the factory)."""
         if setting not in self._losses:
@@ -146,9 +152,10 @@ class Job:
 def _check_numbers(kw: dict[str, Any], effective_batch: int) -> None:
     check_bool(kw["fresh"], "fresh")
     check_bool(kw["isolate"], "isolate")
-    race_rounds = kw["race_rounds"]
-    if not (isinstance(race_rounds, int) and not isinstance(race_rounds, bool) and race_rounds >= 0):
-        raise ValueError(f"`race_rounds` must be an int >= 0 (0: no race), got race_rounds={race_rounds!r}.")
+    for name, what in (("race_rounds", "0: no race"), ("seed", "the sampler's seed")):
+        value = kw[name]
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise ValueError(f"`{name}` must be an int >= 0 ({what}), got {name}={value!r}.")
     for label in ("trial_timeout", "compile_timeout", "timeout"):
         seconds = kw[label]
         if seconds is not None and not (isinstance(seconds, (int, float)) and seconds > 0):
@@ -203,8 +210,8 @@ class Space(JsonMixin):
     Attributes:
       bounds: the largest microbatch whose step accumulating the effective batch fits (the probe's for the default
         setting, the calibrated estimate's for the others; ``microbatch_bound`` for all when given).
-      fitting: the candidate sizes within the bound, at least ``min_microbatch``, whose accumulating step is not
-        predicted over the limit.
+      fitting: the candidate sizes within the bound whose microbatches all have at least ``min_microbatch``
+        examples (`Job.floored`) and whose accumulating step is not predicted over the limit.
       predicted_over: per setting (by its text), the candidates left out as predicted over the limit.
       probed: the probe's result (None with ``microbatch_bound``).
     """
@@ -237,7 +244,7 @@ class Space(JsonMixin):
                     memory_limit=job.memory_limit, microbatch_cap=eb, state=job.state,
                     has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"],
                     options=None if default.remat is None else {"remat": default.remat},
-                    sizes=[m for m in probe_sizes(eb) if m >= job.min_microbatch], effective_batch=eb,
+                    sizes=[m for m in probe_sizes(eb) if job.floored(m)], effective_batch=eb,
                     **({} if job.children else {"isolate": False}),  # type: ignore[arg-type]
                 )  # fmt: skip
             microbatch_bound = probed.max_microbatch
@@ -250,7 +257,7 @@ class Space(JsonMixin):
         over: dict[str, list[int]] = {}
         shards = 1 if job.layout is None else job.layout.shards
         for i, b in enumerate(bounds):
-            candidates = [m for m in microbatch_candidates(eb, max(b, 1)) if job.min_microbatch <= m <= b]
+            candidates = [m for m in microbatch_candidates(eb, max(b, 1)) if m <= b and job.floored(m)]
             candidates = [m for m in candidates if m % shards == 0]
             fits = [m for m in candidates if _fits(probed, accumulating.get(i), m, eb)]
             fitting.append(fits or candidates[:1])  # all predicted over: a trial decides the smallest

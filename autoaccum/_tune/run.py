@@ -20,6 +20,7 @@ from autoaccum._deprecated import renamed
 from autoaccum._device import detect_device
 from autoaccum._knobs import BUILTIN_REMAT, Knobs, KnobSpace, check_dtype_values, check_remat_values
 from autoaccum._plan import Plan, params_signature
+from autoaccum._preflight import loss_text
 from autoaccum._probe import Setup, prepare
 from autoaccum._storage import open_storage
 from autoaccum._tune.job import Job, Space
@@ -61,16 +62,20 @@ def _versions() -> dict[str, str]:
     }  # fmt: skip
 
 
-def _fingerprint(job: Job, limit: int | None, bound: int | None) -> str:
+def _fingerprint(job: Job, limit: int | None, bound: int | None, timeouts: tuple[float | None, ...]) -> str:
     """A hash of what determines a tune's answer: the lowered full-batch update (the loss's body, the optimizer,
-    shapes, dtypes), the search's inputs, the limit, the device and the versions; nothing measured."""
+    shapes, dtypes) and every other knob setting's lowered loss, the search's inputs, the time limits, the limit,
+    the device and the versions; nothing measured."""
     programs = job.programs(job.update(Config(job.effective_batch, job.names[0])))
+    texts = [p.lowered.as_text() for p in programs]
+    default, others = job.loss_for(job.settings[0]), {id(job.loss_for(s)): job.loss_for(s) for s in job.settings}
+    texts += [loss_text(loss, job.params, job.batch, job.state) for loss in others.values() if loss is not default]
     searched = {
         "strategies": list(job.labels), "knobs": job.knob_space.params(), "max_microbatch": bound,
-        "min_microbatch": job.min_microbatch,
+        "min_microbatch": job.min_microbatch, "timeouts": list(timeouts),
     }  # fmt: skip
     return fingerprint(
-        "\n".join(p.lowered.as_text() for p in programs),
+        "\n".join(texts),
         {
             "effective_batch": job.effective_batch, "search": searched, "memory_limit": limit,
             "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "versions": _versions(),
@@ -202,8 +207,8 @@ def tune(
         the returned update start from copies of it).
       accumulator_dtype: the dtype gradients accumulate in, or a tuple of dtypes to search, the first probed.
       microbatch_bound: a known bound on the microbatch: skip the probe and time no size above it.
-      min_microbatch: no trial (and no probe trial) runs a smaller microbatch; set it where a smaller one changes
-        the model, not just the speed (BatchNorm in training mode).
+      min_microbatch: no trial (and no probe trial) runs a smaller microbatch, an uneven split's last one
+        included; set it where a smaller one changes the model, not just the speed (BatchNorm in training mode).
       remat: the remat policies to search (`autoaccum.build_update`'s ``remat``, None: off), the first probed.
       trial_timeout, compile_timeout: seconds a trial's steps, and its compiling, may take before it is recorded
         as failed (the worker restarts).
@@ -234,7 +239,7 @@ def tune(
         memory_limit=memory_limit, budget=budget, timeout=timeout, fresh=fresh, has_aux=has_aux, state=state,
         loss_reduction=loss_reduction, microbatch_bound=bound, min_microbatch=min_microbatch,
         trial_timeout=trial_timeout, compile_timeout=compile_timeout, isolate=isolate, children=children,
-        race_rounds=race_rounds, knob_space=knob_space,
+        race_rounds=race_rounds, knob_space=knob_space, seed=seed,
     )  # fmt: skip
     setup = None  # the worker's job and limit: the probe's, checked before anything runs
     measure = MEASURE.get()  # tests time with a stand-in (`autoaccum._tune.trials.timed_by`)
@@ -248,7 +253,7 @@ def tune(
     opened, storage_label = open_storage(storage)
     limit = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
     limit = limit if setup is None else setup.memory_limit_bytes
-    key = _fingerprint(job, limit, bound)
+    key = _fingerprint(job, limit, bound, (trial_timeout, compile_timeout))
     with contextlib.ExitStack() as stack:
         worker = None if setup is None else stack.enter_context(_worker(job, setup, compile_timeout, trial_timeout))
         if worker is not None:

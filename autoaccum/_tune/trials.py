@@ -237,18 +237,18 @@ class Trials:
 
     def race(self, rounds: int) -> list[Runner]:
         """The finalists re-timed side by side (`autoaccum._tune.race`), the winner first. Several workers on one
-        study race once: the first to finish records its race, the others take it."""
+        study race once: the first to finish records its race (its entrants and rounds), the others take it."""
         ranked = self.entrants()
-        key = [t.number for t in ranked]
+        key = {"entrants": [t.number for t in ranked], "rounds": rounds}
         recorded = self.study.user_attrs.get("race")
-        if (recorded is None or recorded["entrants"] != key) and rounds > 0 and len(ranked) > 1:
+        if (recorded is None or not _holds(recorded, key)) and rounds > 0 and len(ranked) > 1:
             finalists = [(t.number, t.number, t.user_attrs.get("times") or ()) for t in ranked[:FINALISTS]]
             runners = race(finalists, self._retime, rounds=rounds)
             recorded = self.study.user_attrs.get("race")
-            if recorded is None or recorded["entrants"] != key:
-                recorded = {"entrants": key, "runners": [r.to_dict() for r in runners]}
+            if recorded is None or not _holds(recorded, key):
+                recorded = {**key, "runners": [r.to_dict() for r in runners]}
                 self.study.set_user_attr("race", recorded)
-        if recorded is None or recorded["entrants"] != [t.number for t in self.entrants()]:
+        if recorded is None or not _holds(recorded, {**key, "entrants": [t.number for t in self.entrants()]}):
             return []
         return [Runner.from_dict(r) for r in recorded["runners"]]
 
@@ -265,6 +265,11 @@ class Trials:
         except TrialFailed:
             return None
         return timing.times or (timing.seconds_per_step,)
+
+
+def _holds(recorded: dict[str, Any], key: dict[str, Any]) -> bool:
+    """Whether a recorded race raced ``key``'s entrants over its rounds."""
+    return all(recorded.get(k) == v for k, v in key.items())
 
 
 def ceiling(m: int, needs: tuple[int, int] | None, state_bytes: int, effective_batch: int) -> int:
