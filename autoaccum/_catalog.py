@@ -318,5 +318,5 @@ def lookup(name: str) -> Accelerator:
     hint = f" Did you mean {close!r}?" if close else ""
     raise UnknownAcceleratorError(
         f"unknown accelerator `gpu`={name!r}.{hint} Known: {', '.join(names())} "
-        "(or give a memory size instead, e.g. --memory 24GiB)."
+        "(or give a memory size instead: '24GiB', on the command line --memory-limit 24GiB)."
     )

@@ -348,7 +348,9 @@ def resolve_memory_limit(
     what is free on the card now, less `GPU_CONTEXT_BYTES` for the trial's CUDA context). With none:
 
     * CPU: `CPU_MEMORY_FRACTION` of the RAM available now (never more, so a probe never drives the machine
-      into swap or the OOM killer);
+      into swap or the OOM killer), rounded down to an eighth of its leading power of two, so that it stays
+      the same while the available RAM moves a little (a tune's study, under a fingerprint of the limit,
+      resumes);
     * GPU, ``isolate=True`` (trials in child processes): what JAX's allocator takes in a new process (its
       fraction of the card, `default_gpu_fraction`), but never more than is free on the card now less
       `GPU_CONTEXT_BYTES` for the child's CUDA context. When this process has preallocated (JAX's default:
@@ -366,6 +368,8 @@ def resolve_memory_limit(
       >>> info = DeviceInfo("cpu", "cpu", 8 * 2**30, 6 * 2**30, None)
       >>> resolve_memory_limit(info, None)[0] == 3 * 2**30
       True
+      >>> [resolve_memory_limit(DeviceInfo("cpu", "cpu", 2**36, f, None), None)[0] / 2**30 for f in (20.3e9, 20.9e9)]
+      [9.0, 9.0]
     """
     limit = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
     if info.platform == "cpu":
@@ -380,7 +384,9 @@ def resolve_memory_limit(
                 "e.g. '4GiB'."
             )
         where = info.sources.get("free_bytes", "?")
-        return int(info.free_bytes * CPU_MEMORY_FRACTION), f"{CPU_MEMORY_FRACTION:.0%} of available RAM ({where})"
+        share = int(info.free_bytes * CPU_MEMORY_FRACTION)
+        steady = share // (step := 1 << max(share.bit_length() - 4, 0)) * step  # a tune's study resumes
+        return steady, f"{CPU_MEMORY_FRACTION:.0%} of available RAM ({where}), rounded down"
     if info.platform == "tpu" and isolate:
         raise ValueError("`isolate=True` cannot run trials on a TPU (one process owns the chip); pass isolate=False.")
     if not isolate:

@@ -129,8 +129,8 @@ def resolve(loss_fn: Any, values: Mapping[str, Any]) -> Callable[..., Any]:
 
 
 BUILTIN_REMAT: tuple[str | None, ...] = (None,)
-"""The remat policies `autoaccum.tune` searches by default: off, and those measured to lower the peak of an
-example model's step when applied to the whole loss (``benchmarks/remat.py``, table in benchmarks/README.md)."""
+"""The remat policies `autoaccum.tune` searches by default: off only (around the whole loss none lowered the peak
+of the example models' steps: ``benchmarks/remat.py``, table in benchmarks/README.md)."""
 
 REMAT = "remat"
 """The Optuna parameter of the built-in remat knob."""

@@ -78,6 +78,7 @@ def test_listing_the_catalog(args: list[str]) -> None:
     [
         (["--gpu", "A100-40"], "Did you mean 'A100-40GB'"),
         (["--gpu", "B300"], "Known: T4, L4"),
+        (["--gpu", "B300"], "on the command line --memory-limit 24GiB"),  # an option plan has
         (["--effective-batch", "0", "--gpu", "L4"], "must be >= 1, got --effective-batch 0"),
         (["--memory-limit", "12XB"], "'12XB' does not parse as a byte size"),
         (["--mem-fraction", "1.5", "--gpu", "L4"], "1.5"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from typing import Any
@@ -79,10 +80,13 @@ def test_cpu_figures_come_from_the_os() -> None:
     assert info.platform == "cpu" and info.limit_bytes is None
     assert info.total_bytes and info.free_bytes and 0 < info.free_bytes <= info.total_bytes
     assert info.sources["total_bytes"] in ("/proc/meminfo", "cgroup", "sysconf")
-    assert resolve_memory_limit(info, None) == (
-        int(info.free_bytes * 0.5),
-        f"50% of available RAM ({info.sources['free_bytes']})",
-    )
+    limit, source = resolve_memory_limit(info, None)
+    assert source == f"50% of available RAM ({info.sources['free_bytes']}), rounded down"
+    assert 0.5 * 7 / 8 * info.free_bytes <= limit <= 0.5 * info.free_bytes
+    # steady while the available RAM moves a little: the same limit 1% either side
+    for moved in (0.99 * info.free_bytes, 1.01 * info.free_bytes):
+        near = resolve_memory_limit(dataclasses.replace(info, free_bytes=int(moved)), None)[0]
+        assert near == limit or abs(near - limit) / limit <= 1 / 7
     assert info.to_dict()["platform"] == "cpu"
     with pytest.raises(TypeError, match=r"`device` must be a jax\.Device"):
         detect_device("cuda:0")

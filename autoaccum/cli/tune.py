@@ -98,8 +98,8 @@ params, opt_state, loss{state} = update(params, opt_state, batch{state})"""
 )  # fmt: skip
 @click.option(
     "--remat", "remat_policies", multiple=True, type=click.Choice(REMAT_POLICIES),
-    help="Remat policies to search besides none (repeat; jax.checkpoint_policies names) [default: those measured "
-    "to lower the peak; see the README].",
+    help="Remat policies to search besides none (repeat; jax.checkpoint_policies names) [default: none: on an "
+    "example model they did not lower the peak; see docs/guides/knobs.md].",
 )  # fmt: skip
 @click.option(
     "--accumulator-dtype", "accumulator_dtypes", multiple=True, type=click.Choice(ACCUMULATOR_DTYPES),
