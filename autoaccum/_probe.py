@@ -31,7 +31,7 @@ from autoaccum._json import JsonMixin
 from autoaccum._preflight import trace_loss
 from autoaccum._units import format_bytes
 from autoaccum._update import resolve_strategy
-from autoaccum._worker import Job, MeshSpec, Request, Server, Worker, unless_oom
+from autoaccum._worker import STEPS, WARMUP, Job, MeshSpec, Request, Server, Worker, unless_oom
 from autoaccum.strategies import PyTree, check_params, leading_size, tree_bytes
 
 FIRST_MARGIN = 0.9
@@ -42,7 +42,7 @@ DEFAULT_TRIAL_TIMEOUT = 600.0
 
 LENT: contextvars.ContextVar[Worker | None] = contextvars.ContextVar("autoaccum_probe_worker", default=None)
 """A running worker of the same job and limit (tune's) that an isolated probe runs its trials in, knob setting 0
-with the probe's own build, instead of starting one of its own."""
+with the probe's own build and a tuning trial's calls, instead of starting one of its own."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,9 +392,10 @@ class TrialRunner:
 
     def __call__(self, size: int) -> Trial:
         start = time.perf_counter()
-        # in a lent worker, that worker's own rule and cache: the tuner times the same program later
-        kind = "fits" if self._worker is None or self._owned else "time"
-        outcome = self.ask(Request(self._build, size, self.setup.rows(size), kind=kind))
+        # in a lent worker, that worker's own rule and cache, and the tuner's calls: it times the same program later
+        own = self._worker is None or self._owned
+        calls = (1, 0, "fits") if own else (STEPS, WARMUP, "time")
+        outcome = self.ask(Request(self._build, size, self.setup.rows(size), calls[0], calls[1], kind=calls[2]))
         wall = time.perf_counter() - start
         error, detail = (outcome.message if outcome.status == status else None for status in ("error", "oom"))
         trial = Trial(size, outcome.status == "fits", outcome.seconds, error, outcome.peak_bytes, outcome.first_seconds,

@@ -571,6 +571,10 @@ def _users_file(filename: str) -> bool:
     return not filename.startswith("<") and not os.path.realpath(filename).startswith(_library_folders())
 
 
+STEPS, WARMUP = 5, 1
+"""Timed steps and warm-up steps of one tuning trial in the worker (a re-timing in the race warms up none); the
+probe's trials in a tuning worker run the same, so that their verdict is the one the trial gets."""
+
 MAX_CACHED = 6
 """Configurations whose compiled programs a worker keeps: the fastest timed so far (`evicted`)."""
 

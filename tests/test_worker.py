@@ -14,7 +14,17 @@ import pytest
 from seams import tune
 
 from autoaccum._probe import prepare, probe
-from autoaccum._worker import MAX_CACHED, Request, Timing, Worker, compile_trial, over_limit, run_trial
+from autoaccum._worker import (
+    MAX_CACHED,
+    STEPS,
+    WARMUP,
+    Request,
+    Timing,
+    Worker,
+    compile_trial,
+    over_limit,
+    run_trial,
+)
 
 
 def linear_loss(params: Any, batch: Any) -> jax.Array:
@@ -156,20 +166,30 @@ def test_the_worker_keeps_the_fastest_programs_so_the_race_compiles_nothing_agai
 
 def test_the_probe_of_a_tune_runs_in_the_tunes_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """One worker serves the tune's probe, estimates and timings: only one is ever started (its restarts after an
-    out-of-memory aside), and the probe's trials ran in it."""
+    out-of-memory aside), and the probe's trials ran in it, each with a trial's warm-up and timed steps (so that the
+    probe's verdict at a size is the one the tuner's trial there gets)."""
     started: list[int] = []
-    start = Worker._start
+    asked: list[Request] = []
+    start, ask = Worker._start, Worker.ask
 
     def counted(self: Worker) -> None:
         started.append(id(self))
         start(self)
 
+    def recorded(self: Worker, request: Request) -> Any:
+        asked.append(request)
+        return ask(self, request)
+
     monkeypatch.setattr(Worker, "_start", counted)
+    monkeypatch.setattr(Worker, "ask", recorded)
     params, batch = problem(features=64)
     batch = {k: jnp.tile(v, (8, 1)) for k, v in batch.items()}  # 32 examples
     result = tune(linear_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="128MiB", storage=":memory:")
     assert result.probe is not None and result.probe.runs >= 1 and result.trials
     assert len(set(started)) == 1, started
+    probed = [r for r in asked if r.kind == "time"][: result.probe.runs]
+    assert [r.microbatch_size for r in probed] == [t.microbatch_size for t in result.probe.trials]
+    assert all((r.steps, r.warmup) == (STEPS, WARMUP) for r in probed), probed
 
 
 def test_bad_time_limits_are_refused_before_anything_runs() -> None:

@@ -20,10 +20,7 @@ from autoaccum._tune.search import Config, Search, Trial
 from autoaccum._tune.study import MEASURES, State, config_key, fail_stale_trials, measuring, settled, settled_configs
 from autoaccum._units import format_bytes
 from autoaccum._update import Update
-from autoaccum._worker import Request, Timing, TrialFailed, Worker
-
-STEPS, WARMUP = 5, 1
-"""Timed steps and warm-up steps of one trial in the worker (a re-timing in the race warms up none)."""
+from autoaccum._worker import STEPS, WARMUP, Request, Timing, TrialFailed, Worker
 
 EXHAUSTIVE_UP_TO = 8
 """Without a budget, a space of at most this many configurations is searched whole (``GridSampler``); a larger
