@@ -393,9 +393,8 @@ class TrialRunner:
     def __call__(self, size: int) -> Trial:
         start = time.perf_counter()
         # in a lent worker, that worker's own rule and cache, and the tuner's calls: it times the same program later
-        own = self._worker is None or self._owned
-        calls = (1, 0, "fits") if own else (STEPS, WARMUP, "time")
-        outcome = self.ask(Request(self._build, size, self.setup.rows(size), calls[0], calls[1], kind=calls[2]))
+        steps, warmup, kind = (1, 0, "fits") if self._worker is None or self._owned else (STEPS, WARMUP, "time")
+        outcome = self.ask(Request(self._build, size, self.setup.rows(size), steps, warmup, kind=kind))
         wall = time.perf_counter() - start
         error, detail = (outcome.message if outcome.status == status else None for status in ("error", "oom"))
         trial = Trial(size, outcome.status == "fits", outcome.seconds, error, outcome.peak_bytes, outcome.first_seconds,

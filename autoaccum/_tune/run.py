@@ -68,8 +68,9 @@ def _fingerprint(job: Job, limit: int | None, bound: int | None, timeouts: tuple
     the device and the versions; nothing measured."""
     programs = job.programs(job.update(Config(job.effective_batch, job.names[0])))
     texts = [p.lowered.as_text() for p in programs]
-    default, others = job.loss_for(job.settings[0]), {id(job.loss_for(s)): job.loss_for(s) for s in job.settings}
-    texts += [loss_text(loss, job.params, job.batch, job.state) for loss in others.values() if loss is not default]
+    losses = {id(loss): loss for loss in map(job.loss_for, job.settings)}  # (settings may share a loss)
+    losses.pop(id(job.loss_for(job.settings[0])))  # the default's: in the update above
+    texts += [loss_text(loss, job.params, job.batch, job.state) for loss in losses.values()]
     searched = {
         "strategies": list(job.labels), "knobs": job.knob_space.params(), "max_microbatch": bound,
         "min_microbatch": job.min_microbatch, "timeouts": list(timeouts),
