@@ -1,6 +1,6 @@
 """The probe: the largest microbatch whose full update step really runs on this device, found in few runs.
 
-`search` (pure Python) starts below the compile-only estimate's answer (`FIRST_MARGIN`), re-anchors the model
+`search` (pure Python) starts at the compile-only estimate's answer less a margin (`first_size`), re-anchors the model
 ``bytes(m) = fixed + per_example * m`` on each fitting trial's measured peak, steps up from the last fit and bisects
 when steps do not halve the bracket. `probe` runs its trials in the worker (`autoaccum._worker`); its answer is
 exact for the runs made: ``max_microbatch`` fit and the next size did not (or is above the cap).
@@ -34,8 +34,13 @@ from autoaccum._update import resolve_strategy
 from autoaccum._worker import STEPS, WARMUP, Job, MeshSpec, Request, Server, Worker, unless_oom
 from autoaccum.strategies import PyTree, check_params, leading_size, tree_bytes
 
-FIRST_MARGIN = 0.9
-"""The first real trial runs at this fraction of the compile-only prediction; `ProbeResult.bound_for` too."""
+FIRST_MARGIN = 0.97
+"""The first real trial runs where the compile-only estimate leaves this fraction of the bytes the limit has above
+the smallest microbatch's (about this fraction of its answer; its error against the probed boundary: within 2% on
+the CPU's workloads, none on an H200, benchmarks/README.md)."""
+
+BOUND_MARGIN = 0.9
+"""`ProbeResult.bound_for` answers this fraction of the calibrated estimate's size for another knob setting."""
 
 DEFAULT_TRIAL_TIMEOUT = 600.0
 """Seconds a probe's trial (or its estimate) may run before it is killed as hung."""
@@ -126,14 +131,14 @@ class ProbeResult(JsonMixin):
     def bound_for(self, other: Estimate) -> int:
         """The largest microbatch predicted to fit for another setting of the probed step (``other``'s estimate),
         without probing it: the `calibrated` answer within the limit (accumulating ``effective_batch`` examples where
-        the probe did and ``other`` can tell), at `FIRST_MARGIN` of itself below the cap, as a multiple of
+        the probe did and ``other`` can tell), at `BOUND_MARGIN` of itself below the cap, as a multiple of
         ``granularity``."""
         g = self.granularity
         top = min(self.microbatch_cap, other.microbatch_cap)
         batch = self.effective_batch if other.accumulation_bytes is not None else None  # (else one microbatch's)
         answer = min(self.calibrated(other).largest_microbatch(self.memory_limit_bytes, batch), top)
         if answer < top:
-            answer = math.floor(answer * FIRST_MARGIN)
+            answer = math.floor(answer * BOUND_MARGIN)
         return answer // g * g
 
     def calibrated(self, other: Estimate) -> Estimate:
@@ -270,8 +275,9 @@ def search(
     sizes: Sequence[int] | None = None,
 ) -> int:
     """The largest multiple of ``granularity`` (up to ``max_microbatch``; one of ``sizes`` when given) for which
-    ``run(size)`` fits, exactly (see the module docstring). ``predicted`` and ``per_example_bytes``: the compile-only
-    estimate's answer and slope. Pure Python.
+    ``run(size)`` fits, exactly (see the module docstring). ``predicted``: where the first trial runs (the
+    compile-only estimate's answer less a margin, `first_size`); ``per_example_bytes``: the estimate's slope.
+    Pure Python.
 
     Example:
       >>> run = lambda m: Trial(m, 100 + 3 * m <= 1000, 0.0, peak_bytes=100 + 3 * m)
@@ -294,8 +300,8 @@ def search(
     while open_ := levels[bisect.bisect_right(levels, lo) : bisect.bisect_left(levels, hi)]:
         prediction = _predict(points, limit, per_granule, hi if hi <= top else None)
         if prediction is None and not points and predicted is not None:
-            # Below the compile-only prediction by a margin, unless it says that even max_microbatch fits.
-            prediction = top + 1.0 if predicted >= top * g else predicted / g * FIRST_MARGIN
+            # At the compile-only prediction, unless it says that even max_microbatch fits.
+            prediction = top + 1.0 if predicted >= top * g else predicted / g
         if prediction is None:
             cand = (lo + hi) // 2 if hi <= top else max(1, 2 * lo)
         else:
@@ -487,7 +493,7 @@ def probe(
     with TrialRunner(setup, progress) as runner:
         model, why = runner.estimate()
         g = setup.granularity
-        answer = None if model is None else model.largest_microbatch(setup.memory_limit_bytes, effective_batch)
+        answer = None if model is None else first_size(model, setup.memory_limit_bytes, g, effective_batch)
         best = search(
             runner, limit=setup.memory_limit_bytes, max_microbatch=setup.microbatch_cap, granularity=g,
             predicted=None if answer is None else min(answer, setup.microbatch_cap) // g * g,
@@ -512,6 +518,13 @@ def probe(
         setup.microbatch_cap, build["strategy"], options, setup.state_bytes, model, setup.isolate,
         time.perf_counter() - start, message, sizes, effective_batch,
     )  # fmt: skip
+
+
+def first_size(model: Estimate, limit: int, granularity: int, effective_batch: int | None) -> int:
+    """Where the search's first trial runs: the estimate's largest microbatch under the limit less `FIRST_MARGIN`'s
+    share of the bytes above the smallest microbatch's."""
+    least = model.bytes_at(granularity, effective_batch)
+    return model.largest_microbatch(int(limit - (1 - FIRST_MARGIN) * max(limit - least, 0)), effective_batch)
 
 
 def _failed_above(trials: Sequence[Trial], size: int) -> int | None:

@@ -20,7 +20,7 @@ from autoaccum import Knobs
 from autoaccum._capacity import StepCost
 from autoaccum._device import DeviceInfo
 from autoaccum._estimate import Estimate, Point
-from autoaccum._probe import FIRST_MARGIN, ProbeResult, Trial
+from autoaccum._probe import BOUND_MARGIN, ProbeResult, Trial
 from autoaccum._worker import Timing
 
 MiB = 2**20
@@ -62,7 +62,7 @@ def reference_bound(fixed: int, per_example: int, missed: int, limit: int) -> in
     fits = [m for m in range(1, CAP + 1) if fixed + per_example * m + missed <= limit]
     if not fits:
         return 0
-    return CAP if max(fits) == CAP else math.floor(max(fits) * FIRST_MARGIN)
+    return CAP if max(fits) == CAP else math.floor(max(fits) * BOUND_MARGIN)
 
 
 PROBED = (10 * MiB, 8 * 1024)  # the default setting: fixed bytes, bytes per example

@@ -20,7 +20,7 @@ import pytest
 
 import autoaccum
 from autoaccum._isolation import classify_exit
-from autoaccum._probe import ProbeError, Trial, TrialRunner, prepare, search
+from autoaccum._probe import FIRST_MARGIN, ProbeError, Trial, TrialRunner, prepare, search
 from autoaccum._tune.space import fewest_steps, microbatch_candidates, probe_sizes
 from autoaccum._worker import is_oom
 
@@ -45,8 +45,10 @@ def fake_device(fixed: float, per: float, boundary: int, noise: float = 0.0, see
 
 
 def model(fixed: float, per: float, limit: int, cap: int, g: int = 1) -> dict[str, Any]:
-    """What a compile-only estimate tells the search: its answer and its slope."""
-    predicted = max(0, min(cap // g, math.floor((limit - fixed) / per / g))) * g
+    """What `autoaccum.probe` tells the search of a compile-only estimate: its answer at `FIRST_MARGIN` of the bytes
+    above the smallest microbatch's (`autoaccum._probe.first_size`), and its slope."""
+    first = limit - (1 - FIRST_MARGIN) * max(limit - fixed - per * g, 0)
+    predicted = max(0, min(cap // g, math.floor((first - fixed) / per / g))) * g
     return dict(predicted=predicted, per_example_bytes=per)
 
 
@@ -62,7 +64,7 @@ BOUNDARIES = [1, 2, 3, 7, 64, 100, 999, 4096, 5000, 12345, 16383, 16384]
         (0.3, 2.0, 0.0, 1, 6),
         (0.0, 0.0, 3.0, 1, 8),
         (0.25, 0.5, 0.0, 4096, 6),
-        (-0.2, 0.0, 0.0, 4096, 9),
+        (-0.2, 0.0, 0.0, 4096, 10),
     ],
     ids=[
         *("exact-model", "slope+5%", "slope-5%", "slope+30%-fixed*3", "noisy-peaks"),
@@ -81,6 +83,25 @@ def test_search_is_exact_and_spends_few_runs(
         assert found == boundary, (boundary, runs)
         assert len(runs) <= most, (boundary, runs)
         assert boundary in runs and (boundary == 16384 or boundary + 1 in runs), runs
+
+
+def test_search_with_an_exact_estimate_runs_the_boundary_and_the_next_size_only() -> None:
+    """An estimate as exact as XLA's on a GPU (1.000 of the boundary on an H200) costs two runs, the boundary and
+    the size above it, where the first trial's margin does not take it below the boundary: small boundaries (the
+    124M LM's 2 and 9), and listed sizes with room above the one that fits."""
+    for boundary in range(1, 16):
+        run, limit, runs = fake_device(5e6, 16384.0, boundary)
+        assert search(run, limit=limit, max_microbatch=16384, **model(5e6, 16384.0, limit, 16384)) == boundary
+        assert runs == [boundary, boundary + 1], runs
+    listed = probe_sizes(1024)
+    for fit, above in zip(listed, listed[1:]):
+        boundary = above - 1  # the largest size below the next listed one: room above `fit` where they are apart
+        if FIRST_MARGIN * (boundary + 0.5) < fit:
+            continue
+        run, limit, runs = fake_device(5e6, 16384.0, boundary)
+        estimate = model(5e6, 16384.0, limit, 1024)
+        assert search(run, limit=limit, max_microbatch=1024, sizes=listed, **estimate) == fit
+        assert runs == [fit, above], (boundary, runs)
 
 
 def test_search_without_an_estimate_still_finds_the_boundary() -> None:
