@@ -89,8 +89,10 @@ class ProbeResult(JsonMixin):
       estimate: the compile-only `autoaccum.Estimate` the search started from (None: none could be made).
       isolate: whether trials ran in the worker; ``seconds``: the probe's wall time.
       message: a one-line summary for people.
-      sizes: the only sizes tried, when the probe was given some.
+      sizes: the sizes the probe was given (it tries no other).
       effective_batch: the examples per update each trial accumulated (None: one microbatch per step).
+      predicted_over: given sizes left out unrun: the estimate puts XLA's buffer assignment for them over the limit
+        (`runnable_sizes`).
     """
 
     max_microbatch: int
@@ -109,6 +111,7 @@ class ProbeResult(JsonMixin):
     message: str
     sizes: tuple[int, ...] | None = None
     effective_batch: int | None = None
+    predicted_over: tuple[int, ...] = ()
 
     json_format = "autoaccum.probe/1"
     json_properties = ("runs", "step_seconds")
@@ -120,8 +123,10 @@ class ProbeResult(JsonMixin):
 
     @property
     def reached_cap(self) -> bool:
-        """Whether the answer is the largest size the probe could try, not a boundary the device set."""
-        return self.max_microbatch > 0 and self.failed_above is None
+        """Whether the answer is the largest size the probe could try, not a boundary the device (or the estimate
+        of a size left out, `predicted_over`) set."""
+        above = any(m > self.max_microbatch for m in self.predicted_over)
+        return self.max_microbatch > 0 and self.failed_above is None and not above
 
     @property
     def failed_above(self) -> int | None:
@@ -494,10 +499,13 @@ def probe(
         model, why = runner.estimate()
         g = setup.granularity
         answer = None if model is None else first_size(model, setup.memory_limit_bytes, g, effective_batch)
+        runnable, over = sizes, ()
+        if sizes is not None and model is not None:
+            runnable, over = runnable_sizes(sizes, model, setup.memory_limit_bytes, effective_batch)
         best = search(
             runner, limit=setup.memory_limit_bytes, max_microbatch=setup.microbatch_cap, granularity=g,
             predicted=None if answer is None else min(answer, setup.microbatch_cap) // g * g,
-            per_example_bytes=None if model is None else model.per_example_bytes, sizes=sizes,
+            per_example_bytes=None if model is None else model.per_example_bytes, sizes=runnable,
         )  # fmt: skip
         trials = tuple(runner.trials)
     where, above = f"under {format_bytes(setup.memory_limit_bytes)} on {setup.device.name}", _failed_above(trials, best)
@@ -506,17 +514,21 @@ def probe(
     if best == 0:
         least = setup.granularity if sizes is None else sizes[0]
         message = f"nothing fits: even a microbatch of {least} does not run {where}."
+    elif above is None and any(m > best for m in over):
+        message = f"microbatch {best} fits {where}; the sizes above it are predicted not to."
     elif above is None:
         message = f"microbatch {best} (the largest tried) fits {where}."
     else:
         message = f"microbatch {best} fits {where}; {above} does not."
     message += "" if why is None else f" (no compile-only estimate: {why})"
+    if over:
+        message += f" Not run, their buffers predicted over the limit: {', '.join(map(str, over))}."
     build = setup.job.build
     options = {k: v for k, v in build.items() if k not in ("strategy", "has_aux", "loss_reduction")}
     return ProbeResult(
         best, trials, setup.device, setup.memory_limit_bytes, setup.limit_source, setup.granularity,
         setup.microbatch_cap, build["strategy"], options, setup.state_bytes, model, setup.isolate,
-        time.perf_counter() - start, message, sizes, effective_batch,
+        time.perf_counter() - start, message, sizes, effective_batch, over,
     )  # fmt: skip
 
 
@@ -525,6 +537,17 @@ def first_size(model: Estimate, limit: int, granularity: int, effective_batch: i
     share of the bytes above the smallest microbatch's."""
     least = model.bytes_at(granularity, effective_batch)
     return model.largest_microbatch(int(limit - (1 - FIRST_MARGIN) * max(limit - least, 0)), effective_batch)
+
+
+def runnable_sizes(
+    sizes: Sequence[int], model: Estimate, limit: int, effective_batch: int | None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``sizes`` (sorted) split into those the probe may run and those it leaves out: every size but the least whose
+    step's buffers, as XLA assigns them and the compile-only estimate predicts them, exceed ``limit``; the worker would
+    refuse such a step after compiling it. (An uneven split's last microbatch adds buffers: such a size can need more
+    than a larger even one.)"""
+    over = tuple(m for m in sizes[1:] if model.bytes_at(m, effective_batch, runtime=False) > limit)
+    return tuple(m for m in sizes if m not in over), over
 
 
 def _failed_above(trials: Sequence[Trial], size: int) -> int | None:

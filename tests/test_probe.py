@@ -6,6 +6,7 @@ processes under a CPU address-space cap and checks its answer with separate capp
 
 from __future__ import annotations
 
+import itertools
 import math
 import signal
 import types
@@ -19,8 +20,10 @@ import probe_workloads
 import pytest
 
 import autoaccum
+from autoaccum._capacity import StepCost
+from autoaccum._estimate import Estimate, Point
 from autoaccum._isolation import classify_exit
-from autoaccum._probe import FIRST_MARGIN, ProbeError, Trial, TrialRunner, prepare, search
+from autoaccum._probe import FIRST_MARGIN, ProbeError, Trial, TrialRunner, prepare, runnable_sizes, search
 from autoaccum._tune.space import fewest_steps, microbatch_candidates, probe_sizes
 from autoaccum._worker import is_oom
 
@@ -94,7 +97,7 @@ def test_search_with_an_exact_estimate_runs_the_boundary_and_the_next_size_only(
         assert search(run, limit=limit, max_microbatch=16384, **model(5e6, 16384.0, limit, 16384)) == boundary
         assert runs == [boundary, boundary + 1], runs
     listed = probe_sizes(1024)
-    for fit, above in zip(listed, listed[1:]):
+    for fit, above in itertools.pairwise(listed):
         boundary = above - 1  # the largest size below the next listed one: room above `fit` where they are apart
         if FIRST_MARGIN * (boundary + 0.5) < fit:
             continue
@@ -153,6 +156,25 @@ def test_probe_sizes_cover_every_candidate_list() -> None:
             assert -(-effective_batch // fewest_steps(effective_batch, bound)) == steps
 
 
+def test_listed_sizes_whose_buffers_are_predicted_over_the_limit_are_not_run() -> None:
+    """An uneven split's last microbatch adds buffers (as in the demo: 26 x 5 needs 41 MB, 32 x 4 33 MB): a listed
+    size is left out where the estimate's XLA bytes for it (by hand here) exceed the limit, whatever its order."""
+    per, fixed, acc, rem, limit = 1000, 50_000, 20_000, 900, 103_000
+    points = tuple(Point(m, m, fixed + per * m, 0.0, 0.0, runtime_bytes=7_000) for m in (1, 64))
+    model = Estimate(
+        strategy="scan", options={}, memory_limit_bytes=limit, points=points, accumulation_bytes=acc,
+        per_batch_example_bytes=0.0, remainder_bytes_per_example=rem, cost=StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
+        microbatch_cap=64, platform="cpu", seconds=0.0,
+    )  # fmt: skip
+    sizes = [1, 2, 4, 8, 13, 16, 22, 26, 32, 64]
+    by_hand = {m: fixed + per * m + (acc + rem * (64 % m) if m < 64 else 0) for m in sizes}
+    assert by_hand[26] > limit >= by_hand[32]  # 26 x 2 + 12: the remainder's 10,800 B tip it over
+    runnable, over = runnable_sizes(sizes, model, limit, 64)
+    assert over == tuple(m for m in sizes[1:] if by_hand[m] > limit) and 26 in over and 32 in runnable
+    assert set(runnable) | set(over) == set(sizes) and not set(runnable) & set(over)
+    assert runnable_sizes([40, 64], model, 10, 64) == ((40,), (64,))  # the least size is always run
+
+
 def test_probe_at_listed_sizes_reports_the_next_size_that_failed() -> None:
     # 4096 rows of 4096 float32 inputs are 64 MiB, well above the limit; 512 rows are 8 MiB. (At a 64 MiB limit
     # the step's working set, the batch alone, equals the limit: a fresh child fits it, and so does this process
@@ -165,7 +187,11 @@ def test_probe_at_listed_sizes_reports_the_next_size_that_failed() -> None:
     assert {t.microbatch_size for t in result.trials} <= {8, 64, 512, 4096}
     assert result.max_microbatch in (8, 64, 512) and not result.reached_cap
     nxt = {8: 64, 64: 512, 512: 4096}[result.max_microbatch]
-    assert result.failed_above == nxt and f"; {nxt} does not" in result.message
+    # 4096 rows: the batch's 64 MiB alone are over the limit, so the estimate leaves it out unrun
+    assert result.predicted_over == (4096,) and 4096 not in {t.microbatch_size for t in result.trials}
+    assert "predicted over the limit: 4096." in result.message
+    if nxt != 4096:
+        assert result.failed_above == nxt and f"; {nxt} does not" in result.message
     assert autoaccum.ProbeResult.from_json(result.to_json()).sizes == (8, 64, 512, 4096)
     with pytest.raises(ValueError, match=r"`sizes`=\[3, 5\] has no positive multiple of the granularity 2"):
         autoaccum.probe(loss_fn, params, batch, optimizer=optax.sgd(0.1), granularity=2, sizes=[3, 5], isolate=False)
