@@ -555,14 +555,18 @@ def _failed_above(trials: Sequence[Trial], size: int) -> int | None:
 
 
 def _check_sizes(sizes: Sequence[int], setup: Setup) -> tuple[int, ...]:
-    """``sizes`` as `probe` tries them (sorted, multiples of the granularity up to the cap), or a ValueError."""
+    """``sizes`` as `probe` tries them (sorted), or a ValueError naming those that are not positive multiples of the
+    granularity up to the cap."""
     if isinstance(sizes, (str, bytes)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
         raise TypeError(f"`sizes` must be a sequence of ints (microbatch sizes), got {sizes!r}.")
     g, cap = setup.granularity, setup.microbatch_cap
-    kept = tuple(sorted({s for s in sizes if s > 0 and s % g == 0 and s <= cap}))
-    if not kept:
+    bad = [s for s in sizes if not (0 < s <= cap and s % g == 0)]
+    if bad or not sizes:
+        kept = sorted({s for s in sizes if s not in bad})
+        instead = f"e.g. sizes={kept}" if kept else f"e.g. sizes={[g * k for k in (1, 2, 4) if g * k <= cap]}"
         raise ValueError(
-            f"`sizes`={list(sizes)!r} has no positive multiple of the granularity {g} up to microbatch_cap={cap}, "
-            "so nothing could be tried; give such sizes, or sizes=None to search every multiple."
+            f"`sizes`={list(sizes)!r} holds {bad or 'nothing'}, not positive multiples of the granularity {g} up to "
+            f"microbatch_cap={cap}, which the probe cannot try; give only such sizes ({instead}), or sizes=None to "
+            "search every multiple."
         )
-    return kept
+    return tuple(sorted(set(sizes)))

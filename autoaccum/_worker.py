@@ -390,8 +390,15 @@ def settle(before: int | None, timeout: float = 1.0) -> None:
 
 
 def first_line(e: BaseException) -> str:
-    """The first line of ``e``'s message (its type's name without one), at most 500 characters."""
-    return (str(e).strip() or type(e).__name__).splitlines()[0][:500]
+    """The first line of ``e``'s message (its type's name without one), a part repeated in a row (``"a: a: b"``, as
+    XLA:CPU nests "Error dispatching computation") once, at most 500 characters.
+
+    Example:
+      >>> first_line(RuntimeError("INTERNAL: Error dispatching: Error dispatching: out of memory"))
+      'INTERNAL: Error dispatching: out of memory'
+    """
+    parts = (str(e).strip() or type(e).__name__).splitlines()[0].split(": ")
+    return ": ".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])[:500]
 
 
 def unless_oom(run: Callable[[], Outcome]) -> Outcome:

@@ -193,8 +193,14 @@ def test_probe_at_listed_sizes_reports_the_next_size_that_failed() -> None:
     if nxt != 4096:
         assert result.failed_above == nxt and f"; {nxt} does not" in result.message
     assert autoaccum.ProbeResult.from_json(result.to_json()).sizes == (8, 64, 512, 4096)
-    with pytest.raises(ValueError, match=r"`sizes`=\[3, 5\] has no positive multiple of the granularity 2"):
+    with pytest.raises(ValueError, match=r"`sizes`=\[3, 5\] holds \[3, 5\], not positive multiples of the granul"):
         autoaccum.probe(loss_fn, params, batch, optimizer=optax.sgd(0.1), granularity=2, sizes=[3, 5], isolate=False)
+    # one bad size among good ones is named too (it was dropped without a word), before anything runs
+    with pytest.raises(ValueError, match=r"holds \[12, 20, 5000\].*microbatch_cap=64.*e\.g\. sizes=\[16\]"):
+        autoaccum.probe(
+            loss_fn, params, batch, optimizer=optax.sgd(0.1), granularity=8, microbatch_cap=64, isolate=False,
+            sizes=[12, 16, 20, 5000],
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -235,7 +235,7 @@ class Space(JsonMixin):
           RuntimeError: no size at least ``min_microbatch`` fits, or none is a candidate.
         """
         eb, default = job.effective_batch, job.settings[0]
-        probed = None
+        probed, shards = None, 1 if job.layout is None else job.layout.shards
         if microbatch_bound is None:
             # the probe's trials run in the tuning worker, not one of their own
             with clock.phase("probe"), scoped(LENT, worker):
@@ -244,7 +244,7 @@ class Space(JsonMixin):
                     memory_limit=job.memory_limit, microbatch_cap=eb, state=job.state,
                     has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"],
                     options=None if default.remat is None else {"remat": default.remat},
-                    sizes=[m for m in probe_sizes(eb) if job.floored(m)], effective_batch=eb,
+                    sizes=[m for m in probe_sizes(eb) if job.floored(m) and m % shards == 0], effective_batch=eb,
                     **({} if job.children else {"isolate": False}),  # type: ignore[arg-type]
                 )  # fmt: skip
             microbatch_bound = probed.max_microbatch
@@ -255,7 +255,6 @@ class Space(JsonMixin):
                 accumulating = _estimates(job, probed, bounds, worker)
         fitting: list[list[int]] = []
         over: dict[str, list[int]] = {}
-        shards = 1 if job.layout is None else job.layout.shards
         for i, b in enumerate(bounds):
             candidates = [m for m in microbatch_candidates(eb, max(b, 1)) if m <= b and job.floored(m)]
             candidates = [m for m in candidates if m % shards == 0]

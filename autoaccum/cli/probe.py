@@ -77,13 +77,14 @@ def probe(
     """Find the largest microbatch whose update step (forward, backward, optimizer) fits in memory.
 
     WORKLOAD is path/to/file.py:function or package.module:function returning an autoaccum.Workload;
-    --demo uses the built-in transformer language model. Each trial runs the real step in a fresh child
-    process under the memory limit; a compile-only estimate picks where to start.
+    --demo uses the built-in transformer language model. Each trial runs the real step in a worker process
+    under the memory limit (a new one after a trial runs out of memory, crashes or hangs); a compile-only
+    estimate picks where to start.
 
     \b
     Exit codes: 0 found a microbatch that fits;
                 1 nothing fits, or a trial failed for another reason than memory;
-                2 bad usage or bad input (workload, limit, sizes);
+                2 bad usage or bad input (workload, limit, granularity);
                 130 interrupted (Ctrl-C); 143 terminated (SIGTERM).
     """
     # The children need the GPU memory: keep this process from preallocating 75% of it when JAX starts.
