@@ -499,7 +499,8 @@ def probe(
         model, why = runner.estimate()
         g = setup.granularity
         answer = None if model is None else first_size(model, setup.memory_limit_bytes, g, effective_batch)
-        runnable, over = sizes, ()
+        over: tuple[int, ...] = ()
+        runnable = sizes
         if sizes is not None and model is not None:
             runnable, over = runnable_sizes(sizes, model, setup.memory_limit_bytes, effective_batch)
         best = search(
