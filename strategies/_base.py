@@ -416,8 +416,9 @@ def _check_aux(spec: Spec, aux: PyTree, params: PyTree, batch: PyTree, state: Py
                 f"`loss_fn`'s aux leaf {name} has the microbatch's example axis (shape {np.shape(leaf)} for {n} "
                 "examples): aux is averaged over the microbatches, weighted like the loss, so each leaf must keep "
                 "its shape whatever the number of examples (a scalar metric, a per-class count). Reduce it over "
-                "the examples in loss_fn (e.g. jnp.mean(correct)), or compute per-example outputs such as logits "
-                "in a forward pass of their own."
+                "the examples in loss_fn (e.g. jnp.mean(correct)), compute per-example outputs such as logits in a "
+                "forward pass of their own, or accumulate inside a step of your own with autoaccum.value_and_grad, "
+                "which returns per-example aux as the whole batch's rows (on one device)."
             )
 
 
