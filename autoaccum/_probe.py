@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -91,8 +91,8 @@ class ProbeResult(JsonMixin):
       message: a one-line summary for people.
       sizes: the sizes the probe was given (it tries no other).
       effective_batch: the examples per update each trial accumulated (None: one microbatch per step).
-      predicted_over: given sizes left out unrun: the estimate puts XLA's buffer assignment for them over the limit
-        (`runnable_sizes`).
+      predicted_over: given sizes left out unrun in the tuner's worker, which refuses them: the estimate puts XLA's
+        buffer assignment for them over the limit (`runnable_sizes`).
     """
 
     max_microbatch: int
@@ -374,6 +374,12 @@ class TrialRunner:
         self._build = {} if self._owned else dict(s.job.build)  # (a lent worker's job has another build)
         self._server = None if s.isolate else Server(s.job, [{}], s.device.platform, s.device.device, limit)
 
+    @property
+    def refuses_over_xla(self) -> bool:
+        """Whether trials run as the tuner's (in its lent worker), which refuse a step whose buffers XLA puts over
+        the limit; a probe's own trials run it anyway (XLA's figure can overstate what the step uses)."""
+        return self._worker is not None and not self._owned
+
     def __enter__(self) -> TrialRunner:
         if self._owned:
             self._worker.__enter__()  # type: ignore[union-attr]
@@ -404,7 +410,7 @@ class TrialRunner:
     def __call__(self, size: int) -> Trial:
         start = time.perf_counter()
         # in a lent worker, that worker's own rule and cache, and the tuner's calls: it times the same program later
-        steps, warmup, kind = (1, 0, "fits") if self._worker is None or self._owned else (STEPS, WARMUP, "time")
+        steps, warmup, kind = (STEPS, WARMUP, "time") if self.refuses_over_xla else (1, 0, "fits")
         outcome = self.ask(Request(self._build, size, self.setup.rows(size), steps, warmup, kind=kind))
         wall = time.perf_counter() - start
         error, detail = (outcome.message if outcome.status == status else None for status in ("error", "oom"))
@@ -501,7 +507,7 @@ def probe(
         answer = None if model is None else first_size(model, setup.memory_limit_bytes, g, effective_batch)
         over: tuple[int, ...] = ()
         runnable = sizes
-        if sizes is not None and model is not None:
+        if sizes is not None and model is not None and runner.refuses_over_xla:
             runnable, over = runnable_sizes(sizes, model, setup.memory_limit_bytes, effective_batch)
         best = search(
             runner, limit=setup.memory_limit_bytes, max_microbatch=setup.microbatch_cap, granularity=g,
@@ -544,9 +550,9 @@ def runnable_sizes(
     sizes: Sequence[int], model: Estimate, limit: int, effective_batch: int | None
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``sizes`` (sorted) split into those the probe may run and those it leaves out: every size but the least whose
-    step's buffers, as XLA assigns them and the compile-only estimate predicts them, exceed ``limit``; the worker would
-    refuse such a step after compiling it. (An uneven split's last microbatch adds buffers: such a size can need more
-    than a larger even one.)"""
+    step's buffers, as XLA assigns them and the compile-only estimate predicts them, exceed ``limit``; the tuner's
+    worker would refuse such a step after compiling it (`TrialRunner.refuses_over_xla`). (An uneven split's last
+    microbatch adds buffers: such a size can need more than a larger even one.)"""
     over = tuple(m for m in sizes[1:] if model.bytes_at(m, effective_batch, runtime=False) > limit)
     return tuple(m for m in sizes if m not in over), over
 
@@ -555,19 +561,20 @@ def _failed_above(trials: Sequence[Trial], size: int) -> int | None:
     return min((t.microbatch_size for t in trials if not t.fits and t.microbatch_size > size), default=None)
 
 
-def _check_sizes(sizes: Sequence[int], setup: Setup) -> tuple[int, ...]:
+def _check_sizes(sizes: Iterable[int], setup: Setup) -> tuple[int, ...]:
     """``sizes`` as `probe` tries them (sorted), or a ValueError naming those that are not positive multiples of the
     granularity up to the cap."""
-    if isinstance(sizes, (str, bytes)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+    listed = None if isinstance(sizes, (str, bytes)) else list(sizes) if isinstance(sizes, Iterable) else None
+    if listed is None or not all(isinstance(s, int) and not isinstance(s, bool) for s in listed):
         raise TypeError(f"`sizes` must be a sequence of ints (microbatch sizes), got {sizes!r}.")
     g, cap = setup.granularity, setup.microbatch_cap
-    bad = [s for s in sizes if not (0 < s <= cap and s % g == 0)]
-    if bad or not sizes:
-        kept = sorted({s for s in sizes if s not in bad})
+    bad = [s for s in listed if not (0 < s <= cap and s % g == 0)]
+    if bad or not listed:
+        kept = sorted({s for s in listed if s not in bad})
         instead = f"e.g. sizes={kept}" if kept else f"e.g. sizes={[g * k for k in (1, 2, 4) if g * k <= cap]}"
         raise ValueError(
-            f"`sizes`={list(sizes)!r} holds {bad or 'nothing'}, not positive multiples of the granularity {g} up to "
-            f"microbatch_cap={cap}, which the probe cannot try; give only such sizes ({instead}), or sizes=None to "
-            "search every multiple."
+            f"`sizes`={listed!r} holds {bad or 'nothing'}, not positive multiples of {g} (`granularity`, or its least "
+            f"common multiple with a mesh's shards) up to {cap} (`microbatch_cap`, at most `effective_batch`), which "
+            f"the probe cannot try; give only such sizes ({instead}), or sizes=None to search every multiple."
         )
-    return tuple(sorted(set(sizes)))
+    return tuple(sorted(set(listed)))

@@ -6,6 +6,7 @@ processes under a CPU address-space cap and checks its answer with separate capp
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import signal
@@ -23,9 +24,9 @@ import autoaccum
 from autoaccum._capacity import StepCost
 from autoaccum._estimate import Estimate, Point
 from autoaccum._isolation import classify_exit
-from autoaccum._probe import FIRST_MARGIN, ProbeError, Trial, TrialRunner, prepare, runnable_sizes, search
+from autoaccum._probe import FIRST_MARGIN, LENT, ProbeError, Trial, TrialRunner, prepare, runnable_sizes, search
 from autoaccum._tune.space import fewest_steps, microbatch_candidates, probe_sizes
-from autoaccum._worker import is_oom
+from autoaccum._worker import Worker, is_oom
 
 # What `measured` reads of a compiled trial when `run_trial` is replaced: one device, no mesh.
 ONE_DEVICE = types.SimpleNamespace(job=types.SimpleNamespace(devices=1, mesh=None))
@@ -175,6 +176,24 @@ def test_listed_sizes_whose_buffers_are_predicted_over_the_limit_are_not_run() -
     assert runnable_sizes([40, 64], model, 10, 64) == ((40,), (64,))  # the least size is always run
 
 
+def test_only_the_tuners_worker_leaves_sizes_out() -> None:
+    """A probe's own trials run a step whatever XLA's figure (it can overstate the CPU's use: the probe is exact);
+    in the tuner's lent worker of the same limit they run as its trials, which refuse a step whose buffers XLA puts
+    over the limit, so only there are such sizes left out (nothing is started here)."""
+    loss_fn, params, batch = probe_workloads.linear(features=64)
+    setup = prepare(loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="40MiB")
+    assert not TrialRunner(setup).refuses_over_xla
+    lent = Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=None, step_timeout=None)
+    other = Worker(setup.job, setup.device, setup.memory_limit_bytes + 1, compile_timeout=None, step_timeout=None)
+    for worker, refuses in ((lent, True), (other, False)):
+        token = LENT.set(worker)
+        try:
+            assert TrialRunner(setup).refuses_over_xla is refuses
+        finally:
+            LENT.reset(token)
+    assert not TrialRunner(dataclasses.replace(setup, isolate=False)).refuses_over_xla
+
+
 def test_probe_at_listed_sizes_reports_the_next_size_that_failed() -> None:
     # 4096 rows of 4096 float32 inputs are 64 MiB, well above the limit; 512 rows are 8 MiB. (At a 64 MiB limit
     # the step's working set, the batch alone, equals the limit: a fresh child fits it, and so does this process
@@ -187,20 +206,22 @@ def test_probe_at_listed_sizes_reports_the_next_size_that_failed() -> None:
     assert {t.microbatch_size for t in result.trials} <= {8, 64, 512, 4096}
     assert result.max_microbatch in (8, 64, 512) and not result.reached_cap
     nxt = {8: 64, 64: 512, 512: 4096}[result.max_microbatch]
-    # 4096 rows: the batch's 64 MiB alone are over the limit, so the estimate leaves it out unrun
-    assert result.predicted_over == (4096,) and 4096 not in {t.microbatch_size for t in result.trials}
-    assert "predicted over the limit: 4096." in result.message
-    if nxt != 4096:
-        assert result.failed_above == nxt and f"; {nxt} does not" in result.message
+    assert result.failed_above == nxt and f"; {nxt} does not" in result.message
+    assert result.predicted_over == ()  # its own worker runs a size whatever XLA's figure: the probe is exact
     assert autoaccum.ProbeResult.from_json(result.to_json()).sizes == (8, 64, 512, 4096)
-    with pytest.raises(ValueError, match=r"`sizes`=\[3, 5\] holds \[3, 5\], not positive multiples of the granul"):
+    with pytest.raises(ValueError, match=r"`sizes`=\[3, 5\] holds \[3, 5\], not positive multiples of 2 \(`gran"):
         autoaccum.probe(loss_fn, params, batch, optimizer=optax.sgd(0.1), granularity=2, sizes=[3, 5], isolate=False)
     # one bad size among good ones is named too (it was dropped without a word), before anything runs
-    with pytest.raises(ValueError, match=r"holds \[12, 20, 5000\].*microbatch_cap=64.*e\.g\. sizes=\[16\]"):
+    with pytest.raises(ValueError, match=r"holds \[12, 20, 5000\].*up to 64 \(`microbatch_cap`.*e\.g\. sizes=\[16\]"):
         autoaccum.probe(
             loss_fn, params, batch, optimizer=optax.sgd(0.1), granularity=8, microbatch_cap=64, isolate=False,
             sizes=[12, 16, 20, 5000],
         )  # fmt: skip
+    found = autoaccum.probe(  # any iterable of sizes (a generator was used up by the type check: IndexError)
+        loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="40MiB", microbatch_cap=64, isolate=False,
+        sizes=(8 * k for k in (1, 2, 4)),
+    )  # fmt: skip
+    assert found.sizes == (8, 16, 32) and found.max_microbatch in (8, 16, 32)
 
 
 @pytest.mark.parametrize(

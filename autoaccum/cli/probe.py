@@ -78,7 +78,7 @@ def probe(
 
     WORKLOAD is path/to/file.py:function or package.module:function returning an autoaccum.Workload;
     --demo uses the built-in transformer language model. Each trial runs the real step in a worker process
-    under the memory limit (a new one after a trial runs out of memory, crashes or hangs); a compile-only
+    under the memory limit (restarted when a trial crashes, hangs or leaves it unsound); a compile-only
     estimate picks where to start.
 
     \b
