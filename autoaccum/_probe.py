@@ -133,6 +133,12 @@ class ProbeResult(JsonMixin):
         """The least size above ``max_microbatch`` that ran out of memory (None: none was tried)."""
         return _failed_above(self.trials, self.max_microbatch)
 
+    @property
+    def why_not_above(self) -> str:
+        """What stopped the answer from growing, for people: the least larger size that ran out of memory or was
+        left out as predicted over the limit (``"19 does not"``, ``"43 is predicted not to ..."``), or ``""``."""
+        return _why_not_above(self.max_microbatch, self.trials, self.predicted_over)
+
     def bound_for(self, other: Estimate) -> int:
         """The largest microbatch predicted to fit for another setting of the probed step (``other``'s estimate),
         without probing it: the `calibrated` answer within the limit (accumulating ``effective_batch`` examples where
@@ -515,18 +521,19 @@ def probe(
             per_example_bytes=None if model is None else model.per_example_bytes, sizes=runnable,
         )  # fmt: skip
         trials = tuple(runner.trials)
-    where, above = f"under {format_bytes(setup.memory_limit_bytes)} on {setup.device.name}", _failed_above(trials, best)
+    where, above = (
+        f"under {format_bytes(setup.memory_limit_bytes)} on {setup.device.name}",
+        _why_not_above(best, trials, over),
+    )
     if effective_batch is not None:
         where += f", accumulating {effective_batch} examples"
     if best == 0:
         least = setup.granularity if sizes is None else sizes[0]
         message = f"nothing fits: even a microbatch of {least} does not run {where}."
-    elif above is None and any(m > best for m in over):
-        message = f"microbatch {best} fits {where}; the sizes above it are predicted not to."
-    elif above is None:
+    elif not above:
         message = f"microbatch {best} (the largest tried) fits {where}."
     else:
-        message = f"microbatch {best} fits {where}; {above} does not."
+        message = f"microbatch {best} fits {where}; {above}."
     message += "" if why is None else f" (no compile-only estimate: {why})"
     if over:
         message += f" Not run, their buffers predicted over the limit: {', '.join(map(str, over))}."
@@ -555,6 +562,13 @@ def runnable_sizes(
     microbatch adds buffers: such a size can need more than a larger even one.)"""
     over = tuple(m for m in sizes[1:] if model.bytes_at(m, effective_batch, runtime=False) > limit)
     return tuple(m for m in sizes if m not in over), over
+
+
+def _why_not_above(best: int, trials: Sequence[Trial], over: Sequence[int]) -> str:
+    failed, skipped = _failed_above(trials, best), min((m for m in over if m > best), default=None)
+    if skipped is not None and (failed is None or skipped < failed):
+        return f"{skipped} is predicted not to (its buffers over the limit; not run)"
+    return "" if failed is None else f"{failed} does not"
 
 
 def _failed_above(trials: Sequence[Trial], size: int) -> int | None:

@@ -22,6 +22,7 @@ import pytest
 
 import autoaccum
 from autoaccum._capacity import StepCost
+from autoaccum._device import DeviceInfo
 from autoaccum._estimate import Estimate, Point
 from autoaccum._isolation import classify_exit
 from autoaccum._probe import FIRST_MARGIN, LENT, ProbeError, Trial, TrialRunner, prepare, runnable_sizes, search
@@ -174,6 +175,25 @@ def test_listed_sizes_whose_buffers_are_predicted_over_the_limit_are_not_run() -
     assert over == tuple(m for m in sizes[1:] if by_hand[m] > limit) and 26 in over and 32 in runnable
     assert set(runnable) | set(over) == set(sizes) and not set(runnable) & set(over)
     assert runnable_sizes([40, 64], model, 10, 64) == ((40,), (64,))  # the least size is always run
+
+
+def test_the_probe_says_what_stopped_its_answer() -> None:
+    """The least larger size that ran out of memory or was left out as predicted over the limit, whichever comes
+    first; nothing when neither (the answer is the largest the probe could try). The tune's report prints it."""
+
+    def result(trials: list[Trial], over: tuple[int, ...]) -> autoaccum.ProbeResult:
+        return autoaccum.ProbeResult(
+            max_microbatch=16, trials=tuple(trials), device=DeviceInfo("cpu", "simulated", None, None, None),
+            memory_limit_bytes=2**20, limit_source="given", granularity=1, microbatch_cap=64, strategy="scan",
+            options={}, state_bytes=0, estimate=None, isolate=False, seconds=0.0, message="", predicted_over=over,
+        )  # fmt: skip
+
+    ran = [Trial(16, True, 0.01, peak_bytes=2**19), Trial(22, False, None), Trial(43, False, None)]
+    assert result(ran, ()).why_not_above == "22 does not"
+    assert result(ran, (19, 32)).why_not_above == "19 is predicted not to (its buffers over the limit; not run)"
+    assert result(ran, (26,)).why_not_above == "22 does not"
+    assert result(ran[:1], (19,)).why_not_above.startswith("19 is predicted") and not result(ran[:1], ()).why_not_above
+    assert not result(ran[:1], (8,)).why_not_above and result(ran[:1], (8,)).reached_cap  # a smaller size left out
 
 
 def test_only_the_tuners_worker_leaves_sizes_out() -> None:

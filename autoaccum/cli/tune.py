@@ -232,7 +232,7 @@ def _report(console: Console, result: Any, out: Path | None, *, isolated: bool) 
     if result.probe is not None:
         probed = result.probe
         fits = "fits in one step" if probed.max_microbatch >= plan.effective_batch else "does not fit in one step"
-        above = "" if probed.failed_above is None else f", {probed.failed_above} does not"
+        above = probed.why_not_above and f", {probed.why_not_above}"
         console.print(
             f"\nprobe: microbatch {probed.max_microbatch} fits under {format_bytes(probed.memory_limit_bytes)}"
             f"{above} ({probed.runs} real runs at the tuner's candidate sizes): the effective batch of "
