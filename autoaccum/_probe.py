@@ -125,8 +125,7 @@ class ProbeResult(JsonMixin):
     def reached_cap(self) -> bool:
         """Whether the answer is the largest size the probe could try, not a boundary the device (or the estimate
         of a size left out, `predicted_over`) set."""
-        above = any(m > self.max_microbatch for m in self.predicted_over)
-        return self.max_microbatch > 0 and self.failed_above is None and not above
+        return self.max_microbatch > 0 and _stopped_by(self.max_microbatch, self.trials, self.predicted_over) is None
 
     @property
     def failed_above(self) -> int | None:
@@ -564,11 +563,21 @@ def runnable_sizes(
     return tuple(m for m in sizes if m not in over), over
 
 
-def _why_not_above(best: int, trials: Sequence[Trial], over: Sequence[int]) -> str:
+def _stopped_by(best: int, trials: Sequence[Trial], over: Sequence[int]) -> tuple[int, bool] | None:
+    """The least size above ``best`` that ran out of memory or was left out as predicted over (`runnable_sizes`),
+    and whether it ran; None: neither."""
     failed, skipped = _failed_above(trials, best), min((m for m in over if m > best), default=None)
     if skipped is not None and (failed is None or skipped < failed):
-        return f"{skipped} is predicted not to (its buffers over the limit; not run)"
-    return "" if failed is None else f"{failed} does not"
+        return skipped, False
+    return None if failed is None else (failed, True)
+
+
+def _why_not_above(best: int, trials: Sequence[Trial], over: Sequence[int]) -> str:
+    stopped = _stopped_by(best, trials, over)
+    if stopped is None:
+        return ""
+    size, ran = stopped
+    return f"{size} does not" if ran else f"{size} is predicted not to (its buffers over the limit; not run)"
 
 
 def _failed_above(trials: Sequence[Trial], size: int) -> int | None:
@@ -578,7 +587,7 @@ def _failed_above(trials: Sequence[Trial], size: int) -> int | None:
 def _check_sizes(sizes: Iterable[int], setup: Setup) -> tuple[int, ...]:
     """``sizes`` as `probe` tries them (sorted), or a ValueError naming those that are not positive multiples of the
     granularity up to the cap."""
-    listed = None if isinstance(sizes, (str, bytes)) else list(sizes) if isinstance(sizes, Iterable) else None
+    listed = list(sizes) if isinstance(sizes, Iterable) and not isinstance(sizes, (str, bytes)) else None
     if listed is None or not all(isinstance(s, int) and not isinstance(s, bool) for s in listed):
         raise TypeError(f"`sizes` must be a sequence of ints (microbatch sizes), got {sizes!r}.")
     g, cap = setup.granularity, setup.microbatch_cap

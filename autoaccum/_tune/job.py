@@ -62,11 +62,11 @@ class Job:
         """The variants that need no more memory than ``label``'s at any size, ``label`` among them."""
         return [other for other, v in self.labels.items() if lighter(v, self.labels[label])]
 
-    def floored(self, m: int) -> bool:
-        """Whether every microbatch of an update split by ``m`` has at least ``min_microbatch`` examples (the
-        last one, an uneven split's remainder, too)."""
-        rest = self.effective_batch % m
-        return m >= self.min_microbatch and (rest == 0 or rest >= self.min_microbatch)
+    def allows(self, m: int) -> bool:
+        """Whether the tuner may run microbatch ``m``: every microbatch of the split has at least ``min_microbatch``
+        examples (the last one, an uneven split's remainder, too), and ``m`` splits over the mesh's shards."""
+        rest, shards = self.effective_batch % m, 1 if self.layout is None else self.layout.shards
+        return m >= self.min_microbatch and (rest == 0 or rest >= self.min_microbatch) and m % shards == 0
 
     def loss_for(self, setting: Setting) -> Callable[..., Any]:
         """The loss of ``setting`` (the loss's own knobs' values given to the factory)."""
@@ -211,7 +211,7 @@ class Space(JsonMixin):
       bounds: the largest microbatch whose step accumulating the effective batch fits (the probe's for the default
         setting, the calibrated estimate's for the others; ``microbatch_bound`` for all when given).
       fitting: the candidate sizes within the bound whose microbatches all have at least ``min_microbatch``
-        examples (`Job.floored`) and whose accumulating step is not predicted over the limit.
+        examples and split over the mesh (`Job.allows`) and whose accumulating step is not predicted over the limit.
       predicted_over: per setting (by its text), the candidates left out as predicted over the limit.
       probed: the probe's result (None with ``microbatch_bound``).
     """
@@ -235,7 +235,7 @@ class Space(JsonMixin):
           RuntimeError: no size at least ``min_microbatch`` fits, or none is a candidate.
         """
         eb, default = job.effective_batch, job.settings[0]
-        probed, shards = None, 1 if job.layout is None else job.layout.shards
+        probed = None
         if microbatch_bound is None:
             # the probe's trials run in the tuning worker, not one of their own
             with clock.phase("probe"), scoped(LENT, worker):
@@ -244,7 +244,7 @@ class Space(JsonMixin):
                     memory_limit=job.memory_limit, microbatch_cap=eb, state=job.state,
                     has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"],
                     options=None if default.remat is None else {"remat": default.remat},
-                    sizes=[m for m in probe_sizes(eb) if job.floored(m) and m % shards == 0], effective_batch=eb,
+                    sizes=[m for m in probe_sizes(eb) if job.allows(m)], effective_batch=eb,
                     **({} if job.children else {"isolate": False}),  # type: ignore[arg-type]
                 )  # fmt: skip
             microbatch_bound = probed.max_microbatch
@@ -256,8 +256,7 @@ class Space(JsonMixin):
         fitting: list[list[int]] = []
         over: dict[str, list[int]] = {}
         for i, b in enumerate(bounds):
-            candidates = [m for m in microbatch_candidates(eb, max(b, 1)) if m <= b and job.floored(m)]
-            candidates = [m for m in candidates if m % shards == 0]
+            candidates = [m for m in microbatch_candidates(eb, max(b, 1)) if m <= b and job.allows(m)]
             fits = [m for m in candidates if _fits(probed, accumulating.get(i), m, eb)]
             fitting.append(fits or candidates[:1])  # all predicted over: a trial decides the smallest
             if len(fitting[i]) < len(candidates):
