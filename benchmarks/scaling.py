@@ -1,7 +1,8 @@
 """Tune's cost as transformer LMs grow, against the exhaustive grid and a compile-only ranking (issue 31).
 
 For each model (a `autoaccum.workloads.transformer`, vocabulary 512, at an effective batch of ``--batch``
-sequences of ``--seq-len`` tokens under ``--limit``):
+sequences of ``--seq-len`` tokens under ``--limit``; or, with ``--workload``, a built-in MLP or CNN at ``--batch``
+images):
 
 * **tune**, ``--runs`` times, each fresh: ``python -m autoaccum tune THIS_FILE:workload --json`` in a subprocess
   with its own empty ``AUTOACCUM_CACHE``. Its wall time, its **units** (that wall time over one compile plus five
@@ -18,10 +19,10 @@ sequences of ``--seq-len`` tokens under ``--limit``):
   matmul, a copy). Reported: the Spearman rank correlation of predicted with measured step times, and the best of
   the 3 configurations predicted fastest over the timed best.
 
-Run: ``python benchmarks/scaling.py [--size 0.17M ...] [--large] [--runs 3] [--json] [--out FILE]``; prints a
-Markdown table (``--json``: JSON instead; ``--out``: JSON to a file after each model; ``--render A.json ...``: the
-table of earlier reports), progress on stderr. ``tune s`` is the tune's own wall time (the result's ``seconds``),
-``process s`` its command's (Python and JAX start-up, loading the workload, printing).
+Run: ``python benchmarks/scaling.py [--size 0.17M ...] [--large] [--workload cnn ...] [--runs 3] [--json]
+[--out FILE]``; prints a Markdown table (``--json``: JSON instead; ``--out``: JSON to a file after each model;
+``--render A.json ...``: the table of earlier reports), progress on stderr. ``tune s`` is the tune's own wall time
+(the result's ``seconds``), ``process s`` its command's (Python and JAX start-up, loading the workload, printing).
 """
 
 from __future__ import annotations
@@ -61,10 +62,17 @@ TRIAL_STEPS = WARMUP + STEPS
 PHASES = ("probe", "estimate", "compile", "steps", "failed", "race", "worker_start", "build")
 
 
+BUILTIN = ("mlp", "cnn", "mnist")
+"""``--workload``: built-in models other than LMs (`autoaccum.workloads`), at ``--batch`` examples."""
+
+
 def workload() -> autoaccum.Workload:
-    """The model `ENV` describes (``dim``, ``heads``, ``layers``, ``seq_len``, ``batch``, ``limit``): the target
-    of each tune, loaded by its process and its children."""
+    """The model `ENV` describes (``dim``, ``heads``, ``layers``, ``seq_len``, ``batch``, ``limit``; or ``builtin``,
+    ``batch``, ``limit``): the target of each tune, loaded by its process and its children."""
     spec = json.loads(os.environ[ENV])
+    if "builtin" in spec:
+        w = getattr(workloads, spec["builtin"])(batch_size=spec["batch"])
+        return dataclasses.replace(w, memory_limit=spec["limit"])
     w = workloads.transformer(
         batch_size=spec["batch"], seq_len=spec["seq_len"], vocab=VOCAB, dim=spec["dim"], heads=spec["heads"],
         layers=spec["layers"],
@@ -352,10 +360,14 @@ def _progress(line: str) -> None:
 # -- per model, the report ----------------------------------------------------------------------------------
 
 
-def measure_model(name: str, shape: tuple[int, int, int], args: argparse.Namespace) -> dict[str, Any]:
-    """``--runs`` fresh tunes of one model, then (unless ``--no-grid``) its grid with the tunes' picks."""
-    dim, heads, layers = shape
-    spec = {"dim": dim, "heads": heads, "layers": layers, "seq_len": args.seq_len, "batch": args.batch}
+def measure_model(name: str, shape: tuple[int, int, int] | str, args: argparse.Namespace) -> dict[str, Any]:
+    """``--runs`` fresh tunes of one model (an LM's shape, or a `BUILTIN` name), then (unless ``--no-grid``) its
+    grid with the tunes' picks."""
+    if isinstance(shape, str):
+        spec: dict[str, Any] = {"builtin": shape, "batch": args.batch}
+    else:
+        dim, heads, layers = shape
+        spec = {"dim": dim, "heads": heads, "layers": layers, "seq_len": args.seq_len, "batch": args.batch}
     spec["limit"] = args.limit
     os.environ[ENV] = json.dumps(spec)
     w = workload()
@@ -433,6 +445,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--large", action="store_true", help="add the 19M model")
     parser.add_argument("--shape", action="append", default=[], help="a model of your own, WIDTH,HEADS,LAYERS (repeat)")
+    parser.add_argument("--workload", action="append", default=[], choices=BUILTIN, help="a built-in model (repeat)")
     parser.add_argument("--runs", type=int, default=1, help="fresh tunes per model [default: 1]")
     parser.add_argument("--batch", type=int, default=64, help="effective batch, sequences [default: 64]")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence [default: 64]")
@@ -449,9 +462,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def models(args: argparse.Namespace) -> list[tuple[str, tuple[int, int, int]]]:
-    """The models to measure, ``(name, (width, heads, layers))``, from ``--size``, ``--large`` and ``--shape``."""
-    chosen = [(s, {**SIZES, **LARGE}[s]) for s in args.size or ([] if args.shape else list(SIZES))]
+def models(args: argparse.Namespace) -> list[tuple[str, tuple[int, int, int] | str]]:
+    """The models to measure, ``(name, (width, heads, layers))`` from ``--size``, ``--large`` and ``--shape``, and
+    ``(name, name)`` from ``--workload``."""
+    chosen: list[tuple[str, tuple[int, int, int] | str]] = [
+        (s, {**SIZES, **LARGE}[s]) for s in args.size or ([] if args.shape or args.workload else list(SIZES))
+    ]
     chosen += [(s, LARGE[s]) for s in LARGE if args.large and s not in dict(chosen)]
     for text in args.shape:
         try:
@@ -459,7 +475,7 @@ def models(args: argparse.Namespace) -> list[tuple[str, tuple[int, int, int]]]:
         except ValueError:
             raise SystemExit(f"--shape {text!r} must be WIDTH,HEADS,LAYERS, e.g. --shape 64,4,2") from None
         chosen.append((text, (dim, heads, layers)))
-    return chosen
+    return chosen + [(name, name) for name in args.workload]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,6 +93,17 @@ def test_grid_sizes_are_powers_of_two_within_the_bound_and_the_whole_batch_once(
     assert max(c["microbatch_size"] for c in scaling.grid_configs(64, 20)) == 16
 
 
+def test_a_built_in_model_is_measured_at_the_batch_and_limit_given(monkeypatch):
+    args = scaling.parse_args(["--workload", "cnn", "--batch", "48", "--limit", "40MiB"])
+    assert scaling.models(args) == [("cnn", "cnn")]  # --workload alone: none of the LMs
+    assert [name for name, _ in scaling.models(scaling.parse_args(["--workload", "mlp", "--size", "0.17M"]))] == [
+        "0.17M", "mlp",
+    ]  # fmt: skip
+    monkeypatch.setenv(scaling.ENV, json.dumps({"builtin": "cnn", "batch": 48, "limit": "40MiB"}))
+    w = scaling.workload()
+    assert w.batch_size == 48 and w.memory_limit == "40MiB" and w.name == "cnn"
+
+
 @pytest.mark.slow
 def test_a_tiny_run_reports_every_figure(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user's run has
