@@ -349,6 +349,20 @@ def test_probe_finds_the_exact_boundary_under_a_real_cap() -> None:
     assert result.to_dict()["max_microbatch"] == m
 
 
+def test_a_fit_is_measured_even_where_the_step_grows_no_address_space() -> None:
+    """On the CPU a small step can run in memory its worker had mapped (its heap's free space after compiling), so
+    that its address space does not grow; its resident peak is then what it used: nothing fits in 1 KiB (16382
+    examples did, unmeasured), and every fit carries what it measured."""
+    batch = {"x": jnp.ones((10, 3)), "y": jnp.zeros(10)}
+    kwargs: dict[str, Any] = dict(optimizer=optax.sgd(0.1), microbatch_cap=4096)
+    assert autoaccum.probe(probe_workloads.linear_loss, {"w": jnp.ones(3), "b": jnp.zeros(())}, batch,
+                           memory_limit="1KiB", **kwargs).max_microbatch == 0  # fmt: skip
+    result = autoaccum.probe(probe_workloads.linear_loss, {"w": jnp.ones(3), "b": jnp.zeros(())}, batch,
+                             memory_limit="1MiB", **kwargs)  # fmt: skip
+    fits = [t for t in result.trials if t.fits]
+    assert fits and all(t.peak_bytes is not None and 0 < t.peak_bytes <= 2**20 for t in fits), result.trials
+
+
 def test_probe_with_granularity_and_the_loop_strategy() -> None:
     # Half a granule (8 x 16 KiB) above 48 MiB: at 48 MiB exactly, 3072 examples need 4 KiB more than the cap
     # when run uncapped and still fit under it, by a hair, so a separate run could land either side.
