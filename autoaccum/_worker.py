@@ -342,13 +342,13 @@ def run_trial(
             with contextlib.ExitStack() as stack:
                 out, first, times = run_steps(update, made, steps=steps, warmup=warmup, time_first=time_first,
                                               between=between)  # fmt: skip
+                del out  # (inside ``steady()``: what it allocates is freed there, and leaves no holes in the heap)
         except _Over as over:
             return Outcome("fits", peak_bytes=over.args[0], compile_seconds=compiled.seconds, times=[],
                            cached_seconds=compiled.cached_seconds)  # fmt: skip
     used = first_peak[0] if first_peak else None if peak is None else peak()
     if used is None and inputs is not None and compiled.step_bytes is not None:
         used = inputs + compiled.step_bytes  # a GPU's peak did not rise (bigger work ran before): live + the step's
-    del out
     return Outcome("fits", seconds=statistics.median(times), first_seconds=first, peak_bytes=used,
                    compile_seconds=compiled.seconds, times=times, cached_seconds=compiled.cached_seconds,
                    costs=[list(c) for c in compiled.costs])  # fmt: skip
@@ -489,17 +489,25 @@ def steady_allocator() -> Iterator[None]:
     settings again, and the heap's free memory returned."""
     mallopt = _libc_function("mallopt")
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    own = {name: _env_bytes(name) for name in _MALLOPT}
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
     for name, value in STEADY_MALLOC.items():
         mallopt(_MALLOPT[name], value)
     try:
         yield
     finally:
-        for name, param in _MALLOPT.items():
-            if name in os.environ:
-                mallopt(param, int(os.environ[name]))
-        _libc_function("malloc_trim")(0)
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        for name, restored in own.items():
+            if restored is not None:
+                mallopt(_MALLOPT[name], restored)
+        _libc_function("malloc_trim")(0)
+
+
+def _env_bytes(name: str) -> int | None:
+    """The environment's ``name`` (bytes, in decimal), where ``mallopt`` takes it; None otherwise (left as it is)."""
+    text = os.environ.get(name, "").strip()
+    value = int(text) if text.isdecimal() else -1
+    return value if 0 <= value < 2**31 else None
 
 
 def _reset_resident_peak() -> int | None:

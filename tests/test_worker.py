@@ -397,3 +397,11 @@ def test_a_cpu_workers_timed_steps_reuse_freed_buffers_as_training_does() -> Non
     assert int(outside) >= 4 * 2048 * 0.9  # 8 MiB mapped and faulted in each time
     assert int(inside) < int(outside) / 10 and uncapped == "True"
     assert int(after) >= 4 * 2048 * 0.9 and recapped == "True"
+    # A setting of the user's own that is not plain bytes is left as glibc read it, and the exit still restores
+    # the cap (int() of "0x10000" raised there, and every timed trial failed).
+    env["MALLOC_MMAP_THRESHOLD_"] = "0x10000"
+    restore = "import resource\nfrom autoaccum._worker import steady_allocator\n"
+    restore += "resource.setrlimit(resource.RLIMIT_AS, (1 << 40, resource.RLIM_INFINITY))\n"
+    restore += "with steady_allocator():\n    pass\nprint(resource.getrlimit(resource.RLIMIT_AS)[0] == 1 << 40)"
+    done = subprocess.run([sys.executable, "-c", restore], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["True"]
