@@ -303,19 +303,16 @@ class _Over(Exception):
 
 def run_trial(
     compiled: Compiled,
-    peak: Callable[[], int | None] | None,
+    peak: Callable[[], int | None],
     *,
     steps: int = 1,
     warmup: int = 0,
     time_first: bool = False,
     stop_above: int | None = None,
-    steady: Callable[[], AbstractContextManager[None]] | None = None,
 ) -> Outcome:
     """Makes the inputs on the device and runs the compiled step (`run_steps`), letting each call's memory go before
-    the next (`settle`); ``peak()`` then gives the memory used (``peak`` None: none is measured, nothing waits). With
-    ``stop_above``, the calls stop once ``peak()`` is above it (the outcome has no step times). With ``steady``, the
-    first call's peak is the memory used and the calls after it run inside ``steady()`` (`steady_allocator`).
-    Raises whatever the step raises."""
+    the next (`settle`); ``peak()`` then gives the memory used. With ``stop_above``, the calls stop once ``peak()``
+    is above it (the outcome has no step times). Raises whatever the step raises."""
     job, update, device = compiled.job, compiled.update, compiled.device
     with on_device(job, device):
         params = compiled.make_params()
@@ -325,30 +322,22 @@ def run_trial(
     with on_device(job, device, running=True):
         inputs = memory_stats(device).get("bytes_in_use")  # a GPU's live bytes now; None on the CPU
         before = proc_status("VmSize")
-        first_peak: list[int | None] = []  # with ``steady``: the first call's peak, once it ran
 
         def between() -> None:
-            if first_peak or peak is None:
-                return
             settle(before)
-            so_far = peak()
-            if stop_above is not None and (so_far or 0) > stop_above:
+            if stop_above is not None and (so_far := peak() or 0) > stop_above:
                 raise _Over(so_far)
-            if steady is not None:
-                first_peak.append(so_far)
-                stack.enter_context(steady())
 
         try:
-            with contextlib.ExitStack() as stack:
-                out, first, times = run_steps(update, made, steps=steps, warmup=warmup, time_first=time_first,
-                                              between=between)  # fmt: skip
-                del out  # (inside ``steady()``: what it allocates is freed there, and leaves no holes in the heap)
+            out, first, times = run_steps(update, made, steps=steps, warmup=warmup, time_first=time_first,
+                                          between=between)  # fmt: skip
         except _Over as over:
             return Outcome("fits", peak_bytes=over.args[0], compile_seconds=compiled.seconds, times=[],
                            cached_seconds=compiled.cached_seconds)  # fmt: skip
-    used = first_peak[0] if first_peak else None if peak is None else peak()
+    used = peak()
     if used is None and inputs is not None and compiled.step_bytes is not None:
         used = inputs + compiled.step_bytes  # a GPU's peak did not rise (bigger work ran before): live + the step's
+    del out
     return Outcome("fits", seconds=statistics.median(times), first_seconds=first, peak_bytes=used,
                    compile_seconds=compiled.seconds, times=times, cached_seconds=compiled.cached_seconds,
                    costs=[list(c) for c in compiled.costs])  # fmt: skip
@@ -465,55 +454,17 @@ def address_space_cap(limit: int, *, resident: bool = False) -> Iterator[Callabl
 
 
 @functools.cache
-def _libc_function(name: str) -> Callable[..., int]:
-    """glibc's ``name`` (``malloc_trim``, ``mallopt``), or a function doing nothing off glibc."""
+def _malloc_trim() -> Callable[[int], int]:
     try:
-        return getattr(ctypes.CDLL("libc.so.6"), name)
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc
-        return lambda *args: 0
-
-
-_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3}
-"""glibc's ``mallopt`` parameter of each variable `autoaccum._isolation.child_env` sets for the CPU's children."""
-
-STEADY_MALLOC = {"MALLOC_TRIM_THRESHOLD_": 64 << 20, "MALLOC_TOP_PAD_": 128 << 10, "MALLOC_MMAP_THRESHOLD_": 32 << 20}
-"""glibc's settings in a long-running process once its dynamic mmap threshold has grown to its most: how training's
-steps allocate, freed buffers reused from the heap."""
-
-
-@contextmanager
-def steady_allocator() -> Iterator[None]:
-    """Inside it, a CPU worker's malloc allocates as training's does (`STEADY_MALLOC`) and its address space is not
-    capped: its steps are timed as training runs them (with every large buffer mapped afresh, the predictable
-    settings of `autoaccum._isolation.child_env`, a CNN's steps ran 2.5x slower). On exit, the process's own
-    settings again, and the heap's free memory returned."""
-    mallopt = _libc_function("mallopt")
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    own = {name: _env_bytes(name) for name in _MALLOPT}
-    resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
-    for name, value in STEADY_MALLOC.items():
-        mallopt(_MALLOPT[name], value)
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-        for name, restored in own.items():
-            if restored is not None:
-                mallopt(_MALLOPT[name], restored)
-        _libc_function("malloc_trim")(0)
-
-
-def _env_bytes(name: str) -> int | None:
-    """The environment's ``name`` (bytes, in decimal), where ``mallopt`` takes it; None otherwise (left as it is)."""
-    text = os.environ.get(name, "").strip()
-    value = int(text) if text.isdecimal() else -1
-    return value if 0 <= value < 2**31 else None
+        return lambda pad: 0
 
 
 def _reset_resident_peak() -> int | None:
     """Resets ``VmHWM`` to the resident size after returning the C heap's free pages, and returns that size (None if
     refused)."""
-    _libc_function("malloc_trim")(0)
+    _malloc_trim()(0)
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
@@ -550,27 +501,19 @@ def measured(
     warmup: int = 0,
     resident: bool = False,
     time_first: bool = False,
-    steady: bool = False,
 ) -> Outcome:
     """`run_trial` under the limit per device: on the CPU the address-space cap (a GPU's allocator is capped at start).
     An XLA error under the cap that is not an OOM by its text does not fit if the same step then runs without the
     cap, else it stands. ``resident``: as for `address_space_cap`, and the calls stop once the peak is over the
-    limit (`over_limit` reports it). ``steady`` (a CPU worker's): the calls after the first, whose peak is measured,
-    run in `steady_allocator`; a re-timing (``time_first``) runs there whole, its memory measured when it first ran."""
+    limit (`over_limit` reports it)."""
     stop = limit if resident else None
-    allocator = steady_allocator if steady and platform == "cpu" else None
-    run = functools.partial(
-        run_trial, steps=steps, warmup=warmup, time_first=time_first, stop_above=stop, steady=allocator
-    )
+    run = functools.partial(run_trial, steps=steps, warmup=warmup, time_first=time_first, stop_above=stop)
     n = compiled.job.devices
     if platform != "cpu":
         if compiled.job.mesh is None:
             return run(compiled, gpu_peak(compiled.device))
         peaks = [gpu_peak(d) for d in jax.devices()[:n]]  # per device: the fullest one
         return run(compiled, lambda: max((p() or 0 for p in peaks), default=0) or None)
-    if allocator is not None and time_first:  # a re-timing: its memory was measured when it first ran
-        with allocator():
-            return run_trial(compiled, None, steps=steps, time_first=True)
     try:  # a mesh's CPU devices share this process (data parallel: equal shares)
         with address_space_cap(limit * n, resident=resident) as used:
             return run(compiled, lambda: None if (u := used()) is None else u // n)
@@ -721,17 +664,8 @@ class Server:
     """Answers requests of one job, in the worker (`serve`) or in this process (``isolate=False``), keeping the
     compiled input makers and the fastest configurations' programs (`evicted`)."""
 
-    def __init__(
-        self,
-        job: Job,
-        settings: Sequence[Mapping[str, Any]],
-        platform: str,
-        device: Any,
-        limit: int,
-        steady: bool = False,
-    ) -> None:
+    def __init__(self, job: Job, settings: Sequence[Mapping[str, Any]], platform: str, device: Any, limit: int) -> None:
         self.job, self.settings, self.platform, self.device, self.limit = job, list(settings), platform, device, limit
-        self.steady = steady  # (in a worker: times its steps in `steady_allocator`)
         self.cache: dict[str, Any] = {}
         self.rates: dict[str, float] = {}  # examples per second of each cached configuration (`evicted`)
         self.makers: dict[Any, Any] = {}
@@ -765,9 +699,8 @@ class Server:
                 self.job_for(request), request.microbatch_size, self.device, rows=request.rows, makers=self.makers
             )
             compiled(False)
-            return over_limit(
-                measured(trial, self.platform, self.limit), self.limit
-            )  # run even if XLA's figure is over
+            outcome = measured(trial, self.platform, self.limit)  # run even if XLA's figure is over: the probe is exact
+            return over_limit(outcome, self.limit)
         job = self.job_for(request)  # keyed by the build it resolves to: the probe's and a trial's meet
         key = json.dumps(
             [job.build, request.microbatch_size, request.rows, request.setting], sort_keys=True, default=str
@@ -786,7 +719,7 @@ class Server:
             return refused
         again = ran_before and not request.warmup  # re-timed with no warm-up: its first call is a step like the others
         timed = measured(cached, self.platform, self.limit, steps=request.steps, warmup=request.warmup, resident=True,
-                         time_first=again, steady=self.steady)  # fmt: skip
+                         time_first=again)  # fmt: skip
         outcome = over_limit(timed, self.limit)
         self.rates[key] = request.rows / outcome.seconds if outcome.status == "fits" and outcome.seconds else 0.0
         for old in evicted(self.rates):
@@ -1008,7 +941,7 @@ def serve(payload_path: str, answers_fd: int, limit: int) -> None:
     device = jax.devices()[0]
     warm_up(device)
     answers = os.fdopen(answers_fd, "w", buffering=1)
-    server = Server(job, settings, platform, device, limit, steady=True)
+    server = Server(job, settings, platform, device, limit)
     answers.write(json.dumps({"event": "ready"}) + "\n")
 
     def compiled(cached: bool) -> None:

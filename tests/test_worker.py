@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -15,7 +13,6 @@ import optax
 import pytest
 from seams import tune
 
-import autoaccum._worker as worker_module
 from autoaccum._probe import prepare, probe
 from autoaccum._worker import (
     MAX_CACHED,
@@ -290,15 +287,6 @@ def test_a_re_timing_of_a_program_the_worker_ran_before_times_its_first_call() -
         outcome = run_trial(compiled, lambda: None, steps=3, warmup=warmup, time_first=time_first)
         jax.effects_barrier()
         assert len(calls) == expected and len(outcome.times) == 3, (time_first, warmup, len(calls))
-    # A re-timing in a CPU worker measures no memory (its first run did) and waits for none to be returned (in
-    # `steady_allocator` freed memory stays: each call waited a second for it, 47 s of a CNN tune's race).
-    waits = []
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(worker_module, "settle", lambda *args, **kw: waits.append(args))
-        outcome = run_trial(compiled, None, steps=3, time_first=True)
-        assert outcome.peak_bytes is None and len(outcome.times) == 3 and not waits
-        run_trial(compiled, lambda: None, steps=3)
-        assert len(waits) == 3  # measured: it waits before each call after the first
 
 
 @pytest.mark.slow
@@ -358,50 +346,3 @@ def test_a_second_worker_finds_the_programs_of_the_first_in_the_compilation_cach
         assert not (tmp_path / "off").exists()
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
-
-
-STEADY_CHECK = """
-import ctypes, resource
-from autoaccum._worker import steady_allocator
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype = ctypes.c_void_p
-
-def faults(n=8 << 20):  # page faults of 4 buffers allocated, written and freed in turn, after a first such buffer
-    counts = []
-    for _ in range(5):
-        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
-        p = libc.malloc(n)
-        ctypes.memset(p, 1, n)
-        libc.free(ctypes.c_void_p(p))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - counts[1]
-
-resource.setrlimit(resource.RLIMIT_AS, (1 << 40, resource.RLIM_INFINITY))
-outside = faults()
-with steady_allocator():
-    inside, cap = faults(), resource.getrlimit(resource.RLIMIT_AS)[0]
-print(outside, inside, cap == resource.RLIM_INFINITY, faults(), resource.getrlimit(resource.RLIMIT_AS)[0] == 1 << 40)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-def test_a_cpu_workers_timed_steps_reuse_freed_buffers_as_training_does() -> None:
-    """A worker's malloc maps every large buffer afresh, so that a step's memory is measured; its timed steps run in
-    `steady_allocator`, where freed buffers are reused (as in a training process): no page faults after the first
-    buffer, no cap; after it the worker's own settings and cap again."""
-    from autoaccum._device import DeviceInfo
-    from autoaccum._isolation import child_env
-
-    env = child_env(DeviceInfo("cpu", "cpu", 2**33, 2**32, None), 2**30)
-    done = subprocess.run([sys.executable, "-c", STEADY_CHECK], env=env, capture_output=True, text=True, check=True)
-    outside, inside, uncapped, after, recapped = done.stdout.split()
-    assert int(outside) >= 4 * 2048 * 0.9  # 8 MiB mapped and faulted in each time
-    assert int(inside) < int(outside) / 10 and uncapped == "True"
-    assert int(after) >= 4 * 2048 * 0.9 and recapped == "True"
-    # A setting of the user's own that is not plain bytes is left as glibc read it, and the exit still restores
-    # the cap (int() of "0x10000" raised there, and every timed trial failed).
-    env["MALLOC_MMAP_THRESHOLD_"] = "0x10000"
-    restore = "import resource\nfrom autoaccum._worker import steady_allocator\n"
-    restore += "resource.setrlimit(resource.RLIMIT_AS, (1 << 40, resource.RLIM_INFINITY))\n"
-    restore += "with steady_allocator():\n    pass\nprint(resource.getrlimit(resource.RLIMIT_AS)[0] == 1 << 40)"
-    done = subprocess.run([sys.executable, "-c", restore], env=env, capture_output=True, text=True, check=True)
-    assert done.stdout.split() == ["True"]
