@@ -62,6 +62,8 @@ class Trial(JsonMixin):
       peak_bytes: memory used at the peak, counted as the limit counts it (None where not measurable).
       wall_seconds: the whole trial, as the caller waited for it.
       detail: why it did not fit (the OOM message), else None.
+      times: each timed step, seconds; compile_seconds, cached_seconds: its compiling, and what JAX's persistent
+        cache saved of it (as `autoaccum.TrialRecord` has them).
     """
 
     microbatch_size: int
@@ -72,6 +74,9 @@ class Trial(JsonMixin):
     first_seconds: float | None = None
     wall_seconds: float | None = None
     detail: str | None = None
+    times: tuple[float, ...] = ()
+    compile_seconds: float | None = None
+    cached_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,8 +424,9 @@ class TrialRunner:
         outcome = self.ask(Request(self._build, size, self.setup.rows(size), steps, warmup, kind=kind))
         wall = time.perf_counter() - start
         error, detail = (outcome.message if outcome.status == status else None for status in ("error", "oom"))
+        times, compiling = tuple(outcome.times or ()), (outcome.compile_seconds, outcome.cached_seconds or 0.0)
         trial = Trial(size, outcome.status == "fits", outcome.seconds, error, outcome.peak_bytes, outcome.first_seconds,
-                      wall, detail)  # fmt: skip
+                      wall, detail, times, *compiling)  # fmt: skip
         self.trials.append(trial)
         if self.progress is not None:
             self.progress(trial)

@@ -13,6 +13,7 @@ import optax
 import pytest
 from seams import tune
 
+import autoaccum
 from autoaccum._probe import prepare, probe
 from autoaccum._worker import (
     MAX_CACHED,
@@ -229,6 +230,28 @@ def test_the_tuners_probe_runs_the_accumulating_step_and_nothing_above_its_bound
     assert 0 < boundary < single.max_microbatch, (boundary, single.max_microbatch)
     assert found.failed_above is not None and timed and max(timed) <= boundary, (found.trials, timed)
     assert all(found.predicted_peak(found.estimate, m, 512) <= limit for m in timed)
+
+
+def test_the_probes_fits_are_the_studys_trials_of_what_they_ran() -> None:
+    """The tuner's probe runs its trials in the tuning worker with a trial's calls: each fit at a size the tune may
+    time is the study's trial of the default strategy there (its step times, not a second timing of the same
+    program, which at the boundary could even read over the limit where the probe's fit)."""
+    from autoaccum._tune.race import quartiles
+
+    params = {"w1": jnp.zeros((256, 4096)), "w2": jnp.zeros((4096, 1))}
+    batch = {"x": jnp.ones((512, 256)), "y": jnp.ones((512, 1))}
+    result = autoaccum.tune(
+        wide_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="24MiB", strategies=["scan", "loop"],
+        storage=":memory:", race_rounds=0,
+    )  # fmt: skip
+    assert result.probe is not None
+    sizes = {r.microbatch_size for r in result.trials}
+    fits = [t for t in result.probe.trials if t.fits and t.microbatch_size in sizes]
+    assert fits, (result.probe.trials, sizes)
+    for run in fits:
+        same = [r for r in result.trials if r.microbatch_size == run.microbatch_size and r.strategy == "scan"]
+        same = [r for r in same if r.options.get("unroll", 1) == 1]
+        assert len(same) == 1 and same[0].seconds == quartiles(run.times), (run, same)
 
 
 def test_the_worker_compiles_what_makes_the_inputs_once_and_each_trial_steps_on_the_same_inputs() -> None:

@@ -260,11 +260,13 @@ def tune(
         if worker is not None:
             clock.started = functools.partial(getattr, worker, "start_seconds")
         bounded = functools.partial(Space.bound, job, bound, clock, worker)
-        study, space = open_study(opened, study_name or f"autoaccum-{key}", fresh, bounded)
+        study, space, probed_here = open_study(opened, study_name or f"autoaccum-{key}", fresh, bounded)
         resumed = len(settled_configs(study))
         timer = measure or functools.partial(time_update, time_limit=trial_timeout)
         time_one = time_here(job, timer) if worker is None else time_in_worker(job, worker)
         trials = Trials.start(job, space, study, budget, seed, time_one, on_trial, clock)
+        if probed_here and worker is not None:  # its runs were the tuner's, in this worker
+            trials.record_probe()
         heartbeats = isinstance(opened, optuna.storages.RDBStorage) and opened.get_heartbeat_interval() is not None
         trials.run(timeout, heartbeats)  # (without heartbeats, a dead worker's running trial is never noticed)
         with clock.phase("race"):

@@ -69,9 +69,10 @@ def settled_configs(study: optuna.Study) -> dict[str, int]:
 
 def open_study(
     storage: optuna.storages.BaseStorage, name: str, fresh: bool, bound: Callable[[], Space]
-) -> tuple[optuna.Study, Space]:
-    """The study ``name`` (created, or resumed) and the sizes each setting may time: stored with the study by the
-    worker that bounded them first (the probe runs once per study), else ``bound()`` now. Trials interrupted by
+) -> tuple[optuna.Study, Space, bool]:
+    """The study ``name`` (created, or resumed), the sizes each setting may time, and whether this worker bounded
+    them: stored with the study by the worker that bounded them first (the probe runs once per study), else
+    ``bound()`` now. Trials interrupted by
     Ctrl-C are queued again (a killed worker's are, once their heartbeat goes stale, by Optuna's
     ``RetryHeartbeatStaleTrialCallback``)."""
     if fresh:
@@ -87,6 +88,7 @@ def open_study(
         stored = study.user_attrs.get("space")  # another worker's, if it finished first
         if stored is None:
             study.set_user_attr("space", space.to_dict())
+    mine = stored is None
     if stored is not None:
         space = Space.from_dict(stored)
     trials = study.get_trials(deepcopy=False)
@@ -96,7 +98,7 @@ def open_study(
         if t.user_attrs.get("interrupted") and config_key(t.params) not in done:
             study.enqueue_trial(t.params)
             done.add(config_key(t.params))
-    return study, space
+    return study, space, mine
 
 
 def fail_stale_trials(study: optuna.Study) -> None:

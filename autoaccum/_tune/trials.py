@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -90,6 +91,35 @@ class Trials:
         search = None if exhaustive else Search(space.fitting, list(job.labels), job.effective_batch, job.program)
         settles = min(budget or grid_points, grid_points)
         return cls(job, space, study, settles, search, budget is None and not exhaustive, time_one, on_trial, clock)
+
+    def record_probe(self) -> None:
+        """The probe's fits at sizes the default setting may time, as the study's trials of the default strategy: they
+        ran in the tuning worker with a trial's calls, so no trial times them again."""
+        probed, job, eb = self.space.probed, self.job, self.job.effective_batch
+        settled_now = settled_configs(self.study)
+        distributions: dict[str, optuna.distributions.BaseDistribution] = {
+            "microbatch_size": optuna.distributions.CategoricalDistribution(self.space.sizes),
+            "strategy": optuna.distributions.CategoricalDistribution(list(job.labels)),
+            **{k: optuna.distributions.CategoricalDistribution(v) for k, v in job.knob_space.params().items()},
+        }
+        setting = job.settings[0]
+        for run in () if probed is None else probed.trials:
+            params = job.params_of(Config(run.microbatch_size, job.names[0]))
+            if not (run.fits and run.times) or run.microbatch_size not in self.space.fitting[0]:
+                continue
+            if config_key(params) in settled_now:
+                continue
+            attrs = {
+                MEASURES: True, "probe": True, "times": list(run.times), "peak_bytes": run.peak_bytes,
+                "compile_seconds": run.compile_seconds, "cached_seconds": run.cached_seconds, "remat": setting.remat,
+                "accumulator_dtype": setting.accumulator_dtype, "knobs": setting.values,
+            }  # fmt: skip
+            value = eb / statistics.median(run.times)
+            self.study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, value=value,
+                                                           user_attrs=attrs))  # fmt: skip
+            added = next(t for t in reversed(self.study.get_trials(deepcopy=False)) if t.params == params)
+            for callback in self.on_trial:
+                callback(record(added, eb, job.labels), len(settled_configs(self.study)), self.budget)
 
     def trial(self, number: int) -> optuna.trial.FrozenTrial:
         return next(t for t in self.study.get_trials(deepcopy=False) if t.number == number)
