@@ -233,25 +233,26 @@ def test_the_tuners_probe_runs_the_accumulating_step_and_nothing_above_its_bound
 
 
 def test_the_probes_fits_are_the_studys_trials_of_what_they_ran() -> None:
-    """The tuner's probe runs its trials in the tuning worker with a trial's calls: each fit at a size the tune may
-    time is the study's trial of the default strategy there (its step times, not a second timing of the same
-    program, which at the boundary could even read over the limit where the probe's fit)."""
+    """The tuner's probe runs its trials in the tuning worker with a trial's calls: its fit at the bound, where the
+    search starts the default strategy, is the study's trial there (its step times, not a second timing of the same
+    program, which at the boundary could even read over the limit where the probe's fit), within the budget."""
     from autoaccum._tune.race import quartiles
 
     params = {"w1": jnp.zeros((256, 4096)), "w2": jnp.zeros((4096, 1))}
     batch = {"x": jnp.ones((512, 256)), "y": jnp.ones((512, 1))}
-    result = autoaccum.tune(
-        wide_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="24MiB", strategies=["scan", "loop"],
-        storage=":memory:", race_rounds=0,
-    )  # fmt: skip
-    assert result.probe is not None
-    sizes = {r.microbatch_size for r in result.trials}
-    fits = [t for t in result.probe.trials if t.fits and t.microbatch_size in sizes]
-    assert fits, (result.probe.trials, sizes)
-    for run in fits:
-        same = [r for r in result.trials if r.microbatch_size == run.microbatch_size and r.strategy == "scan"]
-        same = [r for r in same if r.options.get("unroll", 1) == 1]
-        assert len(same) == 1 and same[0].seconds == quartiles(run.times), (run, same)
+    kwargs: dict[str, Any] = dict(optimizer=optax.sgd(0.1), memory_limit="24MiB", strategies=["scan", "loop"],
+                                  storage=":memory:", race_rounds=0)  # fmt: skip
+    result = autoaccum.tune(wide_loss, params, batch, **kwargs)
+    assert result.probe is not None and 0 < result.probe.max_microbatch < 512
+    (run,) = [t for t in result.probe.trials if t.microbatch_size == result.probe.max_microbatch]
+    same = [r for r in result.trials if r.microbatch_size == run.microbatch_size and r.strategy == "scan"]
+    same = [r for r in same if r.options.get("unroll", 1) == 1]
+    assert len(same) == 1 and same[0].seconds == quartiles(run.times), (run, same)
+    told: list[tuple[int, int]] = []
+    kwargs["memory_limit"] = "17MiB"  # (where the probe fits at two sizes the tune may time: 32 and 64)
+    one = autoaccum.tune(wide_loss, params, batch, budget=1, on_trial=[lambda r, done, of: told.append((done, of))],
+                         **kwargs)  # fmt: skip
+    assert one.new_trials == 1 and told and all(done <= of == 1 for done, of in told), told
 
 
 def test_the_worker_compiles_what_makes_the_inputs_once_and_each_trial_steps_on_the_same_inputs() -> None:

@@ -93,20 +93,22 @@ class Trials:
         return cls(job, space, study, settles, search, budget is None and not exhaustive, time_one, on_trial, clock)
 
     def record_probe(self) -> None:
-        """The probe's fits at sizes the default setting may time, as the study's trials of the default strategy: they
-        ran in the tuning worker with a trial's calls, so no trial times them again."""
+        """The probe's fits where the search starts the default strategy (the whole batch, the largest accumulating
+        size), as the study's trials of them, within the budget: they ran in the tuning worker with a trial's calls,
+        so no trial times them again."""
         probed, job, eb = self.space.probed, self.job, self.job.effective_batch
         settled_now = settled_configs(self.study)
+        starts = {eb, max((m for m in self.space.fitting[0] if m < eb), default=eb)} & set(self.space.fitting[0])
+        ran = () if probed is None else probed.trials
+        runs = [t for t in ran if t.fits and len(t.times) == STEPS and t.microbatch_size in starts]  # timed as trials
         distributions: dict[str, optuna.distributions.BaseDistribution] = {
             "microbatch_size": optuna.distributions.CategoricalDistribution(self.space.sizes),
             "strategy": optuna.distributions.CategoricalDistribution(list(job.labels)),
             **{k: optuna.distributions.CategoricalDistribution(v) for k, v in job.knob_space.params().items()},
         }
         setting = job.settings[0]
-        for run in () if probed is None else probed.trials:
+        for run in sorted(runs, key=lambda t: -t.microbatch_size)[: max(0, self.budget - len(settled_now))]:
             params = job.params_of(Config(run.microbatch_size, job.names[0]))
-            if not (run.fits and run.times) or run.microbatch_size not in self.space.fitting[0]:
-                continue
             if config_key(params) in settled_now:
                 continue
             attrs = {
