@@ -426,12 +426,12 @@ def proc_status(field: str) -> int | None:
 @contextmanager
 def address_space_cap(limit: int, *, resident: bool = False) -> Iterator[Callable[[], int | None]]:
     """Caps this process's address space (soft ``RLIMIT_AS``, restored on exit) at its size now plus ``limit``; yields a
-    function giving the bytes used since: the address space's peak above its size now, or (with ``resident``, a
-    reused worker's, and where the peak did not rise: the step ran in memory the process had mapped) the resident
-    peak (``VmHWM``, reset here after the heap's free pages are returned) above the resident size now."""
-    rss = _reset_resident_peak()  # (first: returning free pages may shrink the address space too)
+    function giving the bytes used above that size at the peak (None while the peak is the one from before). With
+    ``resident`` (a reused worker): the resident peak (``VmHWM``, reset here) above the resident size now."""
     baseline = proc_status("VmSize")
     before_peak = proc_status("VmPeak")
+    if resident:
+        rss = _reset_resident_peak()
     if baseline is None:
         raise OSError(errno.ENOSYS, "the CPU memory cap needs /proc/self/status (Linux)")
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -441,11 +441,13 @@ def address_space_cap(limit: int, *, resident: bool = False) -> Iterator[Callabl
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
 
     def used() -> int | None:
+        if resident:
+            hwm = proc_status("VmHWM")
+            return None if rss is None or hwm is None else max(hwm - rss, 0)
         peak = proc_status("VmPeak")
-        if not resident and peak is not None and before_peak is not None and peak > before_peak:
-            return peak - baseline
-        hwm = proc_status("VmHWM")
-        return None if rss is None or hwm is None else max(hwm - rss, 0)
+        if peak is None or before_peak is None or peak <= before_peak:
+            return None
+        return peak - baseline
 
     try:
         yield used
@@ -699,8 +701,7 @@ class Server:
                 self.job_for(request), request.microbatch_size, self.device, rows=request.rows, makers=self.makers
             )
             compiled(False)
-            outcome = measured(trial, self.platform, self.limit)  # run even if XLA's figure is over: the probe is exact
-            return over_limit(outcome, self.limit)
+            return measured(trial, self.platform, self.limit)  # run even if XLA's figure is over: the probe is exact
         job = self.job_for(request)  # keyed by the build it resolves to: the probe's and a trial's meet
         key = json.dumps(
             [job.build, request.microbatch_size, request.rows, request.setting], sort_keys=True, default=str
