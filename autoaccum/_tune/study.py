@@ -72,9 +72,8 @@ def open_study(
 ) -> tuple[optuna.Study, Space, bool]:
     """The study ``name`` (created, or resumed), the sizes each setting may time, and whether this worker bounded
     them: stored with the study by the worker that bounded them first (the probe runs once per study), else
-    ``bound()`` now. Trials interrupted by
-    Ctrl-C are queued again (a killed worker's are, once their heartbeat goes stale, by Optuna's
-    ``RetryHeartbeatStaleTrialCallback``)."""
+    ``bound()`` now. Trials interrupted by Ctrl-C are queued again (a killed worker's are, once their heartbeat goes
+    stale, by Optuna's ``RetryHeartbeatStaleTrialCallback``)."""
     if fresh:
         with contextlib.suppress(KeyError):  # no such study yet
             optuna.delete_study(study_name=name, storage=storage)

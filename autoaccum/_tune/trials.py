@@ -80,9 +80,7 @@ class Trials:
         grid_points = sum(len(sizes) for sizes in space.fitting) * len(job.labels)
         exhaustive = grid_points <= EXHAUSTIVE_UP_TO if budget is None else budget >= grid_points
         if exhaustive:
-            grid: dict[str, list[Any]] = {"microbatch_size": space.sizes, "strategy": list(job.labels)}
-            grid.update(job.knob_space.params())
-            study.sampler = optuna.samplers.GridSampler(grid, seed=seed)
+            study.sampler = optuna.samplers.GridSampler(choices(job, space), seed=seed)
         else:
             with warnings.catch_warnings():  # "experimental" in some Optuna releases
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -102,9 +100,7 @@ class Trials:
         ran = () if probed is None else probed.trials
         runs = [t for t in ran if t.fits and len(t.times) == STEPS and t.microbatch_size in starts]  # timed as trials
         distributions: dict[str, optuna.distributions.BaseDistribution] = {
-            "microbatch_size": optuna.distributions.CategoricalDistribution(self.space.sizes),
-            "strategy": optuna.distributions.CategoricalDistribution(list(job.labels)),
-            **{k: optuna.distributions.CategoricalDistribution(v) for k, v in job.knob_space.params().items()},
+            k: optuna.distributions.CategoricalDistribution(v) for k, v in choices(job, self.space).items()
         }
         setting = job.settings[0]
         for run in sorted(runs, key=lambda t: -t.microbatch_size)[: max(0, self.budget - len(settled_now))]:
@@ -141,11 +137,7 @@ class Trials:
     def objective(self, trial: optuna.Trial) -> float:
         """One configuration's throughput: timed, or reused from the trial that times it or its program."""
         job, space = self.job, self.space
-        params = {
-            "microbatch_size": trial.suggest_categorical("microbatch_size", space.sizes),
-            "strategy": trial.suggest_categorical("strategy", list(job.labels)),
-            **{k: trial.suggest_categorical(k, v) for k, v in job.knob_space.params().items()},
-        }
+        params = {k: trial.suggest_categorical(k, v) for k, v in choices(job, space).items()}
         config = job.config_of(params)
         m, label, setting = config.microbatch_size, config.strategy, job.settings[config.setting]
         trial.set_user_attr("remat", setting.remat)
@@ -294,6 +286,11 @@ class Trials:
         except TrialFailed:
             return None
         return timing.times or (timing.seconds_per_step,)
+
+
+def choices(job: Job, space: Space) -> dict[str, list[Any]]:
+    """Each Optuna parameter of a configuration and its values: the grid, the objective's and the recorded trials'."""
+    return {"microbatch_size": space.sizes, "strategy": list(job.labels), **job.knob_space.params()}
 
 
 def _holds(recorded: dict[str, Any], key: dict[str, Any]) -> bool:
