@@ -14,6 +14,7 @@ from typing import Any
 
 import optuna
 
+from autoaccum._knobs import Setting
 from autoaccum._tune.job import Job, Space
 from autoaccum._tune.race import FINALISTS, Runner, race
 from autoaccum._tune.result import Clock, TrialRecord, record, scoped
@@ -107,12 +108,10 @@ class Trials:
             params = job.params_of(Config(run.microbatch_size, job.names[0]))
             if config_key(params) in settled_now:
                 continue
-            attrs = {
-                MEASURES: True, "probe": True, "times": list(run.times), "peak_bytes": run.peak_bytes,
-                "compile_seconds": run.compile_seconds, "cached_seconds": run.cached_seconds, "remat": setting.remat,
-                "accumulator_dtype": setting.accumulator_dtype, "knobs": setting.values,
-            }  # fmt: skip
-            value = eb / statistics.median(run.times)
+            timing = Timing(statistics.median(run.times), run.compile_seconds or 0.0, len(run.times), run.times,
+                            run.peak_bytes, run.cached_seconds)  # fmt: skip
+            attrs = {MEASURES: True, "probe": True, **setting_attrs(setting), **timing_attrs(timing)}
+            value = eb / timing.seconds_per_step
             self.study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, value=value,
                                                            user_attrs=attrs))  # fmt: skip
             added = next(t for t in reversed(self.study.get_trials(deepcopy=False)) if t.params == params)
@@ -140,9 +139,8 @@ class Trials:
         params = {k: trial.suggest_categorical(k, v) for k, v in choices(job, space).items()}
         config = job.config_of(params)
         m, label, setting = config.microbatch_size, config.strategy, job.settings[config.setting]
-        trial.set_user_attr("remat", setting.remat)
-        trial.set_user_attr("accumulator_dtype", setting.accumulator_dtype)
-        trial.set_user_attr("knobs", setting.values)
+        for name, value in setting_attrs(setting).items():
+            trial.set_user_attr(name, value)
         top = space.bounds[config.setting]  # lowered by a ceiling: this variant's or a lighter one's
         bound = min(self.ceilings.get((config.setting, other), top) for other in job.lighter(label))
         if m > bound or m not in space.fitting[config.setting]:  # never timed: it claims nothing
@@ -164,11 +162,8 @@ class Trials:
             trial.set_user_attr("interrupted", True)
             raise
         self.clock.spend("steps", began, starts, timing.compile_seconds)
-        trial.set_user_attr("compile_seconds", timing.compile_seconds)
-        trial.set_user_attr("cached_seconds", timing.cached_seconds)
-        trial.set_user_attr("times", list(timing.times or (timing.seconds_per_step,)))
-        if timing.peak_bytes is not None:
-            trial.set_user_attr("peak_bytes", timing.peak_bytes)
+        for name, value in timing_attrs(timing).items():
+            trial.set_user_attr(name, value)
         return job.effective_batch / timing.seconds_per_step
 
     def _ceiling(self, m: int, needs: tuple[int, int] | None) -> int:
@@ -291,6 +286,18 @@ class Trials:
 def choices(job: Job, space: Space) -> dict[str, list[Any]]:
     """Each Optuna parameter of a configuration and its values: the grid, the objective's and the recorded trials'."""
     return {"microbatch_size": space.sizes, "strategy": list(job.labels), **job.knob_space.params()}
+
+
+def setting_attrs(setting: Setting) -> dict[str, Any]:
+    """A trial's user attributes for its knob setting (`autoaccum._tune.result.record` reads them)."""
+    return {"remat": setting.remat, "accumulator_dtype": setting.accumulator_dtype, "knobs": setting.values}
+
+
+def timing_attrs(timing: Timing) -> dict[str, Any]:
+    """A measured trial's user attributes for its timing: compile seconds, step times and its measured peak."""
+    attrs = {"compile_seconds": timing.compile_seconds, "cached_seconds": timing.cached_seconds,
+             "times": list(timing.times or (timing.seconds_per_step,))}  # fmt: skip
+    return attrs if timing.peak_bytes is None else {**attrs, "peak_bytes": timing.peak_bytes}
 
 
 def _holds(recorded: dict[str, Any], key: dict[str, Any]) -> bool:
