@@ -370,3 +370,33 @@ def test_a_second_worker_finds_the_programs_of_the_first_in_the_compilation_cach
         assert not (tmp_path / "off").exists()
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+CALLER_WITH_A_CACHE = """
+import sys, jax, autoaccum
+from autoaccum import workloads
+from autoaccum._worker import CACHE_SAVED, recorded
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+w = workloads.cnn()
+with recorded(CACHE_SAVED) as saved:
+    result = autoaccum.tune(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="32MiB", budget=1,
+                            storage=":memory:", effective_batch=512, strategies=["loop"])
+print("PLAN", result.plan.microbatch_size, "HITS", len(saved))
+"""
+
+
+@pytest.mark.slow
+def test_the_plan_compiles_from_the_workers_cache_where_the_caller_has_one(tmp_path: Any) -> None:
+    """docs/concepts/plan.md: with JAX's persistent cache on in the caller, the worker writes there and tune's own
+    compile of the plan's (accumulating) update is read back from it: a cache hit in the caller."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "AUTOACCUM_CACHE": str(tmp_path / "studies")}
+    run = subprocess.run([sys.executable, "-c", CALLER_WITH_A_CACHE, str(tmp_path / "jax")], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    words = run.stdout.split()
+    plan, hits = int(words[words.index("PLAN") + 1]), int(words[words.index("HITS") + 1])
+    assert plan < 512 and hits >= 1, run.stdout  # an accumulating plan, its programs read back here
+    assert any((tmp_path / "jax").iterdir())
