@@ -29,6 +29,7 @@ from autoaccum.strategies import (
     leading_size,
     mean_grads,
 )
+from autoaccum.strategies.scan import check_unroll
 
 
 class _Missing:
@@ -102,6 +103,7 @@ def value_and_grad(
     check_bool(has_aux, "has_aux")
     check_bool(has_state, "has_state")
     dtype = check_accumulator_dtype(accumulator_dtype)
+    check_unroll(unroll)
     # The optimizer is no part of a gradient: the caller applies it.
     spec = Spec(
         loss_fn, optax.identity(), microbatch_size, has_aux, dtype, False, has_state, loss_reduction, remat=remat

@@ -38,6 +38,8 @@ class Workload:
         None: the device's default. The demo sets one, so that its effective batch does not fit in one step.
       knobs: the loss's own knobs (`autoaccum.Knobs`), which ``autoaccum tune`` searches beside the built-in
         ones; ``loss_fn`` is then the loss of their default values (what ``probe`` and ``plan`` use).
+      api: how the user trains with a plan, which the CLI's code snippet shows: ``"pytree"`` (`autoaccum.Plan.build`)
+        or ``"nnx"`` (`autoaccum.nnx.build_update`, set by `autoaccum.nnx.workload`).
     """
 
     loss_fn: Callable[..., Any]
@@ -50,9 +52,12 @@ class Workload:
     name: str = "workload"
     memory_limit: str | int | None = None
     knobs: Knobs | None = None
+    api: str = "pytree"
 
     def __post_init__(self) -> None:
         check_loss_fn(self.loss_fn)
+        if self.api not in ("pytree", "nnx"):
+            raise ValueError(f'`Workload.api` must be "pytree" or "nnx", got api={self.api!r}.')
         if self.knobs is not None and not isinstance(self.knobs, Knobs):
             raise TypeError(
                 f"`Workload.knobs` must be an autoaccum.Knobs (a loss factory and the values to try) or None, got "

@@ -487,7 +487,7 @@ def workload(
     f = functional(loss_fn, model, optimizer)
     return Workload(
         f.loss_fn, f.params, batch, f.tx, has_aux=has_aux, state=f.state, loss_reduction=loss_reduction, name=name,
-        memory_limit=memory_limit,
+        memory_limit=memory_limit, api="nnx",
     )  # fmt: skip
 
 

@@ -158,7 +158,7 @@ def _is_nnx_object(value: Any) -> bool:
 
 
 def check_params(params: PyTree) -> None:
-    """Raises ``TypeError`` naming the first ``params`` leaf that ``jax.grad`` cannot differentiate.
+    """Raises ``TypeError`` where ``params`` has no arrays, or naming the first leaf ``jax.grad`` cannot differentiate.
 
     Integer counters, booleans and PRNG keys belong in the model state, which flows through the microbatches
     without being differentiated. A flax nnx module is pointed at `autoaccum.nnx`.
@@ -169,6 +169,12 @@ def check_params(params: PyTree) -> None:
             "use autoaccum.nnx (build_update, probe, estimate, tune), which differentiate what nnx.Optimizer's "
             "`wrt` selects and thread the rest (RNG streams, BatchStat) as model state; for a saved plan, "
             "autoaccum.nnx.build_update(loss_fn, plan=autoaccum.Plan.load(path)), then step(model, optimizer, batch)."
+        )
+    if not jax.tree.leaves(params):
+        shown = repr(params) if len(repr(params)) <= 60 else repr(params)[:60] + "..."
+        raise TypeError(
+            f"`params` has no arrays to differentiate (got {type(params).__name__}: {shown}); pass the parameters "
+            "pytree, the one whose optimizer state update.init(params) made."
         )
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         dtype = dtype_of(leaf)

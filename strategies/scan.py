@@ -73,12 +73,7 @@ class Scan(Strategy):
 
     def __init__(self, spec: Spec, **options: Any) -> None:
         super().__init__(spec, **options)
-        unroll = self.config["unroll"]
-        if not isinstance(unroll, (bool, numbers.Integral)) or unroll < 0:
-            raise ValueError(
-                f"scan's option `unroll` must be an int >= 1 (microbatches per loop iteration; 0 or True: the whole "
-                f"loop) or False, got unroll={unroll!r}; e.g. unroll=2."
-            )
+        check_unroll(self.config["unroll"], "scan's option `unroll`")
         self._step = jax.jit(self._update, donate_argnums=self.donate_argnums(0, 1, 3), static_argnames=("layout",))
 
     def _update(
@@ -98,3 +93,17 @@ class Scan(Strategy):
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:
         layout = self.layout(params, batch, state)
         return [Program(self._step.lower(params, opt_state, batch, state, layout=layout), resident_bytes=0)]
+
+
+def check_unroll(unroll: Any, what: str = "`unroll`") -> None:
+    """Raises ValueError, naming ``what``, unless ``unroll`` is a ``lax.scan`` unroll: an int >= 0 or a bool.
+
+    Example:
+      >>> check_unroll(2), check_unroll(True)
+      (None, None)
+    """
+    if not isinstance(unroll, (bool, numbers.Integral)) or unroll < 0:
+        raise ValueError(
+            f"{what} must be an int >= 1 (microbatches per loop iteration; 0 or True: the whole loop) or False, got "
+            f"unroll={unroll!r}; e.g. unroll=2."
+        )

@@ -140,6 +140,59 @@ def test_the_printed_snippet_runs_on_a_workload_with_model_state(tmp_path: Path)
     assert int(scope["state"]) == 8, code  # one update: the state saw the batch's 8 examples
 
 
+NNX_WORKLOAD = """
+import jax.numpy as jnp, optax, autoaccum
+from flax import nnx
+
+def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"])[:, 0] - batch["y"]) ** 2)
+
+def make():
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+def workload():
+    return autoaccum.nnx.workload(loss_fn, *make(), {"x": jnp.ones((8, 4)), "y": jnp.zeros(8)})
+"""
+
+
+def test_the_printed_snippet_runs_on_an_nnx_workload_and_a_rerun_names_the_flag(tmp_path: Path) -> None:
+    """An nnx workload's snippet is the nnx way (`autoaccum.nnx.build_update`, a step on the model and its
+    nnx.Optimizer): the pytree one failed on them. A re-run resumes, and says how to start over: --fresh."""
+    import importlib.util
+
+    import numpy as np
+
+    path, out = tmp_path / "nnx_workload.py", tmp_path / "plan.json"
+    path.write_text(NNX_WORKLOAD)
+    args = ["tune", f"{path}:workload", "--microbatch-bound", "4", "--budget", "1", "--race-rounds", "0",
+            "--storage", f"sqlite:///{tmp_path / 'studies.db'}", "--no-isolate", "--out", str(out)]  # fmt: skip
+    result = run(*args)
+    assert result.exit_code == 0, explain(result)
+    code = result.stdout[result.stdout.index("import autoaccum") :]
+    spec = importlib.util.spec_from_file_location("nnx_workload", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    model, optimizer = module.make()
+    before = np.array(model.kernel[...])
+    scope = dict(loss_fn=module.loss_fn, model=model, optimizer=optimizer, batch=module.workload().batch)
+    exec(code, scope)  # the snippet as printed
+    assert np.isfinite(float(scope["loss"])) and not np.allclose(model.kernel[...], before), code
+    again = run(*args)
+    assert again.exit_code == 0 and "resumed" in again.stdout, explain(again)
+    words = " ".join(again.stdout.split())
+    assert "pass --fresh to start over" in words and "fresh=True" not in words, explain(again)
+
+
+@pytest.mark.parametrize("option", ["--out", "--plot"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_anything_runs(option: str, tmp_path: Path) -> None:
+    path = tmp_path / "missing" / "plan.json"
+    result = CliRunner().invoke(main, ["tune", LINEAR, "--storage", ":memory:", option, str(path)])
+    assert result.exit_code == 2, explain(result)
+    assert f"{option} " in result.output and "does not exist; make it first" in result.output, explain(result)
+    assert "trial" not in result.output.lower(), explain(result)  # refused before the probe and the trials
+
+
 def test_off_a_terminal_nothing_is_cut_or_wrapped(tmp_path: Path) -> None:
     result = CliRunner(env={"COLUMNS": "80"}).invoke(  # a terminal's width (pytest-xdist sets it): not this output's
         main, ["tune", LINEAR, "--microbatch-bound", "16", "--budget", "3", "--storage", ":memory:",

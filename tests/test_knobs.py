@@ -483,3 +483,5 @@ def test_a_workloads_knobs_are_searched_by_the_cli_tune() -> None:
     assert {t["knobs"]["scale"] for t in trials} == {1.0, 0.5}
     with pytest.raises(TypeError, match=r"`Workload.knobs` must be an autoaccum.Knobs .* got dict"):
         dataclasses.replace(workloads.linear(batch_size=4), knobs={"block_remat": (None,)})
+    with pytest.raises(ValueError, match=r'`Workload.api` must be "pytree" or "nnx", got api=\'flax\''):
+        dataclasses.replace(workloads.linear(batch_size=4), api="flax")

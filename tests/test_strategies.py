@@ -307,6 +307,9 @@ def test_an_optimizer_state_or_optimizer_that_cannot_step_is_named(strategy: str
         with pytest.raises(TypeError, match=r"fails on these arguments .* `opt_state` must be .* update\.init"):
             update(params, wrong, batch)
     assert float(params["w"][0]) == 1.0  # not donated away by the refused call
+    for wrong in (None, {}):  # (the optimizer step would blame `opt_state`)
+        with pytest.raises(TypeError, match=r"`params` has no arrays to differentiate"):
+            update(wrong, update.init(params), batch)
     lbfgs = autoaccum.build_update(loss_fn, optax.lbfgs(), microbatch_size=2, strategy=strategy)
     with pytest.raises(TypeError, match=r"`optimizer`\.update needs arguments besides .* 'value'"):
         lbfgs(params, lbfgs.init(params), batch)

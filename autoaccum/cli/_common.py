@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,6 +32,18 @@ def renamed_option(new: str, value: Any, old: str, old_value: Any) -> Any:
         raise click.UsageError(f"give {new} alone; {old} is its deprecated name.")
     click.echo(f"warning: {old} is deprecated: use {new}.", err=True)
     return old_value
+
+
+def check_output(path: Path | None, option: str) -> None:
+    """A usage error (exit 2) before any work where ``path``, the file ``option`` writes, cannot be written there: its
+    folder is missing or not writable."""
+    if path is None:
+        return
+    folder = path.parent
+    if not folder.is_dir():
+        raise click.UsageError(f"{option} {str(path)!r}: the folder {str(folder)!r} does not exist; make it first.")
+    if not os.access(folder, os.W_OK):
+        raise click.UsageError(f"{option} {str(path)!r}: the folder {str(folder)!r} is not writable; write elsewhere.")
 
 
 STRATEGY_HELP = "{what} [{choices}, or a strategy the workload's file registers]"

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import click
 
-from autoaccum.cli._common import resolve_workload, strategy_help, workload_arguments
+from autoaccum.cli._common import check_output, resolve_workload, strategy_help, workload_arguments
 from autoaccum.cli._console import fit_table, make_console
 
 NOTE = (
@@ -152,6 +152,8 @@ def plan(
             raise click.BadParameter(str(e), param_hint="'--memory-limit'") from e
     if plot is not None:
         _require_matplotlib()
+    check_output(out, "--out")
+    check_output(plot, "--plot")
     mesh = _mesh(devices) if devices > 1 else None  # before the workload makes arrays: JAX starts then
     if demo and workload is None:
         from autoaccum.workloads import planning_demos

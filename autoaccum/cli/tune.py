@@ -11,6 +11,7 @@ from rich.text import Text
 
 from autoaccum._units import format_bytes
 from autoaccum.cli._common import (
+    check_output,
     check_strategies,
     renamed_option,
     resolve_workload,
@@ -37,6 +38,15 @@ update = plan.build({loss}, optimizer, params=params)
 opt_state = update.init(params)
 # one update on a batch of {batch} examples{state_note}
 params, opt_state, loss{state} = update(params, opt_state, batch{state})"""
+
+NNX_SNIPPET = """\
+import autoaccum
+
+plan = autoaccum.Plan.load({path!r})
+# loss_fn(model, batch), as tuned; the model's parameters are checked against the plan's at the first call
+step = autoaccum.nnx.build_update({loss}, plan=plan)
+# one update of model and optimizer (an nnx.Optimizer), in place, on a batch of {batch} examples
+{out} = step(model, optimizer, batch)"""
 
 
 @click.command()
@@ -160,6 +170,8 @@ def tune(
 
     if plot is not None:
         _require_matplotlib()
+    check_output(out, "--out")
+    check_output(plot, "--plot")
     budget = renamed_option("--budget", budget, "--n-trials", n_trials)
     microbatch_bound = renamed_option("--microbatch-bound", microbatch_bound, "--max-microbatch", max_microbatch)
     w = resolve_workload(workload, demo)
@@ -222,10 +234,10 @@ def tune(
     if as_json:
         click.echo(result.to_json())
         return
-    _report(console, result, out, isolated=not no_isolate)
+    _report(console, result, out, isolated=not no_isolate, api=w.api)
 
 
-def _report(console: Console, result: Any, out: Path | None, *, isolated: bool) -> None:
+def _report(console: Console, result: Any, out: Path | None, *, isolated: bool, api: str = "pytree") -> None:
     """The human report of ``result``: the trials' and the race's tables, the probe, the plan, the snippet."""
     _print_table(console, result)
     plan = result.plan
@@ -263,28 +275,36 @@ def _report(console: Console, result: Any, out: Path | None, *, isolated: bool) 
             f"the plan's step: measured peak {peak}, limit {limit} (every trial ran in an isolated worker under it)",
             highlight=False,
         )
-    console.print(f"{result.message}; stored in {result.storage}", highlight=False, markup=False)
+    message = result.message.replace("pass fresh=True", "pass --fresh")  # (the flag, here)
+    console.print(f"{message}; stored in {result.storage}", highlight=False, markup=False)
     units = "" if result.units is None else f" ({result.units:.1f} units of one compile + five steps of the pick)"
     phases = ", ".join(f"{name} {seconds:.1f}" for name, seconds in result.phases.items() if seconds >= 0.05)
     console.print(f"took {result.seconds:.1f} s{units}: {phases or 'nothing timed'}", highlight=False, markup=False)
     if out is not None:
         console.print(f"plan saved to {out}\n", highlight=False, markup=False)
-        console.print(snippet(plan, out), highlight=False, markup=False, soft_wrap=True)  # code: never re-wrapped
+        console.print(snippet(plan, out, api), highlight=False, markup=False, soft_wrap=True)  # code: never re-wrapped
 
 
-def snippet(plan: Plan, path: Path) -> str:
-    """The code that rebuilds ``plan`` saved at ``path`` and runs one update (with the model state, if it has one).
+def snippet(plan: Plan, path: Path, api: str = "pytree") -> str:
+    """The code that rebuilds ``plan`` saved at ``path`` and runs one update (with the model state, if it has one),
+    through the workload's `Workload.api`.
 
     Example:
       >>> from autoaccum import Plan
       >>> plan = Plan(effective_batch=8, microbatch_size=4, accumulation_steps=2, strategy="scan", has_state=True)
       >>> print(snippet(plan, Path("plan.json")).splitlines()[-1])
       params, opt_state, loss, state = update(params, opt_state, batch, state)
+      >>> print(snippet(plan, Path("plan.json"), "nnx").splitlines()[-1])
+      loss = step(model, optimizer, batch)
     """
+    loss = "knobs" if plan.knobs else "loss_fn"
+    if api == "nnx":
+        out = "loss, aux" if plan.has_aux else "loss"
+        return NNX_SNIPPET.format(path=str(path), batch=plan.effective_batch, loss=loss, out=out)
     state_note = "; state: the model state (the Workload's), updated" if plan.has_state else ""
     return SNIPPET.format(
-        path=str(path), batch=plan.effective_batch, loss="knobs" if plan.knobs else "loss_fn",
-        state=", state" if plan.has_state else "", state_note=state_note,
+        path=str(path), batch=plan.effective_batch, loss=loss, state=", state" if plan.has_state else "",
+        state_note=state_note,
     )  # fmt: skip
 
 
