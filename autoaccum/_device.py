@@ -338,9 +338,11 @@ def default_gpu_fraction(env: Mapping[str, str] | None = None) -> float:
 
 
 def resolve_memory_limit(
-    info: DeviceInfo, memory_limit: int | float | str | None, *, isolate: bool = True
+    info: DeviceInfo, memory_limit: int | float | str | None, *, isolate: bool = True, devices: int = 1
 ) -> tuple[int, str]:
     """THE memory-limit policy: the bytes a step may use on ``info``'s device, and where that figure came from.
+
+    The limit is per device; on the CPU, ``devices`` (a mesh's) share the RAM, each an equal part of it.
 
     ``memory_limit`` given: it is checked and used as is (on a GPU it must fit in the memory free now, since
     a trial's process allocates it), unless it is above the device's memory (the RAM on the CPU, the card's
@@ -370,12 +372,15 @@ def resolve_memory_limit(
       True
       >>> [resolve_memory_limit(DeviceInfo("cpu", "cpu", 2**36, f, None), None)[0] / 2**30 for f in (20.3e9, 20.9e9)]
       [9.0, 9.0]
+      >>> resolve_memory_limit(info, None, devices=8)[0] == 3 * 2**30 // 8  # a CPU mesh's devices share the RAM
+      True
     """
     limit = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
     if info.platform == "cpu":
-        if limit is not None and info.total_bytes is not None and limit > info.total_bytes:
+        each = "" if devices == 1 else f" over {devices} devices"
+        if limit is not None and info.total_bytes is not None and limit > info.total_bytes // devices:
             where = info.sources.get("total_bytes", "?")
-            return _above_device(limit, info.total_bytes, f"this machine's RAM ({where})")
+            return _above_device(limit, info.total_bytes // devices, f"this machine's RAM ({where}){each}")
         if limit is not None:
             return limit, "memory_limit"
         if info.free_bytes is None:
@@ -384,9 +389,9 @@ def resolve_memory_limit(
                 "e.g. '4GiB'."
             )
         where = info.sources.get("free_bytes", "?")
-        share = int(info.free_bytes * CPU_MEMORY_FRACTION)
+        share = int(info.free_bytes * CPU_MEMORY_FRACTION) // devices
         steady = share // (step := 1 << max(share.bit_length() - 4, 0)) * step  # a tune's study resumes
-        return steady, f"{CPU_MEMORY_FRACTION:.0%} of available RAM ({where}), rounded down"
+        return steady, f"{CPU_MEMORY_FRACTION:.0%} of available RAM ({where}){each}, rounded down"
     if info.platform == "tpu" and isolate:
         raise ValueError("`isolate=True` cannot run trials on a TPU (one process owns the chip); pass isolate=False.")
     if not isolate:

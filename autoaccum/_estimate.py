@@ -527,14 +527,15 @@ def estimate(
         platform, compiler, target_name, memory_limit, compiler_options, params, batch, state = _for_target(
             target, memory_limit, compiler_options, params, batch, state
         )
+    layout = layout_of(params, batch, state)
     if memory_limit is None:
         from autoaccum._device import detect_device, resolve_memory_limit
 
-        limit = resolve_memory_limit(detect_device(), None)[0]
+        devices = 1 if layout is None else layout.mesh.size
+        limit = resolve_memory_limit(detect_device(), None, devices=devices)[0]
     else:
         limit = parse_bytes(memory_limit, "memory_limit")
     extra_limits = [parse_bytes(x, "refine_for") for x in refine_for]
-    layout = layout_of(params, batch, state)
     g = 1 if layout is None else layout.shards  # on a mesh: global sizes, multiples of the batch's shards
     if cap < g:
         raise ValueError(

@@ -3,6 +3,7 @@ at the initial parameters."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -36,19 +37,24 @@ def _call(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state: PyT
     return loss_fn(params, batch) if state is None else loss_fn(params, batch, state)
 
 
+def _plain(tree: PyTree) -> PyTree:
+    """``tree``'s shapes and dtypes without shardings: the loss as an update calls it, on gathered parameters and
+    one device's rows (on an explicit mesh, a sharded parameter's gather would need an ``out_sharding``)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
 def loss_text(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state: PyTree | None = None) -> str:
     """``loss_fn`` lowered on the batch's first example (nothing compiles or runs): its body, constants included,
     for a fingerprint."""
-    plain = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype))
-    rows = plain(_abstract_rows(batch, 1))
-    lowered = jax.jit(lambda p, b, s: _call(loss_fn, p, b, s)).lower(plain(params), rows, plain(state))
+    rows = _plain(_abstract_rows(batch, 1))
+    lowered = jax.jit(lambda p, b, s: _call(loss_fn, p, b, s)).lower(_plain(params), rows, _plain(state))
     return str(lowered.as_text())
 
 
 def trace_loss(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state: PyTree | None = None) -> None:
     """Traces ``loss_fn`` once on the batch's first example, abstractly (``jax.eval_shape``: nothing is allocated,
-    nothing runs). An exception the loss raises is the caller's own, raised here with its file and line, before
-    any trial; a note says so.
+    nothing runs), on inputs without shardings (`_plain`), else as given. An exception the loss raises is the
+    caller's own, raised here with its file and line, before any trial; a note says so.
 
     Example:
       >>> import jax.numpy as jnp
@@ -59,9 +65,14 @@ def trace_loss(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state
       ...     print(repr(e))
       KeyError('nope')
     """
+    inputs = (params, _abstract_rows(batch, 1), state)
+    trace = functools.partial(jax.eval_shape, lambda p, b, s: _call(loss_fn, p, b, s))
     try:
-        jax.eval_shape(lambda p, b, s: _call(loss_fn, p, b, s), params, _abstract_rows(batch, 1), state)
+        trace(*map(_plain, inputs))
     except Exception as e:  # the user's loss raised: re-raised unchanged, with a note of where autoaccum called it
+        with contextlib.suppress(Exception):  # a loss that shards its own values: on the inputs' mesh
+            trace(*inputs)
+            return
         if hasattr(e, "add_note"):
             e.add_note(
                 "autoaccum traced `loss_fn` on the batch's first example (jax.eval_shape) before starting any trial; "

@@ -269,7 +269,7 @@ def prepare(
     job = Job(loss_fn, optimizer, plain, host_copy(batch), None if state is None else host_copy(state), build, mesh)
     update = job.update(granularity)
     info = detect_device(device)
-    limit, source = resolve_memory_limit(info, memory_limit, isolate=isolate)
+    limit, source = resolve_memory_limit(info, memory_limit, isolate=isolate, devices=job.devices)
     needed = state_bytes(update, job.abstract_params()) + (0 if state is None else tree_bytes(abstract(state)))
     if limit <= needed:
         raise ValueError(

@@ -303,6 +303,49 @@ def test_probe_on_a_mesh_runs_the_sharded_step_in_children_that_see_the_mesh() -
     assert single_peak - mesh_peak > 2 * 2**20, (single_peak, mesh_peak)
 
 
+def test_a_cpu_meshs_devices_share_the_ram_in_the_default_limit() -> None:
+    """The default limit is per device: on a CPU mesh the 8 devices are one process's, so each gets an eighth of
+    the RAM's share (a per-device half of the RAM made 4x the RAM for the process), and a given limit above an
+    eighth of the RAM is lowered to it with a warning."""
+    from autoaccum._device import detect_device
+
+    mesh = mesh_of(AxisType.Explicit)
+    params, batch = mlp()
+    sharded, rows = place(params, mesh, P()), place(batch, mesh, P("data"))
+    info = detect_device()
+    assert info.platform == "cpu" and info.free_bytes is not None and info.total_bytes is not None
+    kw = dict(optimizer=optax.sgd(0.1), sizes=[8], isolate=False)
+    found = autoaccum.probe(loss_fn, sharded, rows, **kw)
+    assert found.memory_limit_bytes <= info.total_bytes // 2 // 8 and "over 8 devices" in found.limit_source
+    with pytest.warns(autoaccum.MemoryLimitWarning, match="over 8 devices"):
+        capped = autoaccum.probe(loss_fn, sharded, rows, memory_limit=info.total_bytes // 4, **kw)
+    assert capped.memory_limit_bytes == info.total_bytes // 8
+
+
+def embedding_loss(p: Any, b: Any) -> jax.Array:
+    return jnp.mean((p["emb"][b["tokens"]] @ p["out"]) ** 2)  # a gather of rows, as every LM's first layer
+
+
+def test_tune_takes_fsdp_parameters_that_a_loss_gathers_from_on_an_explicit_mesh() -> None:
+    """The check that traces the loss before any trial ran it on the sharded parameters themselves: on an Explicit
+    mesh the embedding's gather then needs an ``out_sharding``, a ShardingTypeError blamed on the loss, while the
+    update (which gathers the parameters first) runs it. Traced without shardings, the tune goes on."""
+    mesh = mesh_of(AxisType.Explicit)
+    params = {"emb": jnp.full((64, 32), 0.1), "out": jnp.full((32, 8), 0.1)}
+    batch = {"tokens": jnp.arange(64 * 16).reshape(64, 16) % 64}
+    sharded, tokens = place(params, mesh, P("data")), place(batch, mesh, P("data"))
+    result = autoaccum.tune(
+        embedding_loss, sharded, tokens, optimizer=optax.sgd(0.1), microbatch_bound=16, strategies=["loop"],
+        budget=1, race_rounds=0, storage=":memory:", isolate=False,
+    )  # fmt: skip
+    update = result.plan.build(embedding_loss, optax.sgd(0.1))
+    got, _, loss = update(sharded, update.init(sharded), tokens)
+    want, want_loss = jax.device_get(params), jax.value_and_grad(embedding_loss)(params, batch)
+    want = jax.tree.map(lambda w, g: w - 0.1 * g, want, want_loss[1])
+    assert_trees_close(jax.device_get(got), want, atol=ATOL)
+    np.testing.assert_allclose(float(loss), float(want_loss[0]), rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_tune_on_a_mesh_searches_global_multiples_of_the_shards_and_the_fsdp_schedules() -> None:
     mesh = mesh_of(AxisType.Explicit)

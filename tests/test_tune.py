@@ -197,6 +197,7 @@ def test_interrupted_tune_resumes_without_rerunning(linear: autoaccum.Workload, 
     assert not set(first) & set(second)  # nothing measured in the first run is measured again
     assert len(first) + len(second) == 20  # and the whole grid got measured, the interrupted point included
     assert sum(r.state == "COMPLETE" for r in result.trials) == 20
+    assert all(r.state == "COMPLETE" for r in result.trials), result.trials  # the interrupted one is no failure
 
     third: list[Any] = []  # a finished study: nothing left to run
     again = tune(

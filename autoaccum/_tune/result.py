@@ -185,7 +185,9 @@ def record(trial: optuna.trial.FrozenTrial, effective_batch: int, labels: dict[s
 
 
 def records(trials: Sequence[optuna.trial.FrozenTrial], eb: int, labels: dict[str, Any]) -> list[TrialRecord]:
-    """The `TrialRecord` of every trial that ran its configuration (not a copy, not pruned), fastest first."""
-    kept = [t for t in trials if "duplicate_of" not in t.user_attrs and t.state.name not in ("WAITING", "PRUNED")]
+    """The `TrialRecord` of every trial that ran its configuration (not a copy, not pruned, not interrupted: that
+    configuration is queued again), fastest first."""
+    skipped = {"duplicate_of", "interrupted"}
+    kept = [t for t in trials if not skipped & t.user_attrs.keys() and t.state.name not in ("WAITING", "PRUNED")]
     out = [record(t, eb, labels) for t in kept]
     return sorted(out, key=lambda r: (r.throughput is None, -(r.throughput or 0.0), r.number))
