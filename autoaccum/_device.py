@@ -66,6 +66,7 @@ class DeviceInfo(JsonMixin):
       sources: where each figure came from, e.g. ``{"total_bytes": "nvml", "limit_bytes": "jax.memory_stats"}``.
       nvml_index: the NVML (PCI-order) index of a GPU, when the driver answered.
       visible_id: the entry that selects this GPU in ``CUDA_VISIBLE_DEVICES`` (for child processes).
+      id: the JAX device id.
 
     Example:
       >>> import autoaccum
@@ -83,13 +84,12 @@ class DeviceInfo(JsonMixin):
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
     nvml_index: int | None = None
     visible_id: str | None = None
+    id: int | None = None
+    """The JAX device id (``device``'s when not given; kept in JSON, where ``device`` is not)."""
 
-    json_properties = ("id",)
-
-    @property
-    def id(self) -> int | None:
-        """The JAX device id (None for a description read back from JSON)."""
-        return None if self.device is None else int(self.device.id)
+    def __post_init__(self) -> None:
+        if self.id is None and self.device is not None:
+            object.__setattr__(self, "id", int(self.device.id))
 
 
 def detect_device(device: Any = None) -> DeviceInfo:

@@ -346,3 +346,20 @@ def test_nnx_workload_carries_a_token_weighted_loss_to_the_update() -> None:
     np.testing.assert_allclose(float(loss), (residual**2).sum() / tokens, atol=1e-6)
     np.testing.assert_allclose(params["kernel"], kernel - 0.5 * grad_kernel, atol=1e-6)
     np.testing.assert_allclose(params["bias"], bias - 0.5 * grad_bias, atol=1e-6)
+
+
+def test_the_step_donates_the_models_arrays_unless_told_not_to() -> None:
+    """docs/guides/nnx.md: a clone sharing the model's arrays loses them to the step; with donate=False it keeps
+    them, and the step moves the model all the same."""
+    x = {"x": jnp.ones((4, 4))}
+    for donate in (True, False):
+        model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+        teacher, before = nnx.clone(model), np.array(model.kernel[...])
+        step = autoaccum.nnx.build_update(lambda m, b: jnp.mean(m(b["x"]) ** 2), microbatch_size=2, donate=donate)
+        step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), x)
+        assert not np.allclose(model.kernel[...], before)
+        if donate:
+            with pytest.raises(RuntimeError, match="deleted"):
+                teacher(jnp.ones((1, 4)))
+        else:
+            np.testing.assert_array_equal(teacher.kernel[...], before)

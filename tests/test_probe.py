@@ -228,7 +228,9 @@ def test_probe_at_listed_sizes_reports_the_next_size_that_failed() -> None:
     nxt = {8: 64, 64: 512, 512: 4096}[result.max_microbatch]
     assert result.failed_above == nxt and f"; {nxt} does not" in result.message
     assert result.predicted_over == ()  # its own worker runs a size whatever XLA's figure: the probe is exact
-    assert autoaccum.ProbeResult.from_json(result.to_json()).sizes == (8, 64, 512, 4096)
+    back = autoaccum.ProbeResult.from_json(result.to_json())
+    assert back.sizes == (8, 64, 512, 4096) and back.device == result.device and back.device.id == 0  # (was None)
+    assert back.to_dict() == result.to_dict()
     with pytest.raises(ValueError, match=r"`sizes`=\[3, 5\] holds \[3, 5\], not positive multiples of 2 \(`gran"):
         autoaccum.probe(loss_fn, params, batch, optimizer=optax.sgd(0.1), granularity=2, sizes=[3, 5], isolate=False)
     # one bad size among good ones is named too (it was dropped without a word), before anything runs
