@@ -247,9 +247,10 @@ def prepare(
     if effective_batch is not None:
         cap = min(cap, check_positive_int(effective_batch, "effective_batch"))
     if cap < granularity:
+        what = "microbatch_cap" if effective_batch is None or cap < effective_batch else "effective_batch"
         raise ValueError(
-            f"`microbatch_cap`={cap} is below `granularity`={granularity}, so no size can be tried; raise "
-            "microbatch_cap or lower granularity."
+            f"`{what}`={cap} is below `granularity`={granularity}, so no size can be tried; raise {what} or lower "
+            "granularity."
         )
     check_bool(isolate, "isolate")
     if trial_timeout is not None and not (isinstance(trial_timeout, (int, float)) and trial_timeout > 0):

@@ -16,6 +16,7 @@ import ctypes
 import dataclasses
 import errno
 import functools
+import hashlib
 import json
 import math
 import os
@@ -662,6 +663,26 @@ class Request:
     estimate: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def loss_digest(job: Job, setting: Mapping[str, Any]) -> str:
+    """A hash of the loss ``job`` runs at knob ``setting``, lowered on one example (`autoaccum._preflight.loss_text`):
+    the caller's and the worker's must agree, else the worker would measure another program than the caller's (a
+    module global the caller changed at run time is not what the worker's fresh import of the module holds)."""
+    from autoaccum._knobs import resolve
+    from autoaccum._preflight import loss_text
+
+    state = None if job.state is None else device_copy(job.state)
+    text = loss_text(resolve(job.loss_fn, setting), job.params, device_copy(job.batch), state)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+LOSS_DIFFERS = (
+    "the loss the worker loaded is not the one this process runs: lowered on one example, their programs differ. The "
+    "worker imports the loss's module afresh, so module-level values this process changed at run time (a global set "
+    "by a script or by the workload function) do not reach it; pass such values through the loss itself (a closure, "
+    "functools.partial) or define them at import time."
+)
+
+
 class Server:
     """Answers requests of one job, in the worker (`serve`) or in this process (``isolate=False``), keeping the
     compiled input makers and the fastest configurations' programs (`evicted`)."""
@@ -776,7 +797,8 @@ class Worker:
         self._dir = make_directory()
         functions = [getattr(self.job.loss_fn, "make_loss", self.job.loss_fn)]  # a Knobs travels with its factory
         try:
-            (self._dir / "job.pkl").write_bytes(payload((self.job, self.settings), self.device.platform, functions))
+            job = (self.job, self.settings, loss_digest(self.job, self.settings[0]))
+            (self._dir / "job.pkl").write_bytes(payload(job, self.device.platform, functions))
         except BaseException:  # (a job that does not pickle, an interrupt): no folder is left behind
             self.__exit__()
             raise
@@ -938,11 +960,12 @@ def over_limit(outcome: Outcome, limit: int) -> Outcome:
 def serve(payload_path: str, answers_fd: int, limit: int) -> None:
     """The worker's loop (in the child): one `Request` per line of stdin, its `Outcome` on ``answers_fd``."""
     use_compilation_cache()
-    (job, settings), platform = load_payload(payload_path)
+    (job, settings, expected), platform = load_payload(payload_path)
     device = jax.devices()[0]
     warm_up(device)
     answers = os.fdopen(answers_fd, "w", buffering=1)
     server = Server(job, settings, platform, device, limit)
+    differs = loss_digest(job, settings[0]) != expected
     answers.write(json.dumps({"event": "ready"}) + "\n")
 
     def compiled(cached: bool) -> None:
@@ -950,7 +973,11 @@ def serve(payload_path: str, answers_fd: int, limit: int) -> None:
 
     for line in sys.stdin:
         request = Request(**json.loads(line))
-        outcome = guarded(functools.partial(server.answer, request, compiled))
+        outcome = (
+            Outcome("error", message=LOSS_DIFFERS)
+            if differs
+            else guarded(functools.partial(server.answer, request, compiled))
+        )
         answers.write(json.dumps({"event": "done", "outcome": outcome.to_dict()}) + "\n")
         if not keeps_worker(outcome):
             return  # the parent starts a fresh worker

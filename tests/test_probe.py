@@ -252,13 +252,14 @@ def test_probe_at_listed_sizes_reports_the_next_size_that_failed() -> None:
         (dict(microbatch_cap=0), "`microbatch_cap` must be >= 1"),
         (dict(granularity=0), "`granularity` must be >= 1"),
         (dict(granularity=64, microbatch_cap=8), "below `granularity`"),
+        (dict(granularity=100, microbatch_cap=1000, effective_batch=64), r"`effective_batch`=64 is below `granul"),
         (dict(memory_limit="lots"), "`memory_limit`='lots' does not parse"),
         (dict(memory_limit=-5), "`memory_limit` must be positive"),
         (dict(memory_limit=1000), r"alone need: .*\(16388 bytes\)"),
         (dict(strategy="nope"), "unknown `strategy`"),
     ],
-    ids=["max_microbatch", "granularity", "granularity-above-max", "unparsable-limit", "negative-limit",
-         "limit-below-state", "strategy"],
+    ids=["max_microbatch", "granularity", "granularity-above-max", "granularity-above-batch", "unparsable-limit",
+         "negative-limit", "limit-below-state", "strategy"],
 )  # fmt: skip
 def test_bad_input_is_refused_before_anything_runs(kwargs: dict, match: str) -> None:
     loss_fn, params, batch = probe_workloads.linear()

@@ -161,17 +161,17 @@ def test_failed_trials_do_not_stop_the_study(linear: autoaccum.Workload) -> None
     assert result.trials[0].state == "COMPLETE"
 
 
-def test_every_trial_failing_is_an_error(linear: autoaccum.Workload) -> None:
-    with pytest.raises(RuntimeError, match="every trial failed"):
-        tune(
-            linear.loss_fn,
-            linear.params,
-            linear.batch,
-            optimizer=linear.optimizer,
-            microbatch_bound=2,
-            storage=":memory:",
-            measure=fake_measure(fail_from=1),
-        )
+def test_every_trial_failing_is_an_error_whose_fix_fits_the_failures(linear: autoaccum.Workload) -> None:
+    kw: dict[str, Any] = dict(optimizer=linear.optimizer, microbatch_bound=2, storage=":memory:")
+    with pytest.raises(RuntimeError, match=r"every trial failed .*; lower the effective batch or raise `memory_limit`"):
+        tune(linear.loss_fn, linear.params, linear.batch, measure=fake_measure(fail_from=1), **kw)
+
+    def crashing(update: Update, params: Any, batch: Any) -> Timing:
+        raise TrialFailed("failed in the worker: the trial's child crashed with SIGABRT")
+
+    with pytest.raises(RuntimeError, match=r"crashed with SIGABRT.*; each reason is the trial's own") as caught:
+        tune(linear.loss_fn, linear.params, linear.batch, measure=crashing, **kw)
+    assert "memory_limit" not in str(caught.value)  # (it said to raise the memory limit)
 
 
 def test_interrupted_tune_resumes_without_rerunning(linear: autoaccum.Workload, tmp_path: Path) -> None:

@@ -400,3 +400,33 @@ def test_the_plan_compiles_from_the_workers_cache_where_the_caller_has_one(tmp_p
     plan, hits = int(words[words.index("PLAN") + 1]), int(words[words.index("HITS") + 1])
     assert plan < 512 and hits >= 1, run.stdout  # an accumulating plan, its programs read back here
     assert any((tmp_path / "jax").iterdir())
+
+
+GLOBAL_LOSS = """
+import jax.numpy as jnp
+
+SCALE = 1.0  # what a fresh import of this module holds
+
+
+def loss_fn(w, b):
+    return jnp.mean((b["x"] @ w) ** 2) * SCALE
+"""
+
+
+def test_a_worker_refuses_a_loss_that_differs_from_the_callers(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker imports the loss's module afresh: a module global the caller changed at run time does not reach
+    it, and it would measure another program (a new user's probe answered 512 for a loss needing 4x the limit there).
+    The caller's and the worker's losses, lowered on one example, must agree: else every request fails, saying why."""
+    import importlib
+    import sys
+
+    (tmp_path / "loss_with_a_global.py").write_text(GLOBAL_LOSS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("loss_with_a_global")
+    monkeypatch.setitem(sys.modules, "loss_with_a_global", module)
+    params, batch = jnp.ones(4), {"x": jnp.ones((16, 4))}
+    kw = dict(optimizer=optax.sgd(0.1), memory_limit="64MiB", sizes=[8])
+    assert autoaccum.probe(module.loss_fn, params, batch, **kw).max_microbatch == 8  # as imported: the same loss
+    monkeypatch.setattr(module, "SCALE", 3.0)
+    with pytest.raises(autoaccum.ProbeError, match="the loss the worker loaded is not the one this process runs"):
+        autoaccum.probe(module.loss_fn, params, batch, **kw)

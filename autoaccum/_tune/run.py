@@ -103,7 +103,13 @@ def _result(job: Job, space: Space, study: optuna.Study, runners: list[Runner], 
     completed = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     if not completed:
         reasons = "; ".join(f"#{r.number} {r.reason}" for r in ran if r.reason)[:500]
-        raise RuntimeError(f"every trial failed ({reasons}); lower the effective batch or raise `memory_limit`.")
+        memory = all((r.reason or "").startswith("out of memory") for r in ran)
+        fix = (
+            "lower the effective batch or raise `memory_limit`"
+            if memory
+            else ("each reason is the trial's own (the loss's error, a crash, a step over `trial_timeout`): fix it")
+        )
+        raise RuntimeError(f"every trial failed ({reasons}); {fix}.")
     top = max(completed, key=lambda t: float(t.value))  # type: ignore[arg-type]
     throughput = float(top.value)  # type: ignore[arg-type]
     if runners:  # the race's winner, at the median of every step it was timed
