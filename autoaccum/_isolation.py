@@ -65,6 +65,7 @@ class Outcome(JsonMixin):
         time JAX's persistent cache saved; ``costs``: ``[flops, bytes accessed]`` of each program the step runs.
       estimate: an estimate request's `autoaccum.Estimate`, as `to_dict` writes it.
       need_bytes: XLA's buffer-assignment bytes, where they alone refused the step (it was not run).
+      loss: a loss request's value at the caller's parameters (`autoaccum._preflight.initial_loss`).
     """
 
     status: str
@@ -78,6 +79,7 @@ class Outcome(JsonMixin):
     cached_seconds: float | None = None
     costs: list[list[float]] | None = None
     need_bytes: int | None = None
+    loss: float | None = None
 
 
 def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outcome:

@@ -119,11 +119,15 @@ def warn_if_not_finite(loss_fn: Callable[..., Any], params: PyTree, batch: PyTre
       >>> str(caught[0].message).split(":")[0]
       "the loss is nan at the initial parameters (on the batch's first 8 examples)"
     """
-    value = initial_loss(loss_fn, params, batch, **kwargs)
+    warn_of(initial_loss(loss_fn, params, batch, **kwargs), kwargs.get("rows", 8), stacklevel=4)
+
+
+def warn_of(value: float | None, rows: int = 8, stacklevel: int = 3) -> None:
+    """The `NonFiniteLossWarning` of an `initial_loss` ``value`` on ``rows`` examples that is NaN or infinite."""
     if value is not None and not math.isfinite(value):
         warnings.warn(
-            f"the loss is {value} at the initial parameters (on the batch's first {kwargs.get('rows', 8)} examples): "
-            "the tuned plan would train on it; check the loss, the parameters' initialisation and the batch.",
+            f"the loss is {value} at the initial parameters (on the batch's first {rows} examples): the tuned plan "
+            "would train on it; check the loss, the parameters' initialisation and the batch.",
             NonFiniteLossWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )

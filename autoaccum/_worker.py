@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import resource
 import select
 import shutil
@@ -649,9 +650,9 @@ def evicted(rates: Mapping[str, float], keep: int = MAX_CACHED) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request of ``kind`` ``"estimate"``, ``"fits"`` or ``"time"``: ``build`` (over the job's), the microbatch, the
-    batch's rows, the steps timed after ``warmup``, the knob ``setting`` and, for an estimate, `autoaccum.estimate`'s
-    keyword arguments."""
+    """One request of ``kind`` ``"estimate"``, ``"fits"``, ``"time"`` or ``"loss"``: ``build`` (over the job's), the
+    microbatch, the batch's rows, the steps timed after ``warmup``, the knob ``setting``; for an estimate,
+    `autoaccum.estimate`'s keyword arguments; for a loss, the file holding the caller's parameters and state."""
 
     build: Mapping[str, Any]
     microbatch_size: int
@@ -661,6 +662,7 @@ class Request:
     setting: int = 0
     kind: str = "time"
     estimate: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    inputs: str = ""
 
 
 def loss_digest(job: Job, setting: Mapping[str, Any]) -> str:
@@ -703,6 +705,9 @@ class Server:
     def answer(self, request: Request, compiled: Callable[[bool], None] = lambda cached: None) -> Outcome:
         """The request's `Outcome`; calls ``compiled(cached)`` once its programs are compiled. A ``"time"`` request
         whose programs alone need more than the limit is not run. Raises what the step raises (see `guarded`)."""
+        if request.kind == "loss":
+            compiled(False)
+            return self._loss(request)
         if request.kind == "estimate":
             from autoaccum._estimate import Estimate, estimate
 
@@ -747,6 +752,19 @@ class Server:
         for old in evicted(self.rates):
             del self.cache[old], self.rates[old]
         return outcome
+
+    def _loss(self, request: Request) -> Outcome:
+        """The loss at the caller's parameters and state (`host_copy` pickles in ``request.inputs``) on the batch's
+        first examples (`autoaccum._preflight.initial_loss`), uncapped: it is no trial."""
+        from autoaccum._preflight import initial_loss
+
+        job = self.job_for(request)
+        with open(request.inputs, "rb") as f:
+            params, state = (None if x is None else device_copy(x) for x in pickle.load(f))
+        aux, reduction = job.build.get("has_aux", False), job.build.get("loss_reduction", "mean")
+        value = initial_loss(job.loss_fn, params, device_copy(job.batch), state=state, has_aux=aux,
+                             loss_reduction=reduction)  # fmt: skip
+        return Outcome("fits", loss=value)
 
     def _refused(self, compiled: Compiled) -> Outcome | None:
         """The out-of-memory outcome of a step whose programs alone need more than the limit (a lower bound of its
@@ -804,6 +822,12 @@ class Worker:
             raise
         return self
 
+    @property
+    def folder(self) -> Path:
+        """The worker's own folder (removed on exit): files a request names go here."""
+        assert self._dir is not None, "use the Worker as a context manager"
+        return self._dir
+
     def __exit__(self, *exc: object) -> None:
         self._stop()
         if self._dir is not None:
@@ -851,6 +875,7 @@ class Worker:
                 what = f"stepping ({request.warmup} warm-up and {request.steps} timed steps)"
                 what = "compiling" if event == "compiled" else what
                 what = "the compile-only estimate" if request.kind == "estimate" else what
+                what = "the loss at the initial parameters" if request.kind == "loss" else what
                 return self._hung(f"{what} ran over {limit:g} s and the worker was killed (a hang? raise the time "
                                   "limit if it is only slow).")  # fmt: skip
             if message["event"] == "done":  # (failed while compiling: no "compiled" message)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -657,6 +660,37 @@ def test_a_loss_not_finite_at_the_initial_parameters_is_warned_of(linear: autoac
             nan_loss, linear.params, linear.batch, optimizer=linear.optimizer, microbatch_bound=4, budget=2,
             storage=":memory:", measure=fake_measure(),
         )  # fmt: skip
+
+
+def test_the_initial_loss_runs_in_the_worker_and_a_crash_there_spares_the_caller(tmp_path: Path) -> None:
+    """The check of the loss at the initial parameters ran the loss in the caller's process, unisolated: a loss that
+    aborts there killed the user's process (a new user's, exit 134). It runs in the worker: a NaN is still warned
+    of, and a crash is a warning; the caller lives on (here a child Python, so that a regression kills only it)."""
+    script = tmp_path / "crash.py"
+    script.write_text(CRASHING_TUNE)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "AUTOACCUM_CACHE": str(tmp_path)})  # fmt: skip
+    assert done.returncode == 0 and "CALLER ALIVE" in done.stdout, (done.returncode, done.stderr[-3000:])
+    assert "NonFiniteLossWarning: the loss is nan at the initial parameters" in done.stderr, done.stderr[-3000:]
+    assert "RuntimeWarning: the loss could not be run at the initial parameters in the worker" in done.stderr
+
+
+CRASHING_TUNE = """
+import os, jax, jax.numpy as jnp, optax, autoaccum
+
+def loss_fn(w, b):
+    x = b["x"]
+    if x.shape[0] > 4:  # aborts the process only for more than 4 rows (the check runs 8)
+        x = jax.pure_callback(lambda v: os.abort(), jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return jnp.mean((x @ w - b["y"]) ** 2)
+
+w, batch = jnp.zeros(4), {"x": jnp.ones((16, 4)), "y": jnp.ones(16)}
+kw = dict(optimizer=optax.sgd(0.1), memory_limit="64MiB", microbatch_bound=4, budget=1, race_rounds=0,
+          storage=":memory:", strategies=["loop"])
+autoaccum.tune(lambda w, b: jnp.mean(b["x"] @ w) * jnp.nan, w, batch, **kw)
+result = autoaccum.tune(loss_fn, w, batch, **kw)
+print("CALLER ALIVE", result.plan.microbatch_size)
+"""
 
 
 def test_a_finished_study_answers_again_without_probing_or_timing(

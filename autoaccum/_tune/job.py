@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import optax
 
-from autoaccum._batch import abstract, abstract_batch, resize_batch
+from autoaccum._batch import abstract, abstract_batch, host_copy, resize_batch
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum._estimate import Estimate, estimate
 from autoaccum._json import JsonMixin
 from autoaccum._knobs import Knobs, KnobSpace, Setting
-from autoaccum._preflight import trace_loss, warn_if_not_finite
+from autoaccum._preflight import trace_loss, warn_if_not_finite, warn_of
 from autoaccum._probe import LENT, ProbeResult, probe
 from autoaccum._tune.result import Clock, scoped
 from autoaccum._tune.search import Config
@@ -118,8 +120,8 @@ class Job:
     @classmethod
     def check(cls, loss_fn: Callable[..., Any] | Knobs, params: PyTree, batch: PyTree, **kw: Any) -> Job:
         """Checks ``tune``'s arguments (``kw``: its keyword arguments); raises ValueError or TypeError naming the
-        bad one before anything runs. Traces the loss once (its own errors come out here) and warns where it is not
-        finite at ``params``."""
+        bad one before anything runs. Traces the loss once, abstractly (its own errors come out here); runs none of
+        it (`check_initial_loss` does, in the worker, where the search's sizes are bounded)."""
         optimizer, state = kw["optimizer"], kw["state"]
         check_optimizer(optimizer)
         check_params(params)
@@ -145,7 +147,6 @@ class Job:
         if kw["strategies"] is None:  # the default update's strategy ("auto" picks it) first: the probe runs it
             auto = resolve_strategy(loss, optimizer, params, batch, state, **default.build, **loss_kw)
             names.sort(key=lambda name: name != auto["strategy"])
-        warn_if_not_finite(loss, params, batch, state=state, has_aux=kw["has_aux"], loss_reduction=kw["loss_reduction"])
         return job
 
 
@@ -235,6 +236,7 @@ class Space(JsonMixin):
           RuntimeError: no size at least ``min_microbatch`` fits, or none is a candidate.
         """
         eb, default = job.effective_batch, job.settings[0]
+        check_initial_loss(job, worker)
         probed = None
         if microbatch_bound is None:
             # the probe's trials run in the tuning worker, not one of their own
@@ -269,6 +271,28 @@ class Space(JsonMixin):
                 "`min_microbatch`."
             )
         return space
+
+
+def check_initial_loss(job: Job, worker: Worker | None) -> None:
+    """Warns where the default setting's loss is not finite at the initial parameters (`warn_if_not_finite`), in
+    ``worker`` where there is one (the caller runs none of the user's loss: a crash or a hang stays there), else
+    here; where the worker could not evaluate it, a RuntimeWarning says why and the tune goes on."""
+    kw = dict(has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"])
+    if worker is None:
+        warn_if_not_finite(job.loss_for(job.settings[0]), job.params, job.batch, state=job.state, **kw)
+        return
+    inputs = worker.folder / "initial.pkl"
+    inputs.write_bytes(pickle.dumps((host_copy(job.params), None if job.state is None else host_copy(job.state))))
+    try:
+        outcome = worker.ask(Request({}, 0, 0, kind="loss", inputs=str(inputs)))
+    finally:
+        inputs.unlink()
+    if outcome.status == "fits":
+        warn_of(outcome.loss, stacklevel=7)  # (at the caller of tune)
+    else:
+        message = (outcome.message or "").strip()[-600:]
+        warnings.warn(f"the loss could not be run at the initial parameters in the worker: {message}", RuntimeWarning,
+                      stacklevel=6)  # fmt: skip
 
 
 def _fits(probed: ProbeResult | None, accumulating: Estimate | None, m: int, effective_batch: int) -> bool:
