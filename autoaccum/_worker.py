@@ -672,8 +672,8 @@ def loss_digest(job: Job, setting: Mapping[str, Any]) -> str:
     from autoaccum._knobs import resolve
     from autoaccum._preflight import loss_text
 
-    state = None if job.state is None else device_copy(job.state)
-    text = loss_text(resolve(job.loss_fn, setting), job.params, device_copy(job.batch), state)
+    batch, state = jax.eval_shape(lambda: device_copy((job.batch, job.state)))  # shapes: nothing compiles
+    text = loss_text(resolve(job.loss_fn, setting), job.params, batch, state)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
