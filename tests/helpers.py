@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -74,3 +78,14 @@ def linear_problem(batch_size: int = 12) -> tuple[Any, Any]:
     params = {"w": jnp.zeros(4), "b": jnp.zeros(())}
     batch = {"x": jnp.ones((batch_size, 4)), "y": jnp.ones(batch_size)}
     return params, batch
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module, registered in ``sys.modules`` (its dataclasses need it)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_autoaccum_benchmarks_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

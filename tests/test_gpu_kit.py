@@ -9,7 +9,6 @@ for, read off a ``small`` run of the kit on the card, or off the report named by
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / "benchmarks" / "gpu.py"
@@ -30,12 +30,8 @@ def load_kit() -> ModuleType:
     """``benchmarks/gpu.py`` as a module, leaving this process's environment as it was (the kit turns JAX's
     preallocation off for itself)."""
     before = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
-    spec = importlib.util.spec_from_file_location("_autoaccum_benchmarks_gpu", KIT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
     try:
-        spec.loader.exec_module(module)
+        module = load_benchmark("gpu")
     finally:
         if before is None:
             os.environ.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)

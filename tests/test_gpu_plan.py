@@ -383,15 +383,9 @@ def test_gpu_bytes_reads_one_microbatch_per_program(gpu_compiler: None) -> None:
     """``benchmarks/gpu_bytes.py`` at the kit's tiny preset: the scan's one program and each of the loop's are one
     microbatch's work (XLA's cost analysis counts a ``while`` body once), so their FLOPs agree within the optimizer
     step's share, not 4x apart (k = 4)."""
-    import importlib.util
-    import sys
+    from helpers import load_benchmark
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bytes.py"
-    spec = importlib.util.spec_from_file_location("_autoaccum_benchmarks_gpu_bytes", script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_benchmark("gpu_bytes")
     rows = module.measure("H200", module.kit.PRESETS["tiny"])
     scan = [r for r in rows if r["strategy"] == "scan"]
     loop = [r for r in rows if r["strategy"] == "loop"]

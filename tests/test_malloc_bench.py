@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "malloc.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("_autoaccum_benchmarks_malloc", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-malloc = load_script()
+malloc = load_benchmark("malloc")
 
 
 def test_the_settings_are_the_workers_and_each_half_of_it():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,19 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "scaling.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("_autoaccum_benchmarks_scaling", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-scaling = load_script()
+scaling = load_benchmark("scaling")
 
 
 def test_spearman_matches_the_rank_formula_without_ties():
