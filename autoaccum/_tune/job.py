@@ -236,7 +236,8 @@ class Space(JsonMixin):
           RuntimeError: no size at least ``min_microbatch`` fits, or none is a candidate.
         """
         eb, default = job.effective_batch, job.settings[0]
-        check_initial_loss(job, worker)
+        with clock.phase("probe"):  # (the worker starts here: its start goes to its own phase)
+            check_initial_loss(job, worker)
         probed = None
         if microbatch_bound is None:
             # the probe's trials run in the tuning worker, not one of their own
