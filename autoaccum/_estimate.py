@@ -528,13 +528,7 @@ def estimate(
             target, memory_limit, compiler_options, params, batch, state
         )
     layout = layout_of(params, batch, state)
-    if memory_limit is None:
-        from autoaccum._device import detect_device, resolve_memory_limit
-
-        devices = 1 if layout is None else layout.mesh.size
-        limit = resolve_memory_limit(detect_device(), None, devices=devices)[0]
-    else:
-        limit = parse_bytes(memory_limit, "memory_limit")
+    limit = _limit(memory_limit, layout)
     extra_limits = [parse_bytes(x, "refine_for") for x in refine_for]
     g = 1 if layout is None else layout.shards  # on a mesh: global sizes, multiples of the batch's shards
     if cap < g:
@@ -589,6 +583,16 @@ def estimate(
             measurer.measure([(m, m) for m in todo])
             est = _fitted(measurer, opt, seconds=time.perf_counter() - start, **fields)
     return est
+
+
+def _limit(memory_limit: int | str | None, layout: Any) -> int:
+    """``memory_limit`` in bytes; None: this machine's default device's (the probe's policy), per device of
+    ``layout``'s mesh (a CPU mesh's devices share the RAM)."""
+    if memory_limit is not None:
+        return parse_bytes(memory_limit, "memory_limit")
+    from autoaccum._device import detect_device, resolve_memory_limit
+
+    return resolve_memory_limit(detect_device(), None, devices=1 if layout is None else layout.mesh.size)[0]
 
 
 def analysis_options(platform: str, target: str | Path | None) -> dict[str, Any]:
