@@ -7,10 +7,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import jax
 import pytest
 from click.testing import CliRunner, Result
 
 import autoaccum
+from autoaccum._device import resolve_memory_limit
 from autoaccum.cli import main
 
 WORKLOAD = "probe_workloads:workload"
@@ -35,6 +37,9 @@ def test_devices_json_and_table() -> None:
     assert cpu["platform"] == "cpu" and cpu["total_bytes"] > 0 and "total_bytes" in cpu["sources"]
     table = invoke("devices")
     assert table.exit_code == 0 and "cpu" in table.output
+    n = len(jax.devices("cpu"))  # (8 here: tests/conftest.py) one process's devices: a mesh over them splits the RAM
+    each = autoaccum.format_bytes(resolve_memory_limit(autoaccum.detect_device(), None, devices=n)[0])
+    assert f"The {n} CPU devices share the RAM: a run over all of them gets {each} per device." in table.output
 
 
 def test_probe_json_in_process() -> None:

@@ -127,13 +127,14 @@ def test_two_workers_share_the_budget_and_measure_each_configuration_once(
 
 
 def test_a_killed_workers_trial_is_requeued_and_finished_by_the_other(postgres: str, tmp_path: Path) -> None:
-    """A worker killed (SIGKILL) mid-trial leaves its trial RUNNING; its heartbeat goes stale (1 s beats, 3 s
-    grace here; 30 s and 90 s by default), the other worker fails it, Optuna's RetryHeartbeatStaleTrialCallback
-    queues it again and the other worker measures it: the study ends with every configuration settled once."""
+    """A worker of another host killed (SIGKILL) mid-trial leaves its trial RUNNING; its heartbeat goes stale (1 s
+    beats, 3 s grace here; 30 s and 90 s by default), the other worker fails it, Optuna's
+    RetryHeartbeatStaleTrialCallback queues it again and the other worker measures it: the study ends with every
+    configuration settled once."""
     salt = str(uuid.uuid4().int % 10**6)
     common = ("--salt", salt, "--heartbeat", "1,3", "--seconds", "0.1")
     victim_log, survivor_log = tmp_path / "victim.jsonl", tmp_path / "survivor.jsonl"
-    victim = start(postgres, victim_log, *common, "--hang")
+    victim = start(postgres, victim_log, *common, "--hang", "--elsewhere")
     survivor = start(postgres, survivor_log, *common)
     wait_for(victim_log, victim)
     wait_for(survivor_log, survivor)  # both are measuring

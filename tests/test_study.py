@@ -59,12 +59,12 @@ def wait_until(condition: object, worker: subprocess.Popen[str]) -> None:
 
 @pytest.mark.slow
 def test_waiting_on_a_dead_workers_trial_prints_no_experimental_warning(tmp_path: Path) -> None:
-    """A study resumed while a killed worker's trial is still running in it: the tuner waits for the trial's
-    heartbeat to go stale (Optuna's ``fail_stale_trials``, "experimental"), then measures it. Its stderr stays
-    free of Optuna's ExperimentalWarning and its source line."""
+    """A study resumed while a killed worker's trial (of another host) is still running in it: the tuner waits for
+    the trial's heartbeat to go stale (Optuna's ``fail_stale_trials``, "experimental"), then measures it. Its
+    stderr stays free of Optuna's ExperimentalWarning and its source line."""
     storage = f"sqlite:///{tmp_path / 'studies.db'}"
     victim_log, survivor_log = tmp_path / "victim.jsonl", tmp_path / "survivor.jsonl"
-    victim = start(storage, victim_log, "--hang")
+    victim = start(storage, victim_log, "--hang", "--elsewhere")
     wait_until(victim_log.exists, victim)
     survivor = start(storage, survivor_log)
     wait_until(lambda: len(lines(survivor_log)) >= GRID - 1, survivor)  # all but the victim's: it waits now
@@ -75,6 +75,29 @@ def test_waiting_on_a_dead_workers_trial_prints_no_experimental_warning(tmp_path
     assert "ExperimentalWarning" not in err and "fail_stale_trials" not in err, err
     (hung,) = lines(victim_log)
     assert hung in lines(survivor_log), "the dead worker's trial was measured again"
+    assert json.loads(out.strip().splitlines()[-1])["new_trials"] >= GRID - 1
+
+
+@pytest.mark.slow
+def test_a_killed_runs_trial_on_this_host_is_not_waited_for(tmp_path: Path) -> None:
+    """A tune killed (SIGKILL: no Ctrl-C handler runs) mid-trial leaves its trial RUNNING. The next run on the same
+    host sees that the trial's process has ended and re-queues the trial at once, long before its heartbeat's grace
+    period (an hour here) would end; it measures the trial itself."""
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    victim_log, next_log = tmp_path / "victim.jsonl", tmp_path / "next.jsonl"
+    victim = start(storage, victim_log, "--hang", "--heartbeat", "1,3600")
+    wait_until(victim_log.exists, victim)
+    victim.kill()
+    victim.communicate(timeout=30)
+    rerun = start(storage, next_log, "--heartbeat", "1,3600")
+    try:
+        out, err = rerun.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        rerun.kill()
+        pytest.fail("the next run waited on the killed run's trial")
+    assert rerun.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    (hung,) = lines(victim_log)
+    assert hung in lines(next_log), "the killed run's trial was not measured again"
     assert json.loads(out.strip().splitlines()[-1])["new_trials"] >= GRID - 1
 
 

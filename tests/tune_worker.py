@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,10 @@ def main() -> None:
     parser.add_argument("--meet", type=Path, default=None, help="a folder where the first measurement waits ...")
     parser.add_argument("--workers", type=int, default=2, help="... until this many workers are in theirs")
     parser.add_argument("--hang", action="store_true", help="never finish the first measurement (to be killed)")
+    parser.add_argument("--elsewhere", action="store_true", help="own trials as a process of another host would")
     args = parser.parse_args()
+    if args.elsewhere:  # no process of this host: once killed, only its trial's heartbeat going stale tells
+        socket.gethostname = lambda: "another-host"
 
     # A linear regression made with numpy: a worker compiles nothing before it tunes.
     rows = np.random.default_rng(0).normal(size=(24, 17)).astype(np.float32)

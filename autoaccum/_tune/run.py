@@ -273,8 +273,8 @@ def tune(
         trials = Trials.start(job, space, study, budget, seed, time_one, on_trial, clock)
         if probed_here and worker is not None:  # its runs were the tuner's, in this worker
             trials.record_probe()
-        heartbeats = isinstance(opened, optuna.storages.RDBStorage) and opened.get_heartbeat_interval() is not None
-        trials.run(timeout, heartbeats)  # (without heartbeats, a dead worker's running trial is never noticed)
+        beats = isinstance(opened, optuna.storages.RDBStorage) and opened.get_heartbeat_interval() is not None
+        trials.run(timeout, opened if beats else None)  # (without heartbeats, a dead worker's trial is never noticed)
         with clock.phase("race"):
             runners = trials.race(race_rounds)
     if setup is None and space.probed is not None:

@@ -6,18 +6,23 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import socket
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import optuna
 
+from autoaccum._isolation import _owner_alive, _process_tag
 from autoaccum._tune.job import Space
 
 State = optuna.trial.TrialState
 
 MEASURES = "measures"
-"""The user attribute a trial sets before it looks for another that measures its configuration."""
+"""The user attribute a trial sets before it looks for another that measures its configuration: its owner
+(`owner`)."""
 
 
 def fingerprint(program_text: str, context: dict[str, Any]) -> str:
@@ -100,9 +105,33 @@ def open_study(
     return study, space, mine
 
 
-def fail_stale_trials(study: optuna.Study) -> None:
+def owner() -> str:
+    """This process as the owner of the trials it measures: its host, the host's boot and `_process_tag`."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "-"
+    return f"{socket.gethostname()} {boot} {_process_tag(os.getpid())}"
+
+
+def _ended(tag: Any) -> bool:
+    """Whether owner ``tag`` (`owner`) is a process of this host and boot that has ended."""
+    theirs, here = str(tag).split(" ", 2), owner().split(" ", 2)
+    return len(theirs) == 3 and theirs[:2] == here[:2] and not _owner_alive(theirs[2])
+
+
+def fail_stale_trials(study: optuna.Study, storage: optuna.storages.BaseStorage) -> None:
     """Optuna's ``fail_stale_trials`` (a dead worker's running trial failed, and queued again by the storage's
-    ``RetryHeartbeatStaleTrialCallback``), without its ``ExperimentalWarning``: the tuner relies on it knowingly."""
+    ``RetryHeartbeatStaleTrialCallback``), without its ``ExperimentalWarning``: the tuner relies on it knowingly.
+    A running trial whose owner on this host has ended (killed) is failed and queued at once, not after the grace."""
+    retry = getattr(storage, "get_heartbeat_stale_trial_callback", lambda: None)()
+    study_id = storage.get_study_id_from_name(study.study_name)
+    for t in study.get_trials(deepcopy=False, states=(State.RUNNING,)):
+        if _ended(t.user_attrs.get(MEASURES)):
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):  # another worker failed it
+                if storage.set_trial_state_values(trial_id, State.FAIL) and retry is not None:
+                    retry(study, storage.get_trial(trial_id))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)

@@ -19,7 +19,16 @@ from autoaccum._tune.job import Job, Space
 from autoaccum._tune.race import FINALISTS, Runner, race
 from autoaccum._tune.result import Clock, TrialRecord, record, scoped
 from autoaccum._tune.search import Config, Search, Trial
-from autoaccum._tune.study import MEASURES, State, config_key, fail_stale_trials, measuring, settled, settled_configs
+from autoaccum._tune.study import (
+    MEASURES,
+    State,
+    config_key,
+    fail_stale_trials,
+    measuring,
+    owner,
+    settled,
+    settled_configs,
+)
 from autoaccum._units import format_bytes
 from autoaccum._update import Update
 from autoaccum._worker import STEPS, WARMUP, Request, Timing, TrialFailed, Worker
@@ -200,7 +209,7 @@ class Trials:
         any worker), or None where the study's budget of configurations is taken. Of trials that claim at once, the
         one of the lowest number holds a configuration, and the budget's slots go by number too; two that read
         before either wrote may both measure (a budget overshot by at most the workers but one)."""
-        trial.set_user_attr(MEASURES, True)
+        trial.set_user_attr(MEASURES, owner())
         holders: dict[str, int] = {}
         for t in sorted(self.study.get_trials(deepcopy=False), key=lambda t: t.number):
             if t.number == trial.number or measuring(t):
@@ -222,10 +231,10 @@ class Trials:
         if count >= self.budget:
             study.stop()
 
-    def run(self, timeout: float | None, heartbeats: bool) -> None:
+    def run(self, timeout: float | None, heartbeats: optuna.storages.BaseStorage | None) -> None:
         """Runs trials until the study has settled its budget (or ``timeout`` seconds pass). With nothing left to
-        claim while other workers still run trials, waits for them: a trial whose worker died goes stale
-        (``heartbeats``) and is queued again, for this worker to run."""
+        claim while other workers still run trials, waits for them: a trial whose worker died goes stale (in
+        ``heartbeats``, the study's storage where it has them) and is queued again, for this worker to run."""
         deadline = None if timeout is None else time.monotonic() + timeout
         after_round = -1
         self.steer()
@@ -239,8 +248,9 @@ class Trials:
             trials = self.study.get_trials(deepcopy=False)
             if not any(t.state == State.WAITING for t in trials) and (after_round >= 0 or self.searched_only):
                 if heartbeats and any(t.state == State.RUNNING and measuring(t) for t in trials):
-                    time.sleep(POLL_SECONDS if left is None else min(POLL_SECONDS, left))
-                    fail_stale_trials(self.study)
+                    fail_stale_trials(self.study, heartbeats)
+                    if not any(t.state == State.WAITING for t in self.study.get_trials(deepcopy=False)):
+                        time.sleep(POLL_SECONDS if left is None else min(POLL_SECONDS, left))
                     continue
                 if count == after_round or self.searched_only:  # nothing new to offer, no other worker running
                     return

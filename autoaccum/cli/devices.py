@@ -55,6 +55,10 @@ def devices(as_json: bool, target_config: bool) -> None:
     ]  # fmt: skip
     console = make_console()
     console.print(fit_table(console, None, columns, rows))
+    cpus = [i for i in infos if i.platform == "cpu"]
+    if len(cpus) > 1:  # one process's host devices: a run over them all splits the RAM
+        each = size(resolve_memory_limit(cpus[0], None, devices=len(cpus))[0])
+        click.echo(f"The {len(cpus)} CPU devices share the RAM: a run over all of them gets {each} per device.")
 
 
 def _print_target_config() -> None:
