@@ -443,7 +443,11 @@ def weighted_grad(spec: Spec, *, scale_grads: bool = True) -> Callable[[PyTree, 
     is_sum = spec.loss_reduction == "sum"
 
     def scale(tree: PyTree, factor: Any, dtype: Any = sums_dtype) -> PyTree:
-        return jax.tree.map(lambda x: jnp.asarray(x, dtype) * jnp.asarray(factor, dtype), tree)
+        def one(x: Any) -> Any:
+            d = jnp.promote_types(dtype, x.dtype) if jnp.iscomplexobj(x) else dtype  # (a complex gradient stays so)
+            return jnp.asarray(x, d) * jnp.asarray(factor, d)
+
+        return jax.tree.map(one, tree)
 
     def f(params: PyTree, microbatch: PyTree, state: PyTree) -> tuple[Accum, PyTree]:
         (loss, out), grads = value_and_grad(params, microbatch, state)

@@ -162,7 +162,7 @@ class Strategy(abc.ABC):
         if call is None or (opt_state is not NOT_GIVEN and not call.stepped):
             if call is None:
                 leading_size(batch)
-                check_params(params)
+                self.check_params(params)
                 call = Call(key, self.layout(params, batch, state), tuple(self.microbatches(batch)))
             if opt_state is not NOT_GIVEN:
                 check_optimizer_step(self.spec.optimizer, params, opt_state)
@@ -171,6 +171,10 @@ class Strategy(abc.ABC):
                 self._calls.clear()
             self._calls[key] = call
         return call
+
+    def check_params(self, params: PyTree) -> None:
+        """Raises ``TypeError`` for parameters this strategy cannot step (`check_params`)."""
+        check_params(params)
 
     @abc.abstractmethod
     def programs(self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()) -> list[Program]:

@@ -16,6 +16,7 @@ from autoaccum.strategies._base import (
     PyTree,
     Spec,
     add,
+    dtype_of,
     finish_loss,
     take,
     tree_bytes,
@@ -185,6 +186,19 @@ class MultiSteps(Strategy):
         # Unchecked: MultiSteps selects between the inner optimizer's result and the old values, which JAX's
         # replication typing cannot follow; the values it keeps are the same on every device.
         return mesh.run(local, in_specs, out_specs, check_vma=False)(params, opt_state, sums, batch, state)
+
+    def check_params(self, params: PyTree) -> None:
+        """As `Strategy.check_params`; complex parameters too are refused: ``MultiSteps`` accumulates in one real
+        dtype, which would drop their gradients' imaginary parts."""
+        super().check_params(params)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+            if jnp.issubdtype(dtype_of(leaf), jnp.complexfloating):
+                name = jax.tree_util.keystr(path) or "<root>"
+                raise TypeError(
+                    f"`params` leaf {name} is {dtype_of(leaf)}: strategy 'multisteps' accumulates in "
+                    "optax.MultiSteps's one real dtype, which drops a complex gradient's imaginary part; use "
+                    "strategy='scan' or 'loop'."
+                )
 
     @classmethod
     def supports(cls, layout: Layout) -> bool:

@@ -29,10 +29,11 @@ def full_batch_step(loss_fn: Any, optimizer: Any, params: Any, opt_state: Any, b
 
 
 def assert_trees_close(actual: Any, expected: Any, atol: float, rtol: float = 0.0) -> None:
-    """Same structure, and every leaf within ``atol + rtol * |expected|`` (compared in float64)."""
+    """Same structure, and every leaf within ``atol + rtol * |expected|`` (compared in float64, or complex128)."""
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64), atol=atol, rtol=rtol)
+        wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(e) else np.float64
+        np.testing.assert_allclose(np.asarray(a, wide), np.asarray(e, wide), atol=atol, rtol=rtol)
 
 
 def copy(tree: Any) -> Any:

@@ -154,6 +154,33 @@ def test_bf16_parameters_step_like_one_full_batch_step(strategy: str) -> None:
             np.testing.assert_allclose(float(loss), float(expected[2]), rtol=1e-6)
 
 
+def test_complex_parameters_keep_their_imaginary_gradient(strategy: str) -> None:
+    """Complex parameters accumulate their gradient in the complex counterpart of the accumulator's dtype: the
+    imaginary part is kept, for every strategy and for the transform (a real accumulator dropped it)."""
+    w = jnp.array([0.5 + 0.3j, -0.2 + 0.1j, 0.1 - 0.4j], jnp.complex64)
+    x = jnp.arange(30.0).reshape(10, 3) / 10
+
+    def loss_fn(w: jax.Array, x: jax.Array) -> jax.Array:
+        return jnp.mean(jnp.abs(x @ w - 1j) ** 2)
+
+    tx = optax.sgd(0.1)
+    expected = full_batch_step(loss_fn, tx, w, tx.init(w), x)
+    assert float(jnp.max(jnp.abs(expected[0].imag - w.imag))) > 0.1  # (the step moves the imaginary parts)
+    update = autoaccum.build_update(loss_fn, tx, microbatch_size=4, strategy=strategy)
+    if strategy == "multisteps":  # optax.MultiSteps accumulates in one real dtype: refused, by name
+        with pytest.raises(TypeError, match=r"`params` leaf <root> is complex64: strategy 'multisteps'.*'scan'"):
+            update(copy(w), tx.init(w), x)
+        return
+    got = update(copy(w), tx.init(w), x)
+    assert got[0].dtype == jnp.complex64
+    assert_trees_close(got, expected, atol=1e-5)
+    if strategy == "scan":  # the transform: scan's accumulation, in the caller's step
+        value, grad = autoaccum.value_and_grad(loss_fn, microbatch_size=4)(w, x)
+        ref_value, ref_grad = jax.value_and_grad(loss_fn)(w, x)
+        np.testing.assert_allclose(grad, ref_grad, atol=1e-5)
+        np.testing.assert_allclose(value, ref_value, atol=1e-5)
+
+
 @pytest.mark.parametrize("batch_size", [16, 18], ids=["even", "uneven"])
 def test_second_call_does_not_retrace(strategy: str, batch_size: int) -> None:
     traces = []
