@@ -384,11 +384,18 @@ class TrialRunner:
             self._worker = Worker(s.job, s.device, limit, compile_timeout=timeout, step_timeout=timeout)
         self._build = {} if self._owned else dict(s.job.build)  # (a lent worker's job has another build)
         self._server = None if s.isolate else Server(s.job, [{}], s.device.platform, s.device.device, limit)
+        if self._server is not None:
+            self._server.capped = False
 
     @property
     def refuses_over_xla(self) -> bool:
-        """Whether trials run as the tuner's (in its lent worker), which refuse a step whose buffers XLA puts over
-        the limit; a probe's own trials run it anyway (XLA's figure can overstate what the step uses)."""
+        """Whether a step whose buffers XLA puts over the limit is refused unrun: as the tuner's trials (in its lent
+        worker), and in this process on the CPU (`Server.capped`). A probe's own worker runs it anyway (XLA's figure
+        can overstate what the step uses)."""
+        return self._lent or (self._server is not None and self.setup.device.platform == "cpu")
+
+    @property
+    def _lent(self) -> bool:
         return self._worker is not None and not self._owned
 
     def __enter__(self) -> TrialRunner:
@@ -421,7 +428,7 @@ class TrialRunner:
     def __call__(self, size: int) -> Trial:
         start = time.perf_counter()
         # in a lent worker, that worker's own rule and cache, and the tuner's calls: it times the same program later
-        steps, warmup, kind = (STEPS, WARMUP, "time") if self.refuses_over_xla else (1, 0, "fits")
+        steps, warmup, kind = (STEPS, WARMUP, "time") if self._lent else (1, 0, "fits")
         outcome = self.ask(Request(self._build, size, self.setup.rows(size), steps, warmup, kind=kind))
         wall = time.perf_counter() - start
         error, detail = (outcome.message if outcome.status == status else None for status in ("error", "oom"))
@@ -476,7 +483,9 @@ def probe(
         ``has_state``; trials get a copy.
       loss_reduction: ``"mean"`` or ``"sum"``, as for `autoaccum.build_update`.
       isolate: run trials in the worker process (default). ``False`` runs them here, catching only out-of-memory
-        errors: a crash kills this process, and leaked memory carries over. On a GPU it needs ``memory_limit=None``.
+        errors: a crash kills this process, and leaked memory carries over. On a GPU it needs ``memory_limit=None``;
+        on the CPU no cap is set here (a failed allocation under one can leave XLA's runtime broken): a size fits
+        when XLA's buffer assignment fits the limit and the step runs, and its peak is not measured.
       device: a ``jax.Device`` (default: the first).
       options: the strategy's options.
       trial_timeout: seconds a trial (or the estimate) may run before it is reported as hung; None: no limit.

@@ -694,6 +694,10 @@ class Server:
         self.cache: dict[str, Any] = {}
         self.rates: dict[str, float] = {}  # examples per second of each cached configuration (`evicted`)
         self.makers: dict[Any, Any] = {}
+        self.capped = True
+        """Whether steps run under the CPU cap. False (this process, ``isolate=False``): a failed allocation under a
+        cap can leave the runtime broken, and the heap here may hold a step's memory free (the cap reads low); a
+        step whose programs alone need more than the limit is not run, the others run uncapped, unmeasured."""
 
     def job_for(self, request: Request) -> Job:
         """The job with the request's knob setting's loss and its build options."""
@@ -727,6 +731,8 @@ class Server:
                 self.job_for(request), request.microbatch_size, self.device, rows=request.rows, makers=self.makers
             )
             compiled(False)
+            if not self.capped and self.platform == "cpu":
+                return self._refused(trial) or run_trial(trial, lambda: None)
             return measured(trial, self.platform, self.limit)  # run even if XLA's figure is over: the probe is exact
         job = self.job_for(request)  # keyed by the build it resolves to: the probe's and a trial's meet
         key = json.dumps(

@@ -19,8 +19,10 @@ import numpy as np
 import optax
 import probe_workloads
 import pytest
+from helpers import assert_trees_close, full_batch_step
 
 import autoaccum
+from autoaccum import workloads
 from autoaccum._capacity import StepCost
 from autoaccum._device import DeviceInfo
 from autoaccum._estimate import Estimate, Point
@@ -211,7 +213,39 @@ def test_only_the_tuners_worker_leaves_sizes_out() -> None:
             assert TrialRunner(setup).refuses_over_xla is refuses
         finally:
             LENT.reset(token)
-    assert not TrialRunner(dataclasses.replace(setup, isolate=False)).refuses_over_xla
+    assert TrialRunner(dataclasses.replace(setup, isolate=False)).refuses_over_xla  # this process, on the CPU
+
+
+def test_in_this_process_on_the_cpu_no_answer_exceeds_xlas_own_bytes() -> None:
+    """With ``isolate=False`` on the CPU no cap is set in this process: a failed allocation under one left XLA's
+    runtime here broken (later steps of other programs returned NaN), and the heap here may hold a step's memory
+    free (the cap read 512 KiB for steps of 50 MB). A size whose buffers XLA alone puts over the limit is refused,
+    so the answer's step fits by XLA's own lower bound, computed here without the library; this process computes
+    as before."""
+
+    def loss_fn(p: Any, b: Any) -> jax.Array:
+        h = jnp.tanh(jnp.tanh(b["x"] @ p["w1"]) @ p["w2"])
+        return jnp.mean((h @ p["w3"] - b["y"]) ** 2)
+
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": jax.random.normal(k[0], (128, 256)) * 0.05, "w2": jax.random.normal(k[1], (256, 256)) * 0.05,
+              "w3": jnp.zeros(256)}  # fmt: skip
+    batch = {"x": jax.random.normal(k[2], (256, 128)), "y": jnp.ones(256)}
+    limit = 8 * 2**20
+    tx = optax.adam(1e-3)
+    found = autoaccum.probe(loss_fn, params, batch, optimizer=tx, memory_limit=limit, isolate=False)
+    w = workloads.mlp(batch_size=20)  # another program, after: it read NaN after a capped probe
+    expected = full_batch_step(w.loss_fn, optax.sgd(0.1), w.params, optax.sgd(0.1).init(w.params), w.batch)
+    update = autoaccum.build_update(w.loss_fn, optax.sgd(0.1), microbatch_size=5, donate=False)
+    assert_trees_close(update(w.params, update.init(w.params), w.batch), expected, atol=1e-6)
+    m = found.max_microbatch
+    update = autoaccum.build_update(loss_fn, tx, microbatch_size=m, strategy=found.strategy)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    rows = {k: jax.ShapeDtypeStruct((m, *v.shape[1:]), v.dtype) for k, v in batch.items()}
+    for program in update.programs(shapes, jax.eval_shape(tx.init, shapes), rows):
+        a = program.lowered.compile().memory_analysis()
+        live = a.argument_size_in_bytes + a.output_size_in_bytes + a.temp_size_in_bytes - a.alias_size_in_bytes
+        assert live <= limit, (m, live)
 
 
 def test_probe_at_listed_sizes_reports_the_next_size_that_failed() -> None:

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 @click.option(
     "--no-isolate", is_flag=True,
     help="Run trials in this process (faster; a crashing trial kills it, and memory can carry over; no "
-    "--trial-timeout).",
+    "--trial-timeout; on the CPU no cap: a size fits when XLA's buffers fit the limit and the step runs).",
 )  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print only JSON (the ProbeResult).")
 def probe(
