@@ -220,7 +220,8 @@ class MultiSteps(Strategy):
         # On a mesh: each device's own accumulator and sums, stacked.
         mesh = self.on_mesh(layout, host_loop=True)
         sums, state = mesh.stacked_zeros(dtypes.zero_sums(self.spec.sums_dtype)), mesh.stack_state(state)
-        wrapped = self._wrap(opt_state, params)
+        with jax.set_mesh(layout.mesh):  # (MultiSteps's counters are made here: on an Explicit mesh, typed by it)
+            wrapped = self._wrap(opt_state, params)
         wrapped = wrapped._replace(acc_grads=mesh.stacked_zeros(wrapped.acc_grads))
         return layout, wrapped, sums, state, dtypes
 

@@ -78,6 +78,19 @@ def test_equals_the_single_device_full_batch_step(strategy: str, axis_type: Axis
         assert tuple(leaf.sharding.spec)[:1] == ("data",) if fsdp else not any(leaf.sharding.spec)
 
 
+def test_an_optimizer_without_array_state_on_jax_make_meshs_default_mesh(strategy: str) -> None:
+    """SGD's state holds no array, so ``MultiSteps``'s counters were the first arrays multisteps made, outside the
+    Explicit mesh's context (JAX refused them); every strategy steps like the full batch, no ``jax.set_mesh``."""
+    params, batch = mlp()
+    want, want_loss = reference(params, batch, optax.sgd(0.1))
+    mesh = jax.make_mesh((8,), ("data",))
+    update = autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=24, strategy=strategy)
+    sharded = place(params, mesh, P())
+    got, _, loss = update(sharded, update.init(sharded), place(batch, mesh, P("data")))
+    assert_trees_close(jax.device_get(got), want, atol=ATOL)
+    np.testing.assert_allclose(loss, want_loss, atol=ATOL)
+
+
 @pytest.mark.parametrize("strategy_name", ["scan", "loop"])
 @pytest.mark.parametrize("gather_params", ["once", "per_microbatch"])
 @pytest.mark.parametrize("reduce_grads", ["once", "per_microbatch"])
