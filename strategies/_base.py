@@ -187,6 +187,21 @@ def check_params(params: PyTree) -> None:
             )
 
 
+def check_distinct(**trees: PyTree) -> None:
+    """Raises ``ValueError`` where one array is two leaves of the donated ``trees`` (tied weights): a call would
+    donate its buffer twice."""
+    seen: dict[int, str] = {}
+    for name, tree in trees.items():
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            where = f"`{name}` leaf {jax.tree_util.keystr(path) or '<root>'}"
+            if isinstance(leaf, jax.Array) and seen.setdefault(id(leaf), where) != where:
+                fix = "pass update.init(params)" if name == "opt_state" else "keep one leaf and use it twice in loss_fn"
+                raise ValueError(
+                    f"{where} is the same array as {seen[id(leaf)]} (tied weights?): the update donates its inputs "
+                    f"and cannot donate one buffer twice; {fix}, or build with donate=False."
+                )
+
+
 def signature(*trees: PyTree) -> Any:
     """What an update call's host-side checks and choices depend on, hashable: the trees' structure and each
     leaf's shape, dtype and sharding (None for host arrays), read in one flatten.

@@ -17,6 +17,7 @@ from autoaccum.strategies._base import (
     Spec,
     add,
     apply_optimizer,
+    check_distinct,
     check_optimizer_step,
     check_params,
     dtype_of,
@@ -114,8 +115,16 @@ class Strategy(abc.ABC):
         return dict(options)
 
     def init(self, params: PyTree) -> PyTree:
-        """The optimizer's own state (``optimizer.init(params)``): the same type for every strategy."""
-        return self.spec.optimizer.init(params)
+        """The optimizer's own state (``optimizer.init(params)``): the same type for every strategy, each array once
+        (an optimizer may put one zero array in two fields, L-BFGS's memories: a call could not donate it twice)."""
+        seen: set[int] = set()
+
+        def once(x: Any) -> Any:
+            if isinstance(x, jax.Array) and (id(x) in seen or seen.add(id(x))):  # type: ignore[func-returns-value]
+                return x.copy()
+            return x
+
+        return jax.tree.map(once, self.spec.optimizer.init(params))
 
     def __call__(
         self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree = ()
@@ -163,6 +172,8 @@ class Strategy(abc.ABC):
             if call is None:
                 leading_size(batch)
                 self.check_params(params)
+                if self.spec.donate:
+                    check_distinct(params=params, state=state, opt_state=() if opt_state is NOT_GIVEN else opt_state)
                 call = Call(key, self.layout(params, batch, state), tuple(self.microbatches(batch)))
             if opt_state is not NOT_GIVEN:
                 check_optimizer_step(self.spec.optimizer, params, opt_state)

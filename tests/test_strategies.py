@@ -181,6 +181,32 @@ def test_complex_parameters_keep_their_imaginary_gradient(strategy: str) -> None
         np.testing.assert_allclose(value, ref_value, atol=1e-5)
 
 
+def test_tied_weights_are_named_before_a_donating_call_and_step_with_donate_false(strategy: str) -> None:
+    """One array twice in ``params`` (tied weights) cannot be donated twice: the call names both leaves and the fix
+    before anything runs (XLA's runtime error named neither), leaves the array usable, and ``donate=False`` steps
+    like the full batch."""
+    w = jnp.arange(3.0) / 10
+    params = {"enc": w, "dec": w}
+    batch = {"x": jnp.arange(24.0).reshape(8, 3) / 10, "y": jnp.zeros(8)}
+
+    def loss_fn(p: Any, b: Any) -> jax.Array:
+        return jnp.mean((b["x"] @ (p["enc"] + 2 * p["dec"]) - b["y"]) ** 2)
+
+    tx = optax.sgd(0.1)
+    update = autoaccum.build_update(loss_fn, tx, microbatch_size=3, strategy=strategy)
+    with pytest.raises(
+        ValueError, match=r"`params` leaf \['enc'\] is the same array as `params` leaf \['dec'\].*donate=False"
+    ):
+        update(params, update.init(params), batch)
+    assert not w.is_deleted()
+    lbfgs = autoaccum.build_update(loss_fn, optax.lbfgs(), microbatch_size=3, strategy=strategy)
+    leaves = jax.tree.leaves(lbfgs.init({"w": w}))  # (optax puts one zero array in two of its fields)
+    assert len({id(x) for x in leaves}) == len(leaves)
+    kept = autoaccum.build_update(loss_fn, tx, microbatch_size=3, strategy=strategy, donate=False)
+    expected = full_batch_step(loss_fn, tx, copy(params), tx.init(params), batch)
+    assert_trees_close(kept(params, kept.init(params), batch), expected, atol=1e-6)
+
+
 @pytest.mark.parametrize("batch_size", [16, 18], ids=["even", "uneven"])
 def test_second_call_does_not_retrace(strategy: str, batch_size: int) -> None:
     traces = []
