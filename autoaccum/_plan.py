@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -93,10 +95,27 @@ class Plan(JsonMixin):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Plan `{name}` must be an int >= 1, got {value!r}.")
+        if self.microbatch_size > self.effective_batch:
+            raise ValueError(
+                f"Plan microbatch_size={self.microbatch_size} is above effective_batch={self.effective_batch}; a "
+                "microbatch is at most the whole batch."
+            )
         if self.accumulation_steps != -(-self.effective_batch // self.microbatch_size):
             raise ValueError(
                 f"Plan accumulation_steps={self.accumulation_steps} does not match "
                 f"ceil(effective_batch / microbatch_size) = ceil({self.effective_batch} / {self.microbatch_size})."
+            )
+        for name, allowed in (("loss_reduction", ("mean", "sum")), ("source", ("measured", "predicted"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Plan `{name}` must be one of {allowed}, got {getattr(self, name)!r}.")
+        try:
+            floating = jnp.issubdtype(jnp.dtype(self.accumulator_dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise ValueError(
+                f"Plan `accumulator_dtype` must name a floating dtype ('float32', 'bfloat16', ...), got "
+                f"{self.accumulator_dtype!r}."
             )
 
     def save(self, path: str | Path) -> Path:
@@ -115,7 +134,8 @@ class Plan(JsonMixin):
         """
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"plan file {str(path)!r} does not exist; create one with `autoaccum tune --out`.")
+            what = "is a folder, not a file" if path.is_dir() else "does not exist"
+            raise FileNotFoundError(f"plan file {str(path)!r} {what}; create one with `autoaccum tune --out`.")
         return cls.from_json(
             path.read_text(), source=f"plan file {str(path)!r} (re-create it with `autoaccum tune --out`)"
         )
@@ -136,7 +156,21 @@ class Plan(JsonMixin):
           >>> plan = Plan(effective_batch=10, microbatch_size=4, accumulation_steps=3, strategy="scan")
           >>> plan.update_options()["microbatch_size"]
           4
+
+        Warns:
+          UserWarning: the plan was measured on another device or jax version than this process runs (its
+            microbatch may not fit, or not be the fastest, here: tune again).
         """
+        here = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+        there = {"device": self.device, "jax": self.versions.get("jax", here["jax"])}
+        if self.source == "measured" and self.device and there != here:
+            warnings.warn(
+                f"this plan was measured on {there['device']} with jax {there['jax']}, and this process runs "
+                f"{here['device']} with jax {here['jax']}: its microbatch may not fit or be the fastest here; tune "
+                "again here (autoaccum.tune, or `autoaccum tune --out`).",
+                UserWarning,
+                stacklevel=3,
+            )
         return dict(
             microbatch_size=self.microbatch_size,
             strategy=self.strategy,

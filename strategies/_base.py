@@ -321,7 +321,7 @@ def _call_loss(spec: Spec, params: PyTree, batch: PyTree, state: PyTree) -> tupl
     if not _is_pair(out):
         value_name = "(loss_sum, weight)" if spec.loss_reduction == "sum" else "loss"
         raise TypeError(
-            f"has_state=True but `loss_fn` returned {type(out).__name__}, not a ({value_name}, state) pair; "
+            f"has_state=True but `loss_fn` returned {_described(out)}, not a ({value_name}, state) pair; "
             f"return the new state after the {'(loss, aux)' if spec.has_aux else value_name}, or pass "
             "has_state=False."
         )

@@ -525,12 +525,17 @@ def test_loss_fn_must_return_a_like_state(strategy: str) -> None:
         return jnp.mean(b["x"] @ p["w"]), {"mean": jnp.concatenate([s["mean"], s["mean"]])}
 
     update = autoaccum.build_update(grows, optax.sgd(0.1), microbatch_size=2, strategy=strategy, has_state=True)
+    opt_state, state = update.init(params), {"mean": jnp.zeros(FEATURES)}  # (made before: their programs compile)
     with (
         count_backend_compiles() as compiles,
         pytest.raises(TypeError, match=r"state leaf \['mean'\] with shape \(8,\)"),
     ):
-        update(params, update.init(params), batch, {"mean": jnp.zeros(FEATURES)})
+        update(params, opt_state, batch, state)
     assert compiles == []
+    lossonly = autoaccum.build_update(lambda p, b, s: jnp.mean(b["x"] @ p["w"]), optax.sgd(0.1), microbatch_size=2,
+                                      strategy=strategy, has_state=True)  # fmt: skip
+    with pytest.raises(TypeError, match=r"returned an array of shape \(\) and dtype float32, not a \(loss, state\)"):
+        lossonly(params, lossonly.init(params), batch, {"mean": jnp.zeros(FEATURES)})  # (a tracer's type was named)
 
 
 def test_bad_loss_reduction_and_sum_output() -> None:

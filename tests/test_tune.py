@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +274,34 @@ def test_plan_file_errors(linear: autoaccum.Workload, tmp_path: Path) -> None:
         plan.build(linear.loss_fn, optax.sgd(0.1), params={"w": jnp.zeros(8), "b": jnp.zeros(())})
     with pytest.raises(ValueError, match=r"missing \['b'\]"):
         plan.check_params({"w": jnp.zeros(16)})
+    with pytest.raises(FileNotFoundError, match="is a folder, not a file"):
+        Plan.load(tmp_path)
+    # A file with a bad value is refused when read, naming the field (they loaded, and failed later or not at all).
+    for field, value, match in (
+        ("accumulator_dtype", "float7", r"Plan `accumulator_dtype` must name a floating dtype .* got 'float7'"),
+        ("loss_reduction", "avg", r"Plan `loss_reduction` must be one of \('mean', 'sum'\), got 'avg'"),
+        ("source", "guessed", r"Plan `source` must be one of \('measured', 'predicted'\), got 'guessed'"),
+    ):
+        bad = tmp_path / f"{field}.json"
+        bad.write_text(json.dumps({**Plan(10, 4, 3, "scan").to_dict(), field: value}))
+        with pytest.raises(ValueError, match=match):
+            Plan.load(bad)
+    with pytest.raises(ValueError, match=r"microbatch_size=40 is above effective_batch=10"):
+        Plan(10, 40, 1, "scan")
+
+
+def test_a_plan_measured_elsewhere_warns_when_built_here(linear: autoaccum.Workload) -> None:
+    """A plan measured on another device or jax version builds, with a warning saying so and what to do; one
+    measured here, and a predicted one (its device a planned target), build without one."""
+    foreign = Plan(10, 4, 3, "scan", device="NVIDIA H100 80GB HBM3", versions={"jax": "0.4.1"})
+    with pytest.warns(UserWarning, match=r"measured on NVIDIA H100 80GB HBM3 with jax 0\.4\.1, and this process runs "
+                      rf"{jax.devices()[0].device_kind} with jax {jax.__version__}.*tune again"):  # fmt: skip
+        foreign.build(linear.loss_fn, optax.sgd(0.1))
+    here = dataclasses.replace(foreign, device=jax.devices()[0].device_kind, versions={"jax": jax.__version__})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        here.build(linear.loss_fn, optax.sgd(0.1))
+        dataclasses.replace(foreign, source="predicted").build(linear.loss_fn, optax.sgd(0.1))
 
 
 @pytest.mark.parametrize(
