@@ -231,10 +231,13 @@ class OnMesh:
     ) -> tuple[Accum, PyTree]:
         """One host-loop step: rows ``[start, start + size)`` of the global batch (each device's own share of
         them) added to the per-device partial sums ``acc`` (None: start new sums); ``state`` is stacked."""
-        local_start, local_size = start // self.layout.shards, size // self.layout.shards
+        local_size = size // self.layout.shards
 
-        def local(acc: Accum | None, params: PyTree, batch: PyTree, state: PyTree) -> tuple[Accum, PyTree]:
+        def local(
+            acc: Accum | None, params: PyTree, batch: PyTree, state: PyTree, start: Any
+        ) -> tuple[Accum, PyTree]:  # (``start`` an argument: shard_map closes over no value typed by an Explicit mesh)
             params, _ = self.start_local(params, ())
+            local_start = start // self.layout.shards
             microbatch = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, local_start, local_size), batch)
             new, state = self.grad_fn()(params, microbatch, own_row(state))
             if acc is not None:
@@ -242,11 +245,11 @@ class OnMesh:
             return self.stacked_accum(new, stack=True), expand(state)
 
         acc_specs = self.accum_specs(params, dtypes, reduced=False)
-        in_specs = (self.params_in_specs(params), self.batch_specs(batch), self.stacked(state))
+        in_specs = (self.params_in_specs(params), self.batch_specs(batch), self.stacked(state), PartitionSpec())
         out_specs = (acc_specs, self.stacked(state))
         if acc is None:
-            return self.run(functools.partial(local, None), in_specs, out_specs)(params, batch, state)
-        return self.run(local, (acc_specs, *in_specs), out_specs)(acc, params, batch, state)
+            return self.run(functools.partial(local, None), in_specs, out_specs)(params, batch, state, start)
+        return self.run(local, (acc_specs, *in_specs), out_specs)(acc, params, batch, state, start)
 
     def reduce(self, params: PyTree, acc: Accum, dtypes: OutDtypes) -> Accum:
         """The host loop's one reduction: per-device partial sums (stacked) to the whole batch's `Accum`."""

@@ -91,6 +91,23 @@ def test_an_optimizer_without_array_state_on_jax_make_meshs_default_mesh(strateg
     np.testing.assert_allclose(loss, want_loss, atol=ATOL)
 
 
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
+def test_every_strategy_under_jax_set_mesh_of_an_explicit_mesh(strategy: str, fsdp: bool) -> None:
+    """Inside ``with jax.set_mesh(mesh)``, the usual way to use an Explicit mesh, every strategy steps like the full
+    batch (the loop's microbatch offset, typed by the mesh there, was closed over by its shard_map: JAX refused)."""
+    if fsdp and strategy not in FSDP_STRATEGIES:
+        pytest.skip(f"{strategy} refuses sharded parameters (test_multisteps_refuses_fsdp)")
+    params, batch = mlp()
+    want, want_loss = reference(params, batch, optax.adam(1e-2))
+    mesh = mesh_of(AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s if fsdp else P())), params, FSDP)
+        update = autoaccum.build_update(loss_fn, optax.adam(1e-2), microbatch_size=24, strategy=strategy)
+        got, _, loss = update(sharded, update.init(sharded), place(batch, mesh, P("data")))
+    assert_trees_close(jax.device_get(got), want, atol=ATOL)
+    np.testing.assert_allclose(loss, want_loss, atol=ATOL)
+
+
 @pytest.mark.parametrize("strategy_name", ["scan", "loop"])
 @pytest.mark.parametrize("gather_params", ["once", "per_microbatch"])
 @pytest.mark.parametrize("reduce_grads", ["once", "per_microbatch"])
