@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -287,4 +288,11 @@ def test_a_refused_size_bounds_its_variant_without_passing_over_a_size_that_fits
         assert largest_fitting <= c < m, (m, c, largest_fitting)
         exact = ceiling(m, (state + per_example * m, state + per_example * largest_fitting), state, effective_batch)
         assert exact == largest_fitting  # where nothing beyond the state is fixed, the jump lands on the answer
+    for big, m in itertools.pairwise(refused[::-1]):  # a second refusal: the line through both lands on the answer
+        before = (big, fixed + per_example * big)
+        assert ceiling(m, (fixed + per_example * m, limit), state, effective_batch, before) == max(
+            k for k in range(1, m) if fixed + per_example * k <= limit
+        )
     assert ceiling(48, (10**9, 10**6), 0, 128) == 47  # an uneven split: the next size down, no more
+    # a variant whose bytes hardly fall with the size (a fixed part over the limit): no size is left to time
+    assert ceiling(256, (62 * 10**6, 50 * 10**6), 10**6, 1024, before=(512, 63 * 10**6)) == 0

@@ -290,6 +290,30 @@ def test_plan_file_errors(linear: autoaccum.Workload, tmp_path: Path) -> None:
         Plan(10, 40, 1, "scan")
 
 
+def test_a_variant_refused_twice_with_bytes_that_do_not_fall_to_the_limit_is_not_compiled_again() -> None:
+    """loop's step is refused on XLA's bytes at every size (a fixed part over the limit, 1% per example): after two
+    refusals at even splits, the line through them meets the limit at no size, and no smaller loop is timed (a new
+    user's tune walked two such variants down to microbatch 1, 1024 steps of 9.8 s); scan is searched as before."""
+    params, batch = linear_problem(batch_size=64)
+    limit, calls = 10**6, []
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        m = update.microbatch_size
+        calls.append((m, update.strategy))
+        if update.strategy == "loop":
+            need = int(limit * (1.2 + 0.01 * m))
+            raise TrialFailed(f"out of memory: not run: XLA's buffers need {need} B", (need, limit))
+        return Timing(seconds_per_step=0.01 * (64 / m) + 0.001 * m, compile_seconds=0.1, steps=5)
+
+    def loss_fn(p: Any, b: Any) -> jax.Array:
+        return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+    result = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1), strategies=["scan", "loop"], microbatch_bound=64,
+                  storage=":memory:", measure=measure, race_rounds=0)  # fmt: skip
+    assert len([c for c in calls if c[1] == "loop"]) == 2, calls
+    assert result.plan.strategy == "scan" and result.plan.microbatch_size < 64
+
+
 def test_a_plan_measured_elsewhere_warns_when_built_here(linear: autoaccum.Workload) -> None:
     """A plan measured on another device or jax version builds, with a warning saying so and what to do; one
     measured here, and a predicted one (its device a planned target), build without one."""

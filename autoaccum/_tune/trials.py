@@ -65,7 +65,8 @@ class Trials:
       time_one, on_trial, clock: how a configuration is timed; ``callback(record, done, total)`` after each of this
         worker's trials; where compiles and timed steps add their seconds.
       ceilings: per (setting, strategy label), below the smallest size whose accumulating step ran out of memory
-        (a heavier variant's bound too: `Job.lighter`).
+        (a heavier variant's bound too: `Job.lighter`); refused: per the same, its last refusal with XLA's bytes
+        at an even split, ``(size, bytes)`` (`ceiling`).
     """
 
     job: Job
@@ -78,6 +79,7 @@ class Trials:
     on_trial: Sequence[Callable[[TrialRecord, int, int], None]]
     clock: Clock
     ceilings: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
+    refused: dict[tuple[int, str], tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def start(
@@ -165,7 +167,10 @@ class Trials:
             self.clock.spend("failed", began, starts)
             trial.set_user_attr("reason", str(e))
             if str(e).startswith("out of memory"):  # larger sizes of this strategy and setting would too
-                self.ceilings[(config.setting, label)] = self._ceiling(m, e.needs)
+                key = (config.setting, label)
+                self.ceilings[key] = self._ceiling(m, e.needs, self.refused.get(key))
+                if e.needs is not None and job.effective_batch % m == 0:
+                    self.refused[key] = (m, e.needs[0])
             raise
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
@@ -175,10 +180,10 @@ class Trials:
             trial.set_user_attr(name, value)
         return job.effective_batch / timing.seconds_per_step
 
-    def _ceiling(self, m: int, needs: tuple[int, int] | None) -> int:
+    def _ceiling(self, m: int, needs: tuple[int, int] | None, before: tuple[int, int] | None) -> int:
         probed, one_device = self.space.probed, self.job.layout is None  # (on a mesh the state is split)
         state = probed.state_bytes if probed is not None and one_device else 0
-        return ceiling(m, needs, state, self.job.effective_batch)
+        return ceiling(m, needs, state, self.job.effective_batch, before)
 
     def _reused(self, trial: optuna.Trial, config: Config) -> float | None:
         """The throughput of the trial that measures this configuration, or its program, if another does (None:
@@ -315,22 +320,32 @@ def _holds(recorded: dict[str, Any], key: dict[str, Any]) -> bool:
     return all(recorded.get(k) == v for k, v in key.items())
 
 
-def ceiling(m: int, needs: tuple[int, int] | None, state_bytes: int, effective_batch: int) -> int:
+def ceiling(
+    m: int, needs: tuple[int, int] | None, state_bytes: int, effective_batch: int, before: tuple[int, int] | None = None
+) -> int:
     """The largest size left to time after microbatch ``m`` ran out of memory: below ``m``; where ``m`` splits the
     batch evenly and ``needs`` gives XLA's bytes for it and the limit, at most where the line from ``state_bytes``
-    at size 0 through ``needs`` meets the limit. No size that fits lies beyond: the bytes that do not grow with the
-    microbatch are at least the state's.
+    at size 0 through ``needs`` meets the limit (no size that fits lies beyond: the bytes that do not grow with the
+    microbatch are at least the state's). With ``before``, the same variant's refusal at a larger even size
+    ``(size, bytes)``: at most where the line through both meets it (0 where its bytes do not fall with the size).
 
     Example:
       >>> ceiling(16, (100, 34), state_bytes=1, effective_batch=128)  # 1 + 6.19 m bytes: 5 fits, 6 would not
       5
+      >>> # 10 + 5.625 m through both refusals: 4 fits; bytes that barely fall: none fits
+      >>> ceiling(16, (100, 34), 1, 128, before=(32, 190)), ceiling(16, (100, 34), 1, 128, before=(32, 101))
+      (4, 0)
     """
     if needs is None or effective_batch % m:  # (an uneven split's last microbatch costs extra)
         return m - 1
     need, limit = needs
     if need <= limit or need <= state_bytes:
         return m - 1
-    return min(m - 1, int(m * (limit - state_bytes) / (need - state_bytes)))
+    top = min(m - 1, int(m * (limit - state_bytes) / (need - state_bytes)))
+    if before is None or before[0] <= m:
+        return top
+    rise = before[1] - need  # over (before[0] - m) examples
+    return 0 if rise <= 0 else max(0, min(top, m + (limit - need) * (before[0] - m) // rise))
 
 
 def time_here(job: Job, measure: Callable[..., Timing]) -> TimeOne:
