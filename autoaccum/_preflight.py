@@ -74,9 +74,10 @@ def trace_loss(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state
             trace(*inputs)
             return
         if hasattr(e, "add_note"):
+            called = "loss_fn(params, batch)" if state is None else "loss_fn(params, batch, state), as `state` is given"
             e.add_note(
-                "autoaccum traced `loss_fn` on the batch's first example (jax.eval_shape) before starting any trial; "
-                "the error above is the loss's own."
+                f"autoaccum traced `loss_fn` as {called}, on the batch's first example (jax.eval_shape), before "
+                "starting any trial; the error above is the loss's own."
             )
         raise
 

@@ -344,6 +344,8 @@ def test_a_plan_measured_elsewhere_warns_when_built_here(linear: autoaccum.Workl
         ({"memory_limit": "lots"}, ValueError, r"`memory_limit`='lots' does not parse"),
         ({"seed": "a"}, ValueError, r"`seed` must be an int >= 0 \(the sampler's seed\), got seed='a'"),
         ({"race_rounds": -1}, ValueError, r"`race_rounds` must be an int >= 0 \(0: no race\), got race_rounds=-1"),
+        ({"on_trial": print}, TypeError, r"`on_trial` must be a list of callbacks.*e\.g\. on_trial=\[callback\]"),
+        ({"on_trial": [print, 3]}, TypeError, r"`on_trial` must be a list of callbacks"),
     ],
 )
 def test_bad_input_fails_before_any_trial(
@@ -361,6 +363,15 @@ def test_bad_input_fails_before_any_trial(
             **{"storage": ":memory:", **kwargs},
         )
     assert calls == []
+
+
+def test_a_loss_without_state_given_state_is_told_how_it_was_called(linear: autoaccum.Workload) -> None:
+    """With ``state=``, the loss is called with the state; a loss that takes none fails with its own TypeError, and
+    a note that says how it was called (the TypeError alone named no argument of tune)."""
+    with pytest.raises(TypeError, match="positional argument") as raised:
+        tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, state={"k": jnp.zeros(())},
+             microbatch_bound=4, storage=":memory:", measure=fake_measure())  # fmt: skip
+    assert "as loss_fn(params, batch, state), as `state` is given" in "".join(raised.value.__notes__)
 
 
 def test_unopenable_sqlite_path(linear: autoaccum.Workload, tmp_path: Path) -> None:

@@ -91,7 +91,8 @@ class TuneResult(JsonMixin):
       bounds: per setting of the knobs (by its text, ``"remat=None"``), the microbatch bound before any trial:
         the probe's for the default setting, the calibrated estimate's for the others, or the bound given.
       predicted_over: per setting, the sizes within its bound left out: their accumulating step predicted over.
-      update_fn: the plan's update, already compiled for the effective batch's shapes (not in the JSON).
+      update_fn: the plan's update, already compiled for the effective batch's shapes (not in the JSON); it
+        donates the params and optimizer state it is called with (`autoaccum.build_update`'s ``donate=True``).
       init: ``init(params) -> opt_state`` for ``update_fn`` (not in the JSON).
       step: from `autoaccum.nnx.tune`, the plan as an nnx step ``loss = step(model, optimizer, batch)`` (not in
         the JSON).

@@ -52,6 +52,16 @@ def _isolatable() -> bool:
     return False
 
 
+def _callbacks(on_trial: Any) -> tuple[Callable[[TrialRecord, int, int], None], ...]:
+    """``on_trial`` as a tuple of callables; a ``TypeError`` naming it otherwise (a bare callable included)."""
+    if callable(on_trial) or not isinstance(on_trial, (list, tuple)) or not all(map(callable, on_trial)):
+        raise TypeError(
+            f"`on_trial` must be a list of callbacks, each `callback(record, done, total)`, got on_trial={on_trial!r};"
+            " e.g. on_trial=[callback]."
+        )
+    return tuple(on_trial)
+
+
 def _versions() -> dict[str, str]:
     import flax
     import jaxlib
@@ -194,7 +204,8 @@ def tune(
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` mean loss (``-> (loss, aux)`` with ``has_aux``), or an
         `autoaccum.Knobs` whose factory makes it for each value of the loss's own knobs (``plan.knobs``).
-      params: the parameters; never donated or changed (trials work on copies).
+      params: the parameters; tune never donates or changes them (trials work on copies); the returned
+        ``update_fn`` donates what it is called with, as `autoaccum.build_update`'s does.
       batch: an example batch; its leading size is the default effective batch.
       optimizer: the optax optimizer training uses (required: its state is part of the memory).
       effective_batch: examples per update; may exceed the batch's size (rows are then repeated).
@@ -204,7 +215,8 @@ def tune(
       budget: the configurations the study settles (measured, or failed: out of memory, timed out), earlier
         runs' and other workers' included. Default: the whole space if it has at most `EXHAUSTIVE_UP_TO` points
         (`autoaccum._tune.trials`), else until the search stops; a larger budget is spent by TPE after the search.
-      timeout: stop starting new trials (and waiting for other workers' trials) after this many seconds.
+      timeout: stop starting new trials (and waiting for other workers' trials) after this many seconds of the
+        search, counted once the probe has bounded the sizes; the race and the build come after.
       storage: an RDB URL (default: SQLite at `autoaccum._storage.default_storage`; several hosts:
         ``"postgresql+psycopg://user@host/db"``), ``":memory:"`` or an optuna storage.
       study_name: default: ``"autoaccum-"`` + the fingerprint, so re-running the same tune resumes its study.
@@ -235,7 +247,7 @@ def tune(
     """
     clock = Clock()
     budget = renamed("budget", budget, "n_trials", n_trials, stacklevel=4)
-    on_trial = renamed("on_trial", on_trial, "callbacks", callbacks, default=(), stacklevel=4)
+    on_trial = _callbacks(renamed("on_trial", on_trial, "callbacks", callbacks, default=(), stacklevel=4))
     bound = renamed("microbatch_bound", microbatch_bound, "max_microbatch", max_microbatch, stacklevel=4)
     children = _isolatable() if isolate is None else bool(isolate) or detect_device().platform != "tpu"
     isolate = children if isolate is None else isolate
