@@ -120,9 +120,9 @@ def load_workload(target: str) -> Workload:
     fn = getattr(module, attr, None)
     if not callable(fn):
         known = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
+        what = f"no function {attr!r}" if fn is None else f"{attr!r}, but it is {type(fn).__name__}, not a function"
         raise WorkloadError(
-            f"{where!r} has no function {attr!r} (from {target!r}); it defines: "
-            f"{', '.join(known) or 'nothing callable'}."
+            f"{where!r} has {what} (from {target!r}); it defines: {', '.join(known) or 'nothing callable'}."
         )
     workload = _run(fn, f"calling {attr}() from {where!r}", target)
     if not isinstance(workload, Workload):
@@ -139,5 +139,11 @@ def _run(fn: Callable[[], Any], doing: str, target: str) -> Any:
     try:
         return fn()
     except Exception as e:  # the user's code: every failure is reported as a bad workload
-        tail = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-3:]).strip()
-        raise WorkloadError(f"{doing} failed ({type(e).__name__}: {e}) for {target!r}:\n{tail}") from e
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith((_OWN, "<"))][-2:]
+        tail = "".join(traceback.format_list(frames)).rstrip()  # the user's frames (none: the call itself failed)
+        said = f"{doing} failed ({type(e).__name__}: {e}) for {target!r}"
+        raise WorkloadError(said + f":\n{tail}" * bool(tail)) from e
+
+
+_OWN = str(Path(__file__).resolve().parent)
+"""This package's folder: its frames are left out of a workload's traceback."""

@@ -82,12 +82,15 @@ def test_listing_the_catalog(args: list[str]) -> None:
         (["--effective-batch", "0", "--gpu", "L4"], "must be >= 1, got --effective-batch 0"),
         (["--memory-limit", "12XB"], "'12XB' does not parse as a byte size"),
         (["--mem-fraction", "1.5", "--gpu", "L4"], "1.5"),
+        (["--gpu", "./no-such-card.txtpb"], "no file './no-such-card.txtpb'"),  # (was: "unknown accelerator")
+        (["--large", "--gpu", "L4"], "it goes with --demo"),  # (was ignored)
+        (["--strategy", "bogus", "--gpu", "L4"], "'bogus' is not a registered strategy"),  # (after a compile line)
     ],
 )
 def test_bad_input_exits_2_before_compiling(args: list[str], message: str) -> None:
     result = run(WORKLOAD, *args)
     check(result, 2)
-    assert message in result.output
+    assert message in result.output and "compiling" not in result.output
 
 
 def test_a_missing_workload_is_a_usage_error() -> None:

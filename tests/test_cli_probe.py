@@ -62,6 +62,8 @@ def test_probe_human_output_and_nothing_fits_exits_1() -> None:
         (["no_such_module_xyz:f"], "cannot be found"),
         (["probe_workloads:nope"], "has no function 'nope'"),
         (["probe_workloads:not_a_workload"], "returned int, not an autoaccum.Workload"),
+        (["probe_workloads:FEATURES"], "has 'FEATURES', but it is int, not a function"),
+        (["probe_workloads:linear_loss"], "failed (TypeError: linear_loss() missing 2 required positional arguments"),
         (["missing/file.py:f"], "does not exist"),
         ([WORKLOAD, "--memory-limit", "lots"], "does not parse"),
         ([WORKLOAD, "--memory-limit", "1KB"], "alone need"),
@@ -70,13 +72,15 @@ def test_probe_human_output_and_nothing_fits_exits_1() -> None:
         ([WORKLOAD, "--demo"], "not both"),
         ([], "give a WORKLOAD"),
     ],
-    ids=["module", "function", "wrong-return", "file", "limit-unparsable", "limit-below-state", "max-size",
+    ids=["module", "function", "wrong-return", "not-callable", "arguments", "file", "limit-unparsable",
+         "limit-below-state", "max-size",
          "granularity", "both", "none"],
 )  # fmt: skip
 def test_bad_input_exits_2_saying_what_is_wrong(args: list[str], message: str) -> None:
     result = invoke("probe", *args)
     assert result.exit_code == 2
     assert message in result.output
+    assert "autoaccum/_workload.py" not in result.output  # (the user's frames only, none of the loader's)
 
 
 def test_workload_from_a_file(tmp_path: Path) -> None:

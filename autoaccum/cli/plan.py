@@ -11,7 +11,13 @@ from typing import Any, NamedTuple
 
 import click
 
-from autoaccum.cli._common import check_output, resolve_workload, strategy_help, workload_arguments
+from autoaccum.cli._common import (
+    check_output,
+    check_strategies,
+    resolve_workload,
+    strategy_help,
+    workload_arguments,
+)
 from autoaccum.cli._console import fit_table, make_console
 
 NOTE = (
@@ -136,11 +142,15 @@ def plan(
         raise click.BadParameter(
             f"must be >= 1, got --effective-batch {effective_batch}.", param_hint="'--effective-batch'"
         )
+    if large and not (demo and workload is None):
+        raise click.BadParameter("plans the demo's ~1B-parameter model: it goes with --demo.", param_hint="'--large'")
     targets: list[Target] = []
     for name in gpus:
         try:
             if Path(name).is_file():  # a card's own description (`autoaccum devices --target-config`)
                 targets.append(Target.gpu_file(name, mem_fraction, safety_margin))
+            elif name.endswith((".txtpb", ".pbtxt", ".txt")) or "/" in name:
+                raise ValueError(f"no file {name!r} (a card's description: `autoaccum devices --target-config`).")
             else:
                 targets.append(Target.gpu(name, mem_fraction, safety_margin))
         except ValueError as e:
@@ -156,6 +166,7 @@ def plan(
     check_output(plot, "--plot")
     mesh = _mesh(devices) if devices > 1 else None  # before the workload makes arrays: JAX starts then
     if demo and workload is None:
+        check_strategies([strategy], auto=True)
         from autoaccum.workloads import planning_demos
 
         if not targets:
@@ -167,6 +178,7 @@ def plan(
                              None if i else out, as_json, None if plot is None else _nth(plot, i)) or code  # fmt: skip
         raise SystemExit(code)
     w = resolve_workload(workload, demo)
+    check_strategies([strategy], auto=True)  # (once the workload's file may have registered its own)
     total = w.batch_size if effective_batch is None else effective_batch
     raise SystemExit(
         _plan_one(console, w, total, targets, mesh, devices, strategy, mem_fraction, safety_margin, out, as_json, plot)
