@@ -43,6 +43,7 @@ from autoaccum._json import JsonMixin
 from autoaccum._units import parse_bytes
 from autoaccum._update import Update, build_update, resolve_strategy
 from autoaccum.strategies import Program, PyTree, check_params, layout_of, leading_size, tree_bytes
+from autoaccum.strategies._layout import check_effective_batch
 
 DEFAULT_MAX_MICROBATCH = 16384
 """The largest microbatch the estimate and the probe consider when the caller gives no ``microbatch_cap``."""
@@ -528,6 +529,8 @@ def estimate(
             target, memory_limit, compiler_options, params, batch, state
         )
     layout = layout_of(params, batch, state)
+    if layout is not None and effective_batch is not None:
+        check_effective_batch(effective_batch, layout)
     limit = _limit(memory_limit, layout)
     extra_limits = [parse_bytes(x, "refine_for") for x in refine_for]
     g = 1 if layout is None else layout.shards  # on a mesh: global sizes, multiples of the batch's shards

@@ -32,7 +32,9 @@ from autoaccum._preflight import trace_loss
 from autoaccum._units import format_bytes
 from autoaccum._update import resolve_strategy
 from autoaccum._worker import STEPS, WARMUP, Job, MeshSpec, Request, Server, Worker, unless_oom
-from autoaccum.strategies import PyTree, check_params, leading_size, tree_bytes
+from autoaccum.strategies import PyTree, check_params, layout_of, leading_size, tree_bytes
+from autoaccum.strategies import get as get_strategy
+from autoaccum.strategies._layout import check_effective_batch
 
 FIRST_MARGIN = 0.97
 """The first real trial runs where the compile-only estimate leaves this fraction of the bytes the limit has above
@@ -260,6 +262,14 @@ def prepare(
     build = resolve_strategy(loss_fn, optimizer, params, batch, state, **build)  # "auto": the strategy it runs here
     mesh = MeshSpec.of(params, batch, state)
     if mesh is not None:  # global microbatch sizes: multiples of the batch's shards too
+        layout = layout_of(params, batch, () if state is None else state)
+        if effective_batch is not None:
+            check_effective_batch(effective_batch, layout)
+        if not get_strategy(build["strategy"]).supports(layout):
+            raise ValueError(
+                f"`strategy`={build['strategy']!r} does not run with these inputs on a mesh (multisteps: parameters "
+                "sharded over it, FSDP); use strategy='scan' or 'loop'."
+            )
         granularity = math.lcm(granularity, mesh.shards)
         if cap < granularity:
             raise ValueError(

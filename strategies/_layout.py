@@ -128,6 +128,17 @@ def layout_of(params: PyTree, batch: PyTree, state: PyTree = ()) -> Layout | Non
     return Layout(mesh, batch_axes, tuple(param_dims))
 
 
+def check_effective_batch(effective_batch: int, layout: Layout) -> None:
+    """The effective batch is global too: it must be a multiple of the number of batch shards."""
+    if effective_batch % layout.shards:
+        lower = max(layout.shards, effective_batch // layout.shards * layout.shards)
+        raise ValueError(
+            f"`effective_batch`={effective_batch} is not a multiple of the {layout.shards} shards the batch is split "
+            f"into over mesh axes {layout.batch_axes}; use a multiple of {layout.shards}, e.g. {lower} or "
+            f"{lower + layout.shards}."
+        )
+
+
 def check_microbatch(microbatch_size: int, layout: Layout, batch_size: int) -> None:
     """``microbatch_size`` is global: it must be a multiple of the number of batch shards."""
     if microbatch_size % layout.shards:

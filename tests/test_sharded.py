@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close
+from helpers import assert_trees_close, count_backend_compiles
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -288,6 +288,25 @@ def test_multisteps_refuses_fsdp() -> None:
     sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, FSDP)
     with pytest.raises(NotImplementedError, match="strategy='scan' or 'loop'"):
         update(sharded, update.init(sharded), place(batch, mesh, P("data")))
+
+
+def test_probe_and_estimate_refuse_what_the_mesh_cannot_run_before_any_trial() -> None:
+    """An effective batch that does not split over the shards, and multisteps with FSDP parameters: named before any
+    trial or compile (the probe failed after a trial with JAX's IndivisibleError, the estimate answered 16384)."""
+    params, batch = mlp()
+    mesh = mesh_of(AxisType.Auto)
+    replicated, rows = place(params, mesh, P()), place(batch, mesh, P("data"))
+    kw = dict(optimizer=optax.sgd(0.1), memory_limit="256MiB", microbatch_cap=16)
+    uneven = r"`effective_batch`=30 is not a multiple of the 8 shards .* e\.g\. 24 or 32"
+    fsdp = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, FSDP)
+    with count_backend_compiles() as compiles:
+        with pytest.raises(ValueError, match=uneven):
+            autoaccum.probe(loss_fn, replicated, rows, effective_batch=30, **kw)
+        with pytest.raises(ValueError, match=uneven):
+            autoaccum.estimate(loss_fn, replicated, rows, effective_batch=30, **kw)
+        with pytest.raises(ValueError, match=r"`strategy`='multisteps' does not run .* strategy='scan' or 'loop'"):
+            autoaccum.probe(loss_fn, fsdp, rows, strategy="multisteps", **kw)
+    assert compiles == []
 
 
 def test_bad_schedule_names_the_argument() -> None:

@@ -28,6 +28,7 @@ from autoaccum._worker import Request, Worker
 from autoaccum.strategies import Layout, PyTree, check_params, layout_of, leading_size
 from autoaccum.strategies import available as available_strategies
 from autoaccum.strategies import get as get_strategy
+from autoaccum.strategies._layout import check_effective_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,11 +191,7 @@ def _check_strategies(strategies: Sequence[str] | None) -> list[str]:
 
 def _on_mesh(layout: Layout, names: list[str], effective_batch: int, *, explicit: bool) -> list[str]:
     """The strategies that run on ``layout``'s mesh (global microbatch sizes, multiples of the shards)."""
-    if effective_batch % layout.shards:
-        raise ValueError(
-            f"`effective_batch`={effective_batch} is not a multiple of the {layout.shards} shards the batch is split "
-            f"into over mesh axes {layout.batch_axes}; use a multiple of {layout.shards}."
-        )
+    check_effective_batch(effective_batch, layout)
     off = [n for n in names if not get_strategy(n).supports(layout)]
     if explicit and off:
         raise ValueError(
