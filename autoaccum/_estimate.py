@@ -483,7 +483,8 @@ def estimate(
       microbatch_cap: `Estimate.max_microbatch` is at most this (default `DEFAULT_MAX_MICROBATCH`).
       accumulation: also measure accumulating steps (for `Estimate.capacity` and ``bytes_at`` with a
         ``batch_size``); ``False`` saves three compilations.
-      effective_batch: refine the fit for plans of this many examples per update.
+      effective_batch: refine the fit for plans of this many examples per update (with ``accumulation``, also
+        the largest microbatch considered: nothing above it is compiled).
       refine_for: more memory limits to refine the fit around, one compilation each.
       compiler_options: XLA options for the analysis compilations, on top of `COMPILER_OPTIONS` (and, on a GPU,
         `analysis_options`).
@@ -562,11 +563,11 @@ def estimate(
             sizes += [(s1, 2 * s1 + units(s1 // 2) if s1 > g else 3 * s1)]
         measurer.submit([*sizes, (0, 0)])
         (single1,) = measurer.measure(sizes[:1])
-        largest = cap if effective_batch is None or not accumulation else effective_batch  # a plan's microbatch <= B
+        largest = cap if effective_batch is None or not accumulation else min(cap, effective_batch)  # plans: <= B
         s2 = units(_second_size(single1, measurer.state_bytes, limit, largest))
         measurer.measure([(s2, s2) if s2 != s1 else (s1 + g, s1 + g)])
         fields: dict[str, Any] = dict(
-            strategy=build["strategy"], options=measurer.options, memory_limit_bytes=limit, microbatch_cap=cap,
+            strategy=build["strategy"], options=measurer.options, memory_limit_bytes=limit, microbatch_cap=largest,
             platform=platform, shards=g, compiler=compiler, target=target_name,
         )  # fmt: skip
         if accumulation:

@@ -84,6 +84,21 @@ def test_accumulating_steps_match_xla_at_the_planned_microbatch() -> None:
         assert p.peak_bytes == step_memory(update, w.params, w.batch, p.batch_size).peak_bytes
 
 
+def test_an_estimate_for_an_effective_batch_answers_no_microbatch_above_it() -> None:
+    """Made for an effective batch ``B``, the estimate compiles nothing above ``B``, so its one-microbatch answer is
+    at most ``B`` (it extrapolated its fit past what it compiled: 1778 for ``B`` = 256, 16384 on a mesh)."""
+    params = {"w1": jnp.zeros((64, 1024)), "w3": jnp.zeros((1024, 1024)), "w2": jnp.zeros(1024)}
+    batch = {"x": jnp.ones((256, 64)), "y": jnp.zeros(256)}
+
+    def loss_fn(p: dict[str, jax.Array], b: dict[str, jax.Array]) -> jax.Array:
+        return jnp.mean((jnp.tanh(jnp.tanh(b["x"] @ p["w1"]) @ p["w3"]) @ p["w2"] - b["y"]) ** 2)
+
+    est = autoaccum.estimate(loss_fn, params, batch, optimizer=optax.adam(1e-3), memory_limit="48MiB",
+                             strategy="scan", effective_batch=256)  # fmt: skip
+    assert est.max_microbatch == 256 and max(p.microbatch_size for p in est.points) <= 256
+    assert est.bytes_at(256) <= est.memory_limit_bytes
+
+
 def test_plans_for_catalogued_accelerators() -> None:
     _, est = small_estimate("cnn", "64MiB")
     a100 = est.capacity(1024, "A100-40GB")
