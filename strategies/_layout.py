@@ -78,16 +78,19 @@ def layout_of(params: PyTree, batch: PyTree, state: PyTree = ()) -> Layout | Non
     Arrays and ``jax.ShapeDtypeStruct`` (with a ``sharding``) are read alike.
 
     Raises:
-      ValueError: batch leaves are sharded differently or along another axis than the first, a parameter is
-        sharded over mesh axes the batch is not sharded over, over several dimensions, or the state is sharded.
+      ValueError: batch leaves are sharded differently (or some not at all) or along another axis than the first,
+        a parameter is sharded over mesh axes the batch is not sharded over, over several dimensions, or the state
+        is sharded.
     """
     found: dict[tuple[Any, tuple[str, ...]], list[str]] = {}
+    whole: list[str] = []  # leaves not sharded along their example axis
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         named = _named_spec(leaf)
+        name = jax.tree_util.keystr(path) or "<root>"
         if named is None or not any(named[1]):
+            whole.append(name)
             continue
         mesh, spec = named
-        name = jax.tree_util.keystr(path) or "<root>"
         if any(entry is not None for entry in tuple(spec)[1:]):
             raise ValueError(
                 f"`batch` leaf {name} is sharded as {spec}, beyond its example axis; shard only axis 0, e.g. "
@@ -103,6 +106,13 @@ def layout_of(params: PyTree, batch: PyTree, state: PyTree = ()) -> Layout | Non
             "NamedSharding(mesh, P(axes)) along its example axis."
         )
     ((mesh, batch_axes),) = found
+    if whole:
+        spec = PartitionSpec(batch_axes if len(batch_axes) > 1 else batch_axes[0])
+        raise ValueError(
+            f"`batch` leaves {', '.join(whole)} are not sharded along their example axis while "
+            f"{', '.join(found[mesh, batch_axes])} are, over {batch_axes}; put every leaf on one sharding: "
+            f"jax.device_put(batch, NamedSharding(mesh, {spec}))."
+        )
     param_dims = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         named = _named_spec(leaf)

@@ -309,6 +309,19 @@ def test_probe_and_estimate_refuse_what_the_mesh_cannot_run_before_any_trial() -
     assert compiles == []
 
 
+def test_a_batch_leaf_left_unsharded_beside_sharded_ones_is_named(strategy: str) -> None:
+    """One batch leaf on the mesh's example axis and another not (replicated, a numpy array): the leaf and the fix
+    are named before anything compiles (shard_map's own error named an ``arg: float32[..]``)."""
+    params, batch = mlp()
+    mesh = mesh_of(AxisType.Auto)
+    update = autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=24, strategy=strategy)
+    sharded = place(params, mesh, P())
+    for y in (place(batch["y"], mesh, P()), np.asarray(batch["y"])):
+        mixed = {"x": place(batch["x"], mesh, P("data")), "y": y}
+        with pytest.raises(ValueError, match=r"`batch` leaves \['y'\] are not sharded .* while \['x'\] are"):
+            update(sharded, update.init(sharded), mixed)
+
+
 def test_bad_schedule_names_the_argument() -> None:
     with pytest.raises(ValueError, match=r"`gather_params` must be 'once' or 'per_microbatch', got .*'always'"):
         autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=8, gather_params="always")
