@@ -34,6 +34,8 @@ def test_tune_prints_table_and_saves_plan(tmp_path: Path) -> None:
     assert "measured peak" in words and "ms [" in words  # the spread: median [quartiles]
     assert "best plan" in result.stdout
     assert "autoaccum.Plan.load" in result.stdout
+    bar = re.search(r"(trial \d+|probing \+ tuning) +━+ +(\d+|\?)/", result.output)
+    assert bar is None, bar  # off a terminal, no progress bar (its last frame was left in the file)
     plan = Plan.load(out)
     assert plan.effective_batch == 64 and plan.microbatch_size <= 16
 

@@ -181,9 +181,10 @@ def tune(
     if memory_limit is None and w.memory_limit is not None:
         memory_limit = str(w.memory_limit)
         console.print(f"memory limit {memory_limit}: the workload's own (--memory-limit overrides it)")
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-    ) as progress:
+    with Progress(  # a live bar on a terminal only, gone when it ends (the trials' lines stay)
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+        transient=True, disable=not console.is_terminal,
+    ) as progress:  # fmt: skip
         task = progress.add_task("probing + tuning", total=None)
 
         def on_trial(record: TrialRecord, done: int, total: int) -> None:
