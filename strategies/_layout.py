@@ -138,26 +138,20 @@ def layout_of(params: PyTree, batch: PyTree, state: PyTree = ()) -> Layout | Non
     return Layout(mesh, batch_axes, tuple(param_dims))
 
 
-def check_effective_batch(effective_batch: int, layout: Layout) -> None:
-    """The effective batch is global too: it must be a multiple of the number of batch shards."""
+def check_effective_batch(effective_batch: int, layout: Layout, name: str = "effective_batch", why: str = "") -> None:
+    """``effective_batch`` (or the size ``name``) is global: it must be a multiple of the number of batch shards."""
     if effective_batch % layout.shards:
         lower = max(layout.shards, effective_batch // layout.shards * layout.shards)
         raise ValueError(
-            f"`effective_batch`={effective_batch} is not a multiple of the {layout.shards} shards the batch is split "
-            f"into over mesh axes {layout.batch_axes}; use a multiple of {layout.shards}, e.g. {lower} or "
+            f"`{name}`={effective_batch} is not a multiple of the {layout.shards} shards the batch is split into over "
+            f"mesh axes {layout.batch_axes}{why}; use a multiple of {layout.shards}, e.g. {lower} or "
             f"{lower + layout.shards}."
         )
 
 
 def check_microbatch(microbatch_size: int, layout: Layout, batch_size: int) -> None:
     """``microbatch_size`` is global: it must be a multiple of the number of batch shards."""
-    if microbatch_size % layout.shards:
-        lower = max(layout.shards, microbatch_size // layout.shards * layout.shards)
-        raise ValueError(
-            f"`microbatch_size`={microbatch_size} is not a multiple of the {layout.shards} shards the batch "
-            f"is split into over mesh axes {layout.batch_axes} (microbatch_size counts all devices together); use "
-            f"a multiple of {layout.shards}, e.g. {lower} or {lower + layout.shards}."
-        )
+    check_effective_batch(microbatch_size, layout, "microbatch_size", " (microbatch_size counts all devices together)")
     if batch_size % layout.shards:
         raise ValueError(
             f"`batch` has {batch_size} examples, not a multiple of the {layout.shards} shards over "
