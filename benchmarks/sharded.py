@@ -607,8 +607,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def _variants(args: argparse.Namespace) -> tuple[list[Any], Any, dict[str, Any]]:
+    """The variants timed, the single-device reference step, and what the header and the table need."""
     b, m = args.batch, args.microbatch
     k = b // m
     n = len(jax.devices())
@@ -634,8 +634,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         name: jax.device_put(x, NamedSharding(mesh, P("data") if x.shape[0] % n == 0 else P()))
         for name, x in host_params.items()
     }
-    replicated_leaves = sorted(name for name, x in fsdp.items() if not any(x.sharding.spec))
-
     variants = [
         full_batch(params, batch, opt),
         ours("scan", params, batch, opt, m),
@@ -653,25 +651,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         aligned_scan(params, batch, opt, m, n),
         shard_map_scan(params, batch, opt, m, mesh),
     ]
+    about = dict(
+        n=n, k=k, features=features, ideal_flops=ideal_flops,
+        n_params=sum(x.size for x in jax.tree.leaves(host_params)),
+        replicated_leaves=sorted(name for name, x in fsdp.items() if not any(x.sharding.spec)),
+    )  # fmt: skip
+    return variants, reference, about
 
-    n_params = sum(x.size for x in jax.tree.leaves(host_params))
+
+def _header(args: argparse.Namespace, about: dict[str, Any]) -> None:
+    n, features = about["n"], about["features"]
     print(f"machine: {machine(n)}")
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '').strip()!r}")
     print(
-        f"workload: MLP {' -> '.join(map(str, features))} (ReLU), {n_params:,} params, softmax cross-entropy, "
-        f"AdamW(1e-3); batch sharded over {n} devices (Auto mesh, axis 'data')"
+        f"workload: MLP {' -> '.join(map(str, features))} (ReLU), {about['n_params']:,} params, softmax "
+        f"cross-entropy, AdamW(1e-3); batch sharded over {n} devices (Auto mesh, axis 'data')"
     )
     print(
-        f"B={b}, microbatch m={m} (k={k} microbatches, {m // n} rows per device per microbatch), {args.rounds} "
-        f"rounds x {args.steps} updates, warm-up {args.warmup}"
+        f"B={args.batch}, microbatch m={args.microbatch} (k={about['k']} microbatches, {args.microbatch // n} rows "
+        f"per device per microbatch), {args.rounds} rounds x {args.steps} updates, warm-up {args.warmup}"
     )
     if args.fsdp:
         print(
-            f"FSDP: every parameter sharded on its first dimension over 'data', except {replicated_leaves} (replicated)"
+            "FSDP: every parameter sharded on its first dimension over 'data', except "
+            f"{about['replicated_leaves']} (replicated)"
         )
     print()
 
-    results = [prepare(v, reference, args, k) for v in variants]
+
+def _checked(results: list[Any], args: argparse.Namespace) -> bool:
+    """Prints the one-update check against the reference; False where a variant is off it."""
     failed = [
         f"{r.variant.name}: max |params - reference| = {r.diffs[0]:.2e} (atol {args.atol:g}), max |Adam mu - "
         f"reference| = {r.diffs[1]:.2e} (atol {args.grad_atol:g})"
@@ -680,7 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     if failed:
         print("one-update check FAILED:\n  " + "\n  ".join(failed), file=sys.stderr)
-        return 1
+        return False
     errors = [r for r in results if r.error]
     ok = [r for r in results if not r.error]
     worst = [max(r.diffs[i] for r in ok) for i in range(2)]
@@ -691,14 +700,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if errors:
         print(f"{len(errors)} variant(s) raised before timing (ERROR rows; the error follows the table)")
     print()
+    return True
 
+
+def _table(results: list[Any], args: argparse.Namespace, ideal_flops: float) -> tuple[Any, dict[str, float]]:
+    """Times the variants that ran and prints their table; returns the best baseline and the medians."""
+    ok, errors = [r for r in results if not r.error], [r for r in results if r.error]
     time_rounds(ok, args)
     medians = {r.variant.name: statistics.median(r.times) for r in ok}
     mins = {r.variant.name: min(r.times) for r in ok}
-    baselines = [r for r in ok if r.variant.by == NAIVE]
-    best = min(baselines, key=lambda r: medians[r.variant.name])
-    best_t, best_min = medians[best.variant.name], min(mins[r.variant.name] for r in baselines)
-
+    best = min((r for r in ok if r.variant.by == NAIVE), key=lambda r: medians[r.variant.name])
     print(
         "| variant | params | reductions / update | all-gathers / update | compute per device (x data-parallel) "
         "| examples/s | ms/update (median) | ms/update (min) | vs best baseline | first call (s) |"
@@ -716,8 +727,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         trips = " (trip count assumed)" if r.cost.assumed_trips else ""
         print(
             f"| {r.variant.name} | {r.variant.params} | {r.cost.count(REDUCTIONS)}{trips} | {gathers} | "
-            f"{r.cost.dot_flops / ideal_flops:.2f}x | {b / t:,.0f} | {1e3 * t:.2f} | {1e3 * mins[r.variant.name]:.2f} "
-            f"| {best_t / t:.3f} | {r.first_call:.2f} |"
+            f"{r.cost.dot_flops / ideal_flops:.2f}x | {args.batch / t:,.0f} | {1e3 * t:.2f} | "
+            f"{1e3 * mins[r.variant.name]:.2f} | {medians[best.variant.name] / t:.3f} | {r.first_call:.2f} |"
         )
     for r in errors:
         print(f"ERROR {r.variant.name}: {r.error}")
@@ -726,17 +737,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             "'+ device_put': the host loop gathers the FSDP parameters once per update with jax.device_put to a "
             "replicated sharding (a runtime copy), outside the programs Update.programs lists"
         )
+    return best, medians
 
+
+def _goals(results: list[Any], args: argparse.Namespace, best: Any, medians: dict[str, float]) -> None:
+    ok = [r for r in results if not r.error]
+    mins = {r.variant.name: min(r.times) for r in ok}
+    best_t = medians[best.variant.name]
+    best_min = min(mins[r.variant.name] for r in ok if r.variant.by == NAIVE)
     print("\ncompiled programs per update (per call: collective x result type; loops counted by trip count):")
     for r in ok:
         print(
             f"  {r.variant.name} (one-update check: max |params diff| {r.diffs[0]:.1e}, max |Adam mu diff| "
             f"{r.diffs[1]:.1e}):\n{r.detail}"
         )
-
     print(
-        f"\nbest baseline: {best.variant.name} ({b / best_t:,.0f} ex/s); ratios are median-throughput ratios, "
-        f"'least-disturbed' compares each side's fastest round"
+        f"\nbest baseline: {best.variant.name} ({args.batch / best_t:,.0f} ex/s); ratios are median-throughput "
+        "ratios, 'least-disturbed' compares each side's fastest round"
     )
     expert = "hand-written: shard_map + lax.scan, one psum"
     for r in ok:
@@ -757,6 +774,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"informational, {r.variant.name} / {expert} (throughput; 1.0: no overhead over the hand-written "
                 f"shard_map) = {medians[expert] / medians[r.variant.name]:.3f}"
             )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    variants, reference, about = _variants(args)
+    _header(args, about)
+    results = [prepare(v, reference, args, about["k"]) for v in variants]
+    if not _checked(results, args):
+        return 1
+    best, medians = _table(results, args, about["ideal_flops"])
+    _goals(results, args, best, medians)
+    errors = [r for r in results if r.error]
     if errors:
         print(f"{len(errors)} variant(s) raised (see ERROR after the table)")
         return 1
