@@ -101,6 +101,27 @@ def test_a_killed_runs_trial_on_this_host_is_not_waited_for(tmp_path: Path) -> N
     assert json.loads(out.strip().splitlines()[-1])["new_trials"] >= GRID - 1
 
 
+
+def test_a_study_name_given_again_for_another_setup_is_refused(tmp_path: Path) -> None:
+    """A ``study_name`` given by hand for a changed model and optimizer: the study holds the first tune's trials,
+    so the second tune refuses it before anything runs, naming study_name and fresh=True (it resumed them and
+    returned the first model's plan); with fresh=True it tunes anew."""
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    params, batch = linear_problem()
+    kw: dict[str, Any] = dict(microbatch_bound=4, budget=2, storage=storage, study_name="mine", race_rounds=0)
+    first = tune(lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2), params, batch,
+                 optimizer=optax.sgd(0.1), measure=constant_measure([]), **kw)  # fmt: skip
+
+    def other(p: Any, b: Any) -> jax.Array:
+        return jnp.mean(jnp.abs(b["x"] @ p["w"] - b["y"]))
+
+    calls: list[tuple[int, str]] = []
+    with pytest.raises(ValueError, match=r"`study_name`='mine' holds the trials of another tune .* fresh=True"):
+        tune(other, params, batch, optimizer=optax.adam(1e-3), measure=constant_measure(calls), **kw)
+    assert calls == []
+    again = tune(other, params, batch, optimizer=optax.adam(1e-3), measure=constant_measure(calls), fresh=True, **kw)
+    assert again.resumed_trials == 0 and calls and again.fingerprint != first.fingerprint
+
 # Stale results: a changed loss body and optimizer (same function name) is a new study, never the old answer.
 def test_changed_loss_and_optimizer_never_resume_the_old_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AUTOACCUM_CACHE", str(tmp_path))  # the default storage, in a fresh folder

@@ -219,7 +219,8 @@ def tune(
         search, counted once the probe has bounded the sizes; the race and the build come after.
       storage: an RDB URL (default: SQLite at `autoaccum._storage.default_storage`; several hosts:
         ``"postgresql+psycopg://user@host/db"``), ``":memory:"`` or an optuna storage.
-      study_name: default: ``"autoaccum-"`` + the fingerprint, so re-running the same tune resumes its study.
+      study_name: default: ``"autoaccum-"`` + the fingerprint, so re-running the same tune resumes its study; a
+        name whose study holds another fingerprint's trials is refused (``fresh=True`` starts it over).
       fresh: start the study anew, deleting earlier trials of the same name.
       seed: the sampler's seed.
       has_aux, state, loss_reduction: as for `autoaccum.build_update` (``state``: its ``has_state``; trials and
@@ -278,7 +279,7 @@ def tune(
         if worker is not None:
             clock.started = functools.partial(getattr, worker, "start_seconds")
         bounded = functools.partial(Space.bound, job, bound, clock, worker)
-        study, space, probed_here = open_study(opened, study_name or f"autoaccum-{key}", fresh, bounded)
+        study, space, probed_here = open_study(opened, study_name or f"autoaccum-{key}", key, fresh, bounded)
         resumed = len(settled_configs(study))
         timer = measure or functools.partial(time_update, time_limit=trial_timeout)
         time_one = time_here(job, timer) if worker is None else time_in_worker(job, worker)

@@ -73,16 +73,29 @@ def settled_configs(study: optuna.Study) -> dict[str, int]:
 
 
 def open_study(
-    storage: optuna.storages.BaseStorage, name: str, fresh: bool, bound: Callable[[], Space]
+    storage: optuna.storages.BaseStorage, name: str, key: str, fresh: bool, bound: Callable[[], Space]
 ) -> tuple[optuna.Study, Space, bool]:
-    """The study ``name`` (created, or resumed), the sizes each setting may time, and whether this worker bounded
-    them: stored with the study by the worker that bounded them first (the probe runs once per study), else
-    ``bound()`` now. Trials interrupted by Ctrl-C are queued again (a killed worker's are, once their heartbeat goes
-    stale, by Optuna's ``RetryHeartbeatStaleTrialCallback``)."""
+    """The study ``name`` of the tune of fingerprint ``key`` (created, or resumed), the sizes each setting may time,
+    and whether this worker bounded them: stored with the study by the worker that bounded them first (the probe
+    runs once per study), else ``bound()`` now. Trials interrupted by Ctrl-C are queued again (a killed worker's
+    are, once their heartbeat goes stale, by Optuna's ``RetryHeartbeatStaleTrialCallback``).
+
+    Raises:
+      ValueError: the study holds the trials of another fingerprint (a ``study_name`` given twice).
+    """
     if fresh:
         with contextlib.suppress(KeyError):  # no such study yet
             optuna.delete_study(study_name=name, storage=storage)
     study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
+    held = study.user_attrs.get("fingerprint")
+    if held is not None and held != key:
+        raise ValueError(
+            f"`study_name`={name!r} holds the trials of another tune (fingerprint {held}, this one's {key}: the loss, "
+            "optimizer, shapes, limit, device or search differ); pass fresh=True to start it over, or another "
+            "study_name (by default each fingerprint has its own)."
+        )
+    if held is None:
+        study.set_user_attr("fingerprint", key)
     with warnings.catch_warnings():  # "experimental" in some Optuna releases
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         study.set_metric_names(["examples/s"])
