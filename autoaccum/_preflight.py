@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from autoaccum.strategies import PyTree
+from autoaccum.strategies import PyTree, leading_size
 
 
 class NonFiniteLossWarning(UserWarning):
@@ -44,16 +44,17 @@ def _plain(tree: PyTree) -> PyTree:
 
 
 def loss_text(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state: PyTree | None = None) -> str:
-    """``loss_fn`` lowered on the batch's first example (nothing compiles or runs): its body, constants included,
-    for a fingerprint."""
-    rows = _plain(_abstract_rows(batch, 1))
+    """``loss_fn`` lowered on the batch's shapes (nothing compiles or runs): its body, constants included, for a
+    fingerprint."""
+    rows = _plain(batch)
     lowered = jax.jit(lambda p, b, s: _call(loss_fn, p, b, s)).lower(_plain(params), rows, _plain(state))
     return str(lowered.as_text())
 
 
 def trace_loss(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state: PyTree | None = None) -> None:
-    """Traces ``loss_fn`` once on the batch's first example, abstractly (``jax.eval_shape``: nothing is allocated,
-    nothing runs), on inputs without shardings (`_plain`), else as given. An exception the loss raises is the
+    """Traces ``loss_fn`` once on the batch's shapes, abstractly (``jax.eval_shape``: nothing is allocated, nothing
+    runs; a loss that needs several examples, in chunks, traces), on inputs without shardings (`_plain`), else as
+    given. An exception the loss raises is the
     caller's own, raised here with its file and line, before any trial; a note says so.
 
     Example:
@@ -65,7 +66,7 @@ def trace_loss(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state
       ...     print(repr(e))
       KeyError('nope')
     """
-    inputs = (params, _abstract_rows(batch, 1), state)
+    inputs = (params, _abstract_rows(batch, leading_size(batch)), state)
     trace = functools.partial(jax.eval_shape, lambda p, b, s: _call(loss_fn, p, b, s))
     try:
         trace(*map(_plain, inputs))
@@ -76,8 +77,8 @@ def trace_loss(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state
         if hasattr(e, "add_note"):
             called = "loss_fn(params, batch)" if state is None else "loss_fn(params, batch, state), as `state` is given"
             e.add_note(
-                f"autoaccum traced `loss_fn` as {called}, on the batch's first example (jax.eval_shape), before "
-                "starting any trial; the error above is the loss's own."
+                f"autoaccum traced `loss_fn` as {called}, on the batch's shapes (jax.eval_shape), before starting "
+                "any trial; the error above is the loss's own."
             )
         raise
 

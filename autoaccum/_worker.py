@@ -666,9 +666,10 @@ class Request:
 
 
 def loss_digest(job: Job, setting: Mapping[str, Any]) -> str:
-    """A hash of the loss ``job`` runs at knob ``setting``, lowered on one example (`autoaccum._preflight.loss_text`):
-    the caller's and the worker's must agree, else the worker would measure another program than the caller's (a
-    module global the caller changed at run time is not what the worker's fresh import of the module holds)."""
+    """A hash of the loss ``job`` runs at knob ``setting``, lowered on the batch's shapes
+    (`autoaccum._preflight.loss_text`): the caller's and the worker's must agree, else the worker would measure
+    another program than the caller's (a module global the caller changed at run time is not what the worker's
+    fresh import of the module holds)."""
     from autoaccum._knobs import resolve
     from autoaccum._preflight import loss_text
 
@@ -678,10 +679,10 @@ def loss_digest(job: Job, setting: Mapping[str, Any]) -> str:
 
 
 LOSS_DIFFERS = (
-    "the loss the worker loaded is not the one this process runs: lowered on one example, their programs differ. The "
-    "worker imports the loss's module afresh, so module-level values this process changed at run time (a global set "
-    "by a script or by the workload function) do not reach it; pass such values through the loss itself (a closure, "
-    "functools.partial) or define them at import time."
+    "the loss the worker loaded is not the one this process runs: lowered on the batch's shapes, their programs "
+    "differ. The worker imports the loss's module afresh, so module-level values this process changed at run time "
+    "(a global set by a script or by the workload function) do not reach it; pass such values through the loss "
+    "itself (a closure, functools.partial) or define them at import time."
 )
 
 
@@ -769,7 +770,7 @@ class Server:
             params, state = (None if x is None else device_copy(x) for x in pickle.load(f))
         aux, reduction = job.build.get("has_aux", False), job.build.get("loss_reduction", "mean")
         value = initial_loss(job.loss_fn, params, device_copy(job.batch), state=state, has_aux=aux,
-                             loss_reduction=reduction)  # fmt: skip
+                             loss_reduction=reduction, rows=request.microbatch_size or 8)  # fmt: skip
         return Outcome("fits", loss=value)
 
     def _refused(self, compiled: Compiled) -> Outcome | None:

@@ -102,7 +102,7 @@ import autoaccum
 
 
 def criterion(predicted, batch):
-    if predicted.shape[0] > 1:  # (not on the one example the caller traces first: only in a child's trials)
+    if predicted.shape[0] > 4:  # (not on the batch's 4 rows the caller traces first: only in a child's trials)
         return jnp.mean((predicted - batch["nope"]) ** 2)
     return jnp.mean((predicted - batch["y"]) ** 2)
 

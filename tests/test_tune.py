@@ -314,6 +314,20 @@ def test_a_variant_refused_twice_with_bytes_that_do_not_fall_to_the_limit_is_not
     assert result.plan.strategy == "scan" and result.plan.microbatch_size < 64
 
 
+def test_a_loss_that_needs_several_examples_is_tuned_above_min_microbatch() -> None:
+    """A loss that takes its microbatch in two chunks runs on no fewer than two examples: with min_microbatch=8 the
+    tune traces it (fingerprint, checks) on the batch's shapes and tunes it, in the worker too (it was traced on one
+    example first: "cannot reshape array of shape (1, 4)"); no trial ran below 8."""
+    batch = {"x": jnp.arange(64.0).reshape(16, 4) / 64}
+
+    def loss_fn(w: jax.Array, b: Any) -> jax.Array:
+        return jnp.mean((b["x"].reshape(2, -1, 4) @ w) ** 2)
+
+    result = tune(loss_fn, jnp.ones(4), batch, optimizer=optax.sgd(0.1), min_microbatch=8, memory_limit="256MiB",
+                  strategies=["scan"], budget=2, storage=":memory:", race_rounds=0)  # fmt: skip
+    assert min(t.microbatch_size for t in result.trials) >= 8 and result.plan.microbatch_size >= 8
+
+
 def test_a_plan_measured_elsewhere_warns_when_built_here(linear: autoaccum.Workload) -> None:
     """A plan measured on another device or jax version builds, with a warning saying so and what to do; one
     measured here, and a predicted one (its device a planned target), build without one."""

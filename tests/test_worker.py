@@ -34,16 +34,14 @@ def linear_loss(params: Any, batch: Any) -> jax.Array:
 
 def troubled_loss(params: Any, batch: Any) -> jax.Array:
     """In a worker (not in the process that set ``TROUBLE_PARENT``, which traces the loss too): crashes
-    the process when traced for microbatch 2, hangs in every step of microbatch 4."""
+    the process when traced for microbatch 2, hangs in every step of microbatch 4 (a callback that sleeps there:
+    the program is the same in both processes, as the worker's check of the loss wants)."""
     m = batch["x"].shape[0]
-    if str(os.getpid()) == os.environ.get("TROUBLE_PARENT"):
-        return linear_loss(params, batch)
-    if m == 2:
+    worker = str(os.getpid()) != os.environ.get("TROUBLE_PARENT")
+    if worker and m == 2:
         os.abort()
-    loss = linear_loss(params, batch)
-    if m == 4:
-        jax.debug.callback(lambda: time.sleep(600))
-    return loss
+    jax.debug.callback(lambda: time.sleep(600) if worker and m == 4 else None)
+    return linear_loss(params, batch)
 
 
 def chatty_loss(params: Any, batch: Any) -> jax.Array:
@@ -57,9 +55,9 @@ def chatty_loss(params: Any, batch: Any) -> jax.Array:
     return linear_loss(params, batch)
 
 
-def problem(features: int = 256) -> tuple[Any, Any]:
+def problem(features: int = 256, rows: int = 4) -> tuple[Any, Any]:
     params = {"w": jnp.zeros((features, 8))}
-    batch = {"x": jnp.ones((4, features)), "y": jnp.ones((4, 8))}
+    batch = {"x": jnp.ones((rows, features)), "y": jnp.ones((rows, 8))}
     return params, batch
 
 
@@ -88,7 +86,7 @@ def test_a_trial_over_the_limit_fails_in_the_worker_unrun_where_xla_says_so() ->
 def test_a_crash_is_judged_by_what_the_worker_wrote_since_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
     """An earlier request's output that mentions running out of memory does not make a later crash an OOM."""
     monkeypatch.setenv("TROUBLE_PARENT", str(os.getpid()))
-    params, batch = problem()
+    params, batch = problem(rows=8)  # (the worker checks the loss at the batch's 8 rows: it aborts at 4)
     setup = prepare(chatty_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="128MiB")
     with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
         assert w.time(Request({"strategy": "scan"}, 2, 2)).status == "fits"

@@ -275,18 +275,19 @@ def check_initial_loss(job: Job, worker: Worker | None) -> None:
     """Warns where the default setting's loss is not finite at the initial parameters (`warn_if_not_finite`), in
     ``worker`` where there is one (the caller runs none of the user's loss: a crash or a hang stays there), else
     here; where the worker could not evaluate it, a RuntimeWarning says why and the tune goes on."""
+    rows = max(8, job.min_microbatch)  # (a loss may need several examples)
     kw = dict(has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"])
     if worker is None:
-        warn_if_not_finite(job.loss_for(job.settings[0]), job.params, job.batch, state=job.state, **kw)
+        warn_if_not_finite(job.loss_for(job.settings[0]), job.params, job.batch, state=job.state, rows=rows, **kw)
         return
     inputs = worker.folder / "initial.pkl"
     inputs.write_bytes(pickle.dumps((host_copy(job.params), None if job.state is None else host_copy(job.state))))
     try:
-        outcome = worker.ask(Request({}, 0, 0, kind="loss", inputs=str(inputs)))
+        outcome = worker.ask(Request({}, rows, 0, kind="loss", inputs=str(inputs)))
     finally:
         inputs.unlink()
     if outcome.status == "fits":
-        warn_of(outcome.loss, stacklevel=7)  # (at the caller of tune)
+        warn_of(outcome.loss, rows, stacklevel=7)  # (at the caller of tune)
     else:
         message = (outcome.message or "").strip()[-600:]
         warnings.warn(f"the loss could not be run at the initial parameters in the worker: {message}", RuntimeWarning,

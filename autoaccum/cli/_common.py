@@ -103,7 +103,7 @@ def check_loss_traces(w: Workload, target: str) -> None:
         frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(package)]
         where = "".join(traceback.format_list(frames)).rstrip()
         raise click.BadParameter(
-            f"`loss_fn` of {target!r} raised {type(e).__name__}: {e}, traced on the batch's first example before any "
+            f"`loss_fn` of {target!r} raised {type(e).__name__}: {e}, traced on the batch's shapes before any "
             f"trial:\n{where}",
             param_hint="WORKLOAD",
         ) from e
