@@ -263,6 +263,7 @@ def prepare(
     mesh = MeshSpec.of(params, batch, state)
     if mesh is not None:  # global microbatch sizes: multiples of the batch's shards too
         layout = layout_of(params, batch, () if state is None else state)
+        assert layout is not None  # (a batch laid out over a mesh, as MeshSpec found)
         if effective_batch is not None:
             check_effective_batch(effective_batch, layout)
         if not get_strategy(build["strategy"]).supports(layout):

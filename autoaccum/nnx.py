@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -133,24 +134,33 @@ class ModelUpdate:
         self.loss_fn = loss_fn
         self.options = options
         self.plan = plan
-        self._cache: dict[Any, _Update] = {}
+        self._cache: dict[Any, tuple[_Update, list[Any], Any]] = {}
 
     def _prepare(self, model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Functional, _Update]:
+        """The pure view and the update for ``model``; checks first that ``optimizer`` holds the state of what its
+        ``wrt`` selects in ``model`` (nothing is donated before)."""
         f = functional(self.loss_fn, model, optimizer)
         # Keyed as nnx.jit's cache is (jax.jit's, by the treedef of the model's GraphDef): compared with ==, never
         # hashed itself, so a model holding a list attribute (an unhashable GraphDef) is accepted as nnx.jit does.
-        key = (jax.tree.structure(f.graphdef), id(f.tx))
+        key = (jax.tree.structure(f.graphdef), jax.tree.structure(f.params), id(f.tx))
         if key not in self._cache:
             if self.plan is not None:
                 self.plan.check_params(f.params)
-            self._cache[key] = _build_update(f.loss_fn, _last_gradient(), has_state=True, **self.options)
-        return f, self._cache[key]
+            update = _build_update(f.loss_fn, _last_gradient(), has_state=True, **self.options)
+            shapes = [x.shape for x in jax.tree.leaves(jax.eval_shape(f.tx.init, f.params))]
+            self._cache[key] = update, shapes, f.tx  # (holding the transformation: its id is not given again)
+        update, shapes, _ = self._cache[key]
+        if [np.shape(x) for x in jax.tree.leaves(f.opt_state)] != shapes:
+            raise ValueError(
+                "`optimizer`'s state is not its optax optimizer's state of what its `wrt` selects in `model` (an "
+                "nnx.Optimizer made for another model?); make it for this one: nnx.Optimizer(model, tx, wrt=...)."
+            )
+        return f, update
 
-    @staticmethod
-    def _apply(model: nnx.Module, optimizer: nnx.Optimizer, graphdef: Any, out: tuple[Any, ...]) -> Any:
+    def _apply(self, model: nnx.Module, optimizer: nnx.Optimizer, graphdef: Any, out: tuple[Any, ...]) -> Any:
         """The accumulated gradient applied by ``optimizer.update`` (nnx's own), with the model's new state."""
         params, grads, loss, state = out  # params: the arrays the accumulation was given (donated, so returned)
-        _optimizer_update(model, optimizer, graphdef, (params, state), grads)
+        _optimizer_update(model, optimizer, graphdef, (params, state), grads, donate=self.options["donate"])
         return loss
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: PyTree) -> Any:
@@ -376,15 +386,16 @@ _APPLY: dict[Any, Callable[..., Any]] = {}
 
 
 def _optimizer_update(
-    model: nnx.Module, optimizer: nnx.Optimizer, graphdef: Any, split: tuple[PyTree, PyTree], grads: PyTree
-) -> None:
+    model: nnx.Module, optimizer: nnx.Optimizer, graphdef: Any, split: tuple[PyTree, PyTree], grads: PyTree,
+    *, donate: bool,
+) -> None:  # fmt: skip
     """nnx's own ``optimizer.update(model, grads)`` on the model split as ``graphdef`` and ``split`` (its ``wrt``
     parameters, the rest), which are then written into ``model``: one program compiled per structure (keyed as
     nnx.jit keys its cache, by the treedefs of the GraphDefs), through ``jax.jit`` on the pure arrays (nnx.jit
     itself does not run at every jax release autoaccum supports). The model is not split again here: only the
-    optimizer is."""
+    optimizer is. With ``donate`` the program takes over the parameters and the optimizer's state."""
     optimizer_def, optimizer_state = nnx.split(optimizer)
-    key = (jax.tree.structure(graphdef), jax.tree.structure(optimizer_def))
+    key = (jax.tree.structure(graphdef), jax.tree.structure(optimizer_def), donate)
     if key not in _APPLY:
 
         def apply(params: PyTree, rest: PyTree, optimizer_state: Any, grads: PyTree) -> tuple[Any, Any]:
@@ -394,7 +405,7 @@ def _optimizer_update(
             optimizer.update(model, jax.tree.unflatten(wrt, jax.tree.leaves(grads)))
             return _as_pure(nnx.state(model, optimizer.wrt)), nnx.state(optimizer)
 
-        _APPLY[key] = jax.jit(apply, donate_argnums=(0, 2))  # the parameters and the optimizer state
+        _APPLY[key] = jax.jit(apply, donate_argnums=(0, 2) if donate else ())  # the parameters, the optimizer state
     params, rest = split
     params, optimizer_state = _APPLY[key](params, rest, optimizer_state, grads)
     nnx.update(model, params, rest)

@@ -354,12 +354,33 @@ def test_the_step_donates_the_models_arrays_unless_told_not_to() -> None:
     x = {"x": jnp.ones((4, 4))}
     for donate in (True, False):
         model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
-        teacher, before = nnx.clone(model), np.array(model.kernel[...])
+        optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+        teacher, before, snapshot = nnx.clone(model), np.array(model.kernel[...]), nnx.clone(optimizer)
         step = autoaccum.nnx.build_update(lambda m, b: jnp.mean(m(b["x"]) ** 2), microbatch_size=2, donate=donate)
-        step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), x)
+        step(model, optimizer, x)
         assert not np.allclose(model.kernel[...], before)
         if donate:
             with pytest.raises(RuntimeError, match="deleted"):
                 teacher(jnp.ones((1, 4)))
-        else:
+        else:  # the optimizer's copies too (its step was donated all the same)
             np.testing.assert_array_equal(teacher.kernel[...], before)
+            assert int(snapshot.step[...]) == 0 and int(optimizer.step[...]) == 1
+
+
+def test_an_optimizer_of_another_model_is_refused_before_anything_is_donated() -> None:
+    """An nnx.Optimizer made for another model: named before the step runs, the model left whole (a pytree error
+    came after the model's arrays were donated, and they were lost). One step reused with an optimizer of another
+    ``wrt`` over the same optax transformation (train the head, then everything) steps it (it blamed loss_fn)."""
+    model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+    other = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    step = autoaccum.nnx.build_update(lambda m, b: jnp.mean(m(b) ** 2), microbatch_size=4)
+    with pytest.raises(ValueError, match=r"`optimizer`'s state is not .* nnx\.Optimizer\(model, tx, wrt=\.\.\.\)"):
+        step(model, nnx.Optimizer(other, optax.adam(1e-2), wrt=nnx.Param), jnp.ones((8, 3)))
+    assert model.layers[0].kernel[...].shape == (3, 4)  # not deleted
+    tx = optax.sgd(0.1)
+    head = nnx.All(nnx.Param, nnx.PathContains(1))
+    first = np.array(model.layers[0].kernel[...])
+    step(model, nnx.Optimizer(model, tx, wrt=head), jnp.ones((8, 3)))
+    np.testing.assert_array_equal(model.layers[0].kernel[...], first)  # (frozen)
+    step(model, nnx.Optimizer(model, tx, wrt=nnx.Param), jnp.ones((8, 3)))
+    assert not np.allclose(model.layers[0].kernel[...], first)
