@@ -11,6 +11,7 @@ built-in knobs, bounds the microbatch of each setting separately, and records th
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -65,6 +66,12 @@ class Knobs:
                 "`Knobs` needs at least one knob: Knobs(make_loss, name=(value, ...)), e.g. "
                 "Knobs(make_loss, block_remat=(None, 'dots_saveable'))."
             )
+        unknown = sorted(set(choices) - _keywords(make_loss, set(choices)))
+        if unknown:
+            raise TypeError(
+                f"knobs {unknown} are not parameters of make_loss{inspect.signature(make_loss)}; name each knob as "
+                "make_loss takes it."
+            )
         checked: dict[str, tuple[Any, ...]] = {}
         for name, values in choices.items():
             if isinstance(values, (str, bytes)) or not isinstance(values, (tuple, list)) or not values:
@@ -104,12 +111,24 @@ class Knobs:
         if set(values) != set(self.choices):
             missing, unknown = sorted(set(self.choices) - set(values)), sorted(set(values) - set(self.choices))
             raise ValueError(
-                f"the knobs given ({sorted(values)}) are not this loss's ({sorted(self.choices)}): missing {missing}, "
-                f"unknown {unknown}; a plan tuned with other knobs needs the Knobs it was tuned with."
+                f"the knob values {sorted(values)} do not match this Knobs' knobs {sorted(self.choices)}: the Knobs "
+                f"lacks {unknown}, and no value is given for {missing}; a plan tuned with other knobs needs the Knobs "
+                "it was tuned with."
             )
         loss_fn = self.make_loss(**values)
         check_loss_fn(loss_fn)
         return loss_fn
+
+
+def _keywords(fn: Callable[..., Any], names: set[str]) -> set[str]:
+    """The keyword arguments ``fn`` takes (``names`` where it takes any, or its signature cannot be read)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return names
+    if any(p.kind == p.VAR_KEYWORD for p in parameters):
+        return names
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def resolve(loss_fn: Any, values: Mapping[str, Any]) -> Callable[..., Any]:

@@ -202,12 +202,14 @@ def test_knobs_check_their_values() -> None:
         Knobs(scaled_loss, scale=())
     with pytest.raises(TypeError, match=r"knob `scale` must be a non-empty tuple"):
         Knobs(scaled_loss, scale="dots_saveable")
-    with pytest.raises(TypeError, match=r"knob `policy` has values .* that a plan's JSON cannot record"):
-        Knobs(scaled_loss, policy=(None, jax.checkpoint_policies.dots_saveable))
+    with pytest.raises(TypeError, match=r"knob `scale` has values .* that a plan's JSON cannot record"):
+        Knobs(scaled_loss, scale=(None, jax.checkpoint_policies.dots_saveable))
     with pytest.raises(ValueError, match=r"knob `scale` repeats a value"):
         Knobs(scaled_loss, scale=(1.0, 1.0))
-    with pytest.raises(ValueError, match=r"missing \['scale'\], unknown \['size'\]"):
-        knobs.loss_fn(size=2)
+    with pytest.raises(ValueError, match=r"the Knobs lacks \['size'\], and no value is given for \['scale'\]"):
+        knobs.loss_fn(size=2)  # (as from a plan tuned with a knob `size`: it said "unknown ['size']")
+    with pytest.raises(TypeError, match=r"knobs \['activation'\] are not parameters of make_loss\(scale"):
+        Knobs(scaled_loss, activation=("tanh", "relu"))  # (the factory's own TypeError came from the tune)
 
 
 def test_tune_searches_a_knob_of_the_loss() -> None:
