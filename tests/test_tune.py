@@ -554,8 +554,9 @@ def test_the_plan_records_the_accumulator_dtype_it_was_tuned_with(linear: autoac
 
 def test_an_accumulating_step_out_of_memory_lowers_its_strategys_bound_and_tries_the_next_size_down() -> None:
     """The probe bounds one microbatch's step; a strategy's accumulating step may need more. When ``loop`` runs
-    out of memory at 32, 16 and 8, it is tried next at the largest candidate below, never again at or above a
-    size that failed, and ``scan`` (which fits) is not held back by ``loop``'s failures."""
+    out of memory at 32 it is tried next at the largest candidate below, never again at or above a size that failed;
+    out of memory there too, the search leaves it (it needs much more than scan; the sampler may spend the budget
+    left on it), and ``scan`` (which fits) is not held back by ``loop``'s failures."""
     w = workloads.linear(batch_size=64, features=8)
     calls: list[tuple[int, str]] = []
 
@@ -571,11 +572,11 @@ def test_an_accumulating_step_out_of_memory_lowers_its_strategys_bound_and_tries
         budget=8, storage=":memory:", measure=measure, race_rounds=0,
     )  # fmt: skip
     loop = [m for m, name in calls if name == "loop"]
-    assert loop[:4] == [32, 16, 8, 4] and max(loop[4:], default=0) < 8  # down after each failure, never back up
+    assert loop[:2] == [32, 16] and max(loop[2:], default=0) < 16  # down after a failure, never back up
     assert (32, "scan") in calls
     assert result.plan.microbatch_size == 32 and result.plan.strategy == "scan"
     failed = [r for r in result.trials if r.state == "FAIL"]
-    assert sorted(r.microbatch_size for r in failed) == [8, 16, 32]
+    assert {16, 32} <= {r.microbatch_size for r in failed}
     assert all(r.reason and r.reason.startswith("out of memory") for r in failed)
 
 

@@ -3,7 +3,8 @@
 `Search.propose` takes these steps in order, each once the one before has nothing left to propose:
 
 1. **Breadth.** The whole batch in one step, where it fits, then every strategy variant at the default knob
-   setting's largest accumulating microbatch (one that runs out of memory there goes on at the next size down).
+   setting's largest accumulating microbatch (one that runs out of memory there goes on at the next size down,
+   and no further: one that needs much more memory than the others is timed only at the descent's best size).
 2. **Knobs.** Every other setting of the knobs at its own largest size, with the fastest variant so far.
 3. **Descent.** From the fastest of those, halve the microbatch; stop after two halvings in a row not
    `clearly_faster` than the best so far, or at one slower by more than two readings' drift (`DRIFT`).
@@ -103,9 +104,10 @@ class Search:
 
     def _start(self, strategy: str, setting: int, seen: Mapping[Config, Trial]) -> Config | Trial | None:
         """``strategy``'s first trial at ``setting``: its settled trial at the largest accumulating size where it
-        did not fail, or the configuration to time there next (None: it failed at every size)."""
+        did not fail, of the largest two, or the configuration to time there next (None: it failed at both: it
+        needs much more memory than the others, and is timed only where the descent brings the others down)."""
         top = self._top(setting)
-        for m in sorted((m for m in self.sizes[setting] if top is not None and m <= top), reverse=True):
+        for m in sorted((m for m in self.sizes[setting] if top is not None and m <= top), reverse=True)[:2]:
             config = Config(m, strategy, setting)
             trial = self._timed(config, seen)
             if trial is None:
