@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,10 +23,34 @@ def check_positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def check_loss_fn(loss_fn: Any) -> None:
-    """Raises ``TypeError`` unless ``loss_fn`` is callable."""
+def check_loss_fn(loss_fn: Any, takes: Sequence[str] = ()) -> None:
+    """Raises ``TypeError`` unless ``loss_fn`` is callable, and (where its signature can be read) takes the
+    positional arguments ``takes`` names (``("params", "batch")``, say).
+
+    Example:
+      >>> try:
+      ...     check_loss_fn(lambda model: 0.0, ("model", "batch"))
+      ... except TypeError as e:
+      ...     print(str(e)[:63])
+      `loss_fn` must take 2 arguments, loss_fn(model, batch), but its
+    """
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
+    if not takes:
+        return
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # (a builtin, say: its call will tell)
+        return
+    try:
+        signature.bind(*takes)
+    except TypeError as e:
+        nnx = " (an nnx model's loss_fn(model, batch) goes to autoaccum.nnx.build_update(loss_fn, plan=...) or its"
+        nnx += " other functions)" if takes[0] == "params" else ""
+        raise TypeError(
+            f"`loss_fn` must take {len(takes)} arguments, loss_fn({', '.join(takes)}), but its signature is "
+            f"{signature} ({e}){nnx}."
+        ) from None
 
 
 def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:

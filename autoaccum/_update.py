@@ -292,6 +292,7 @@ def build_update(
             "(loss, state)), but has_state=False; pass has_state=True, and the state to the update: "
             "update(params, opt_state, batch, state), with e.g. autoaccum.linen.init_state(variables, key)."
         )
+    check_loss_fn(loss_fn, ("params", "batch", "state") if has_state else ("params", "batch"))
     dtype = check_accumulator_dtype(accumulator_dtype)
     spec = Spec(
         loss_fn,

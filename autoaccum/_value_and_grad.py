@@ -102,6 +102,7 @@ def value_and_grad(
     check_positive_int(microbatch_size, "microbatch_size")
     check_bool(has_aux, "has_aux")
     check_bool(has_state, "has_state")
+    check_loss_fn(loss_fn, ("params", "batch", "state") if has_state else ("params", "batch"))
     dtype = check_accumulator_dtype(accumulator_dtype)
     check_unroll(unroll)
     # The optimizer is no part of a gradient: the caller applies it.

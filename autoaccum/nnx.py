@@ -251,7 +251,7 @@ def build_update(
             microbatch_size=microbatch_size, strategy=strategy, has_aux=has_aux, loss_reduction=loss_reduction,
             accumulator_dtype=accumulator_dtype, **options,
         )  # fmt: skip
-    check_loss_fn(loss_fn)
+    check_loss_fn(loss_fn, ("model", "batch"))
     options = dict(options, donate=donate)
     _build_update(lambda p, b, s: (0.0, s), _NoOptimizer(), has_state=True, **options)  # bad arguments raise now
     return ModelUpdate(loss_fn, options, plan)
@@ -351,7 +351,7 @@ def value_and_grad(
         raise TypeError("`microbatch_size` is required: pass microbatch_size=..., or a tuned plan, plan=...")
     else:
         options = dict(microbatch_size=microbatch_size, has_aux=has_aux, **options)
-    check_loss_fn(loss_fn)
+    check_loss_fn(loss_fn, ("model", "batch"))
     _value_and_grad(lambda p, b, s: (0.0, s), has_state=True, **options)  # bad arguments raise now
     return ValueAndGrad(loss_fn, wrt, options)
 

@@ -202,9 +202,15 @@ class Strategy(abc.ABC):
         compiles the program the others run.
 
         Raises:
-          ValueError: ``microbatches`` is empty, or one of them is malformed.
-          TypeError: the first stream's ``opt_state`` does not fit the optimizer (`check_optimizer_step`).
+          ValueError: ``microbatches`` is empty, or one of them is malformed (named by its index).
+          TypeError: ``microbatches`` is one batch, or the first stream's ``opt_state`` does not fit the optimizer
+            (`check_optimizer_step`).
         """
+        if isinstance(microbatches, Mapping) or hasattr(microbatches, "shape"):
+            raise TypeError(
+                f"`microbatches` must be an iterable of batches, got one {type(microbatches).__name__} (a batch?); "
+                "pass [batch, ...] or a generator of them."
+            )
         if not self._streamed:  # (once per strategy: tracing the optimizer every update would cost each update)
             check_optimizer_step(self.spec.optimizer, params, opt_state)
             self._streamed = True
@@ -213,8 +219,11 @@ class Strategy(abc.ABC):
         acc: Accum | None = None
         dtypes: OutDtypes | None = None
         layout: Layout | None = None
-        for microbatch in microbatches:
-            leading_size(microbatch)
+        for i, microbatch in enumerate(microbatches):
+            try:
+                leading_size(microbatch)
+            except ValueError as e:
+                raise ValueError(f"microbatch {i} of `microbatches`: {e}") from e
             if dtypes is None:
                 dtypes = self.out_dtypes(params, microbatch, state)
                 layout = self.layout(params, microbatch, state)

@@ -171,6 +171,11 @@ def test_plain_api_points_nnx_users_to_autoaccum_nnx() -> None:
         autoaccum.estimate(lambda p, b: 0.0, model, batches()[0], optimizer=optax.sgd(0.1), memory_limit="1GiB")
     with pytest.raises(TypeError, match=r"must be an nnx\.Optimizer"):
         autoaccum.nnx.build_update(loss_fn, microbatch_size=2)(model, optax.sgd(0.1), batches()[0])  # type: ignore[arg-type]
+    for wrong in (lambda model: 0.0, lambda p, b, s: (0.0, s)):  # (a linen-style loss was told to pass has_state)
+        with pytest.raises(TypeError, match=r"`loss_fn` must take 2 arguments, loss_fn\(model, batch\)"):
+            autoaccum.nnx.build_update(wrong, microbatch_size=2)
+        with pytest.raises(TypeError, match=r"`loss_fn` must take 2 arguments, loss_fn\(model, batch\)"):
+            autoaccum.nnx.value_and_grad(wrong, microbatch_size=2)
 
 
 @pytest.mark.slow
@@ -281,11 +286,14 @@ def test_a_plan_is_checked_against_the_model_and_the_arguments_beside_it() -> No
 
 def test_a_plan_built_the_functional_way_points_an_nnx_model_at_the_nnx_door() -> None:
     # Plan.build makes the functional update, which takes (params, opt_state, batch, state); an nnx model and
-    # optimizer passed to it are pointed at autoaccum.nnx.build_update(loss_fn, plan=...), not at `state`.
+    # optimizer passed to it are pointed at autoaccum.nnx.build_update(loss_fn, plan=...), not at `state`: at the
+    # call, or already at the build where the nnx loss does not take the state.
     model, optimizer = make()
     plan = autoaccum.Plan(effective_batch=10, microbatch_size=3, accumulation_steps=4, strategy="scan", has_state=True)
+    with pytest.raises(TypeError, match=r"must take 3 arguments.*autoaccum\.nnx\.build_update\(loss_fn, plan="):
+        plan.build(loss_fn, optimizer.tx)
     with pytest.raises(TypeError, match=r"is an nnx\.Net.*autoaccum\.nnx\.build_update\(loss_fn, plan="):
-        plan.build(loss_fn, optimizer.tx)(model, optimizer, batches()[0])
+        plan.build(lambda p, b, s: (loss_fn(p, b), s), optimizer.tx)(model, optimizer, batches()[0])
 
 
 def test_state_update_once_moves_batch_stats_once_per_update() -> None:

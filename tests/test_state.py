@@ -468,6 +468,12 @@ def test_stream_of_nothing(strategy: str) -> None:
     update = autoaccum.build_update(lambda p, b: jnp.mean(b @ p["w"]), optax.sgd(0.1), microbatch_size=2)
     with pytest.raises(ValueError, match="`microbatches` is empty"):
         update.stream(params, update.init(params), iter(()))
+    one = jnp.ones((2, FEATURES))  # a malformed one is named by its place; one batch alone is named as such
+    with pytest.raises(ValueError, match=r"microbatch 2 of `microbatches`: `batch` has 0 examples"):
+        update.stream(params, update.init(params), [one, one, jnp.ones((0, FEATURES))])
+    for batch in (one, {"x": one}):  # (an array's rows, a dict's keys were taken for microbatches)
+        with pytest.raises(TypeError, match=r"`microbatches` must be an iterable of batches, got one "):
+            update.stream(params, update.init(params), batch)  # type: ignore[arg-type]
 
 
 # ---- compiled once; compile-only programs; misuse ----

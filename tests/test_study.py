@@ -101,7 +101,6 @@ def test_a_killed_runs_trial_on_this_host_is_not_waited_for(tmp_path: Path) -> N
     assert json.loads(out.strip().splitlines()[-1])["new_trials"] >= GRID - 1
 
 
-
 def test_a_study_name_given_again_for_another_setup_is_refused(tmp_path: Path) -> None:
     """A ``study_name`` given by hand for a changed model and optimizer: the study holds the first tune's trials,
     so the second tune refuses it before anything runs, naming study_name and fresh=True (it resumed them and
@@ -121,6 +120,7 @@ def test_a_study_name_given_again_for_another_setup_is_refused(tmp_path: Path) -
     assert calls == []
     again = tune(other, params, batch, optimizer=optax.adam(1e-3), measure=constant_measure(calls), fresh=True, **kw)
     assert again.resumed_trials == 0 and calls and again.fingerprint != first.fingerprint
+
 
 # Stale results: a changed loss body and optimizer (same function name) is a new study, never the old answer.
 def test_changed_loss_and_optimizer_never_resume_the_old_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

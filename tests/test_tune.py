@@ -380,10 +380,18 @@ def test_bad_input_fails_before_any_trial(
 
 
 def test_a_loss_without_state_given_state_is_told_how_it_was_called(linear: autoaccum.Workload) -> None:
-    """With ``state=``, the loss is called with the state; a loss that takes none fails with its own TypeError, and
-    a note that says how it was called (the TypeError alone named no argument of tune)."""
-    with pytest.raises(TypeError, match="positional argument") as raised:
+    """With ``state=``, the loss is called with the state: a loss that takes none is told so before anything runs
+    (its own TypeError, "takes 2 positional arguments but 3 were given", named no argument of tune); one that fails
+    its trace for another reason gets a note saying how it was called."""
+    with pytest.raises(TypeError, match=r"`loss_fn` must take 3 arguments, loss_fn\(params, batch, state\)"):
         tune(linear.loss_fn, linear.params, linear.batch, optimizer=linear.optimizer, state={"k": jnp.zeros(())},
+             microbatch_bound=4, storage=":memory:", measure=fake_measure())  # fmt: skip
+
+    def fails(p: Any, b: Any, s: Any) -> Any:
+        return b["nope"], s
+
+    with pytest.raises(KeyError, match="nope") as raised:
+        tune(fails, linear.params, linear.batch, optimizer=linear.optimizer, state={"k": jnp.zeros(())},
              microbatch_bound=4, storage=":memory:", measure=fake_measure())  # fmt: skip
     assert "as loss_fn(params, batch, state), as `state` is given" in "".join(raised.value.__notes__)
 

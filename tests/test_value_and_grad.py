@@ -276,6 +276,8 @@ def test_bad_input_is_refused_before_compiling() -> None:
             autoaccum.value_and_grad(stateful_loss, microbatch_size=4, has_state=True)(params, batch)
         with pytest.raises(TypeError, match="has_state=False"):
             autoaccum.value_and_grad(loss_fn, microbatch_size=4)(params, batch, {})
+        with pytest.raises(TypeError, match=r"`loss_fn` must take 3 arguments, loss_fn\(params, batch, state\)"):
+            autoaccum.value_and_grad(loss_fn, microbatch_size=4, has_state=True)  # (its own TypeError at the call)
         for bad in (-1, 2.5, "2"):  # lax.scan's own errors at the call named none of autoaccum's arguments
             with pytest.raises(ValueError, match=rf"`unroll` must be an int >= 1 .* got unroll={bad!r}"):
                 autoaccum.value_and_grad(loss_fn, microbatch_size=4, unroll=bad)  # type: ignore[arg-type]
