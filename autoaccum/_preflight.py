@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from autoaccum.strategies import PyTree, leading_size
+from autoaccum.strategies import PyTree
 
 
 class NonFiniteLossWarning(UserWarning):
@@ -22,11 +22,6 @@ class NonFiniteLossWarning(UserWarning):
 
 def _rows(batch: PyTree, n: int) -> PyTree:
     return jax.tree.map(lambda x: x[:n], batch)
-
-
-def _abstract_rows(batch: PyTree, n: int) -> PyTree:
-    """The shapes of ``batch``'s first ``n`` rows (no sharding: rows of a sharded batch are not laid out alike)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((min(n, x.shape[0]), *x.shape[1:]), x.dtype), batch)
 
 
 def _on_many_devices(tree: PyTree) -> bool:
@@ -66,7 +61,7 @@ def trace_loss(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state
       ...     print(repr(e))
       KeyError('nope')
     """
-    inputs = (params, _abstract_rows(batch, leading_size(batch)), state)
+    inputs = (params, _plain(batch), state)  # (the batch without shardings either way)
     trace = functools.partial(jax.eval_shape, lambda p, b, s: _call(loss_fn, p, b, s))
     try:
         trace(*map(_plain, inputs))

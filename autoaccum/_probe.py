@@ -394,16 +394,14 @@ class TrialRunner:
         if self._owned:
             self._worker = Worker(s.job, s.device, limit, compile_timeout=timeout, step_timeout=timeout)
         self._build = {} if self._owned else dict(s.job.build)  # (a lent worker's job has another build)
-        self._server = None if s.isolate else Server(s.job, [{}], s.device.platform, s.device.device, limit)
-        if self._server is not None:
-            self._server.capped = False
+        self._server = None if s.isolate else Server(s.job, [{}], s.device.platform, s.device.device, limit, False)
 
     @property
     def refuses_over_xla(self) -> bool:
         """Whether a step whose buffers XLA puts over the limit is refused unrun: as the tuner's trials (in its lent
-        worker), and in this process on the CPU (`Server.capped`). A probe's own worker runs it anyway (XLA's figure
-        can overstate what the step uses)."""
-        return self._lent or (self._server is not None and self.setup.device.platform == "cpu")
+        worker), and in this process on the CPU (`Server.refuses`). A probe's own worker runs it anyway (XLA's
+        figure can overstate what the step uses)."""
+        return self._lent or (self._server is not None and self._server.refuses)
 
     @property
     def _lent(self) -> bool:

@@ -690,15 +690,23 @@ class Server:
     """Answers requests of one job, in the worker (`serve`) or in this process (``isolate=False``), keeping the
     compiled input makers and the fastest configurations' programs (`evicted`)."""
 
-    def __init__(self, job: Job, settings: Sequence[Mapping[str, Any]], platform: str, device: Any, limit: int) -> None:
+    def __init__(
+        self, job: Job, settings: Sequence[Mapping[str, Any]], platform: str, device: Any, limit: int,
+        capped: bool = True,
+    ) -> None:  # fmt: skip
         self.job, self.settings, self.platform, self.device, self.limit = job, list(settings), platform, device, limit
         self.cache: dict[str, Any] = {}
         self.rates: dict[str, float] = {}  # examples per second of each cached configuration (`evicted`)
         self.makers: dict[Any, Any] = {}
-        self.capped = True
+        self.capped = capped
         """Whether steps run under the CPU cap. False (this process, ``isolate=False``): a failed allocation under a
-        cap can leave the runtime broken, and the heap here may hold a step's memory free (the cap reads low); a
-        step whose programs alone need more than the limit is not run, the others run uncapped, unmeasured."""
+        cap can leave the runtime broken, and the heap here may hold a step's memory free (the cap reads low)."""
+
+    @property
+    def refuses(self) -> bool:
+        """Whether a ``"fits"`` request whose programs alone need more than the limit is not run (the others then
+        run uncapped, unmeasured): uncapped on the CPU. A ``"time"`` request always is."""
+        return not self.capped and self.platform == "cpu"
 
     def job_for(self, request: Request) -> Job:
         """The job with the request's knob setting's loss and its build options."""
@@ -732,7 +740,7 @@ class Server:
                 self.job_for(request), request.microbatch_size, self.device, rows=request.rows, makers=self.makers
             )
             compiled(False)
-            if not self.capped and self.platform == "cpu":
+            if self.refuses:
                 return self._refused(trial) or run_trial(trial, lambda: None)
             return measured(trial, self.platform, self.limit)  # run even if XLA's figure is over: the probe is exact
         job = self.job_for(request)  # keyed by the build it resolves to: the probe's and a trial's meet

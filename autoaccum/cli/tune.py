@@ -161,8 +161,6 @@ def tune(
                 130 interrupted (Ctrl-C), 143 terminated (SIGTERM): the study is kept, and running
                 the same command again resumes it.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from autoaccum._knobs import BUILTIN_REMAT
     from autoaccum._tune.result import TrialRecord, scoped
     from autoaccum._tune.run import PRECOMPILE
@@ -181,10 +179,7 @@ def tune(
     if memory_limit is None and w.memory_limit is not None:
         memory_limit = str(w.memory_limit)
         console.print(f"memory limit {memory_limit}: the workload's own (--memory-limit overrides it)")
-    with Progress(  # a live bar on a terminal only, gone when it ends (the trials' lines stay)
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
-        transient=True, disable=not console.is_terminal,
-    ) as progress:  # fmt: skip
+    with _progress(console) as progress:
         task = progress.add_task("probing + tuning", total=None)
 
         def on_trial(record: TrialRecord, done: int, total: int) -> None:
@@ -307,6 +302,14 @@ def snippet(plan: Plan, path: Path, api: str = "pytree") -> str:
         path=str(path), batch=plan.effective_batch, loss=loss, state=", state" if plan.has_state else "",
         state_note=state_note,
     )  # fmt: skip
+
+
+def _progress(console: Any) -> Any:
+    """The trials' progress bar: live on a terminal only, and gone when it ends (the trials' lines stay)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=console, transient=True, disable=not console.is_terminal)
 
 
 def _describe(record: Any) -> str:
