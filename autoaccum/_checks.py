@@ -23,9 +23,9 @@ def check_positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def check_loss_fn(loss_fn: Any, takes: Sequence[str] = ()) -> None:
+def check_loss_fn(loss_fn: Any, takes: Sequence[str] = (), name: str = "loss_fn") -> None:
     """Raises ``TypeError`` unless ``loss_fn`` is callable, and (where its signature can be read) takes the
-    positional arguments ``takes`` names (``("params", "batch")``, say).
+    positional arguments ``takes`` names (``("params", "batch")``, say); the message calls it ``name``.
 
     Example:
       >>> try:
@@ -35,7 +35,7 @@ def check_loss_fn(loss_fn: Any, takes: Sequence[str] = ()) -> None:
       `loss_fn` must take 2 arguments, loss_fn(model, batch), but its
     """
     if not callable(loss_fn):
-        raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
+        raise TypeError(f"`{name}` must be callable, got {type(loss_fn).__name__}: {loss_fn!r}.")
     if not takes:
         return
     try:
@@ -47,8 +47,9 @@ def check_loss_fn(loss_fn: Any, takes: Sequence[str] = ()) -> None:
     except TypeError as e:
         nnx = " (an nnx model's loss_fn(model, batch) goes to autoaccum.nnx.build_update(loss_fn, plan=...) or its"
         nnx += " other functions)" if takes[0] == "params" else ""
+        nnx = nnx if name == "loss_fn" else ""
         raise TypeError(
-            f"`loss_fn` must take {len(takes)} arguments, loss_fn({', '.join(takes)}), but its signature is "
+            f"`{name}` must take {len(takes)} arguments, {name}({', '.join(takes)}), but its signature is "
             f"{signature} ({e}){nnx}."
         ) from None
 

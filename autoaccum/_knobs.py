@@ -36,7 +36,7 @@ class Knobs:
     Attributes:
       make_loss: ``make_loss(**values) -> loss_fn``.
       choices: ``{name: (value, ...)}``: values are ``None``, bools, ints, floats or strings (they are
-        recorded in the plan's JSON), distinct, at least one per knob.
+        recorded in the plan's JSON), no two equal (``1 == 1.0 == True``), at least one per knob.
 
     Raises:
       TypeError, ValueError: ``make_loss`` is not callable, no knob is given, or a knob's values are not
@@ -85,8 +85,12 @@ class Knobs:
                     f"knob `{name}` has values {bad!r} that a plan's JSON cannot record; use None, bools, ints, "
                     "floats or strings (e.g. a policy's name rather than the policy)."
                 )
-            if len({(type(v), v) for v in values}) != len(values):
-                raise ValueError(f"knob `{name}` repeats a value: {name}={tuple(values)!r}; list each value once.")
+            equal = [(a, b) for i, a in enumerate(values) for b in values[i + 1 :] if a == b]
+            if equal:
+                raise ValueError(
+                    f"knob `{name}` repeats a value: {name}={tuple(values)!r} ({equal[0][0]!r} == {equal[0][1]!r} in "
+                    "Python, so one setting; the plan and Optuna could not tell them apart); list each value once."
+                )
             checked[name] = tuple(values)
         object.__setattr__(self, "make_loss", make_loss)
         object.__setattr__(self, "choices", checked)

@@ -205,8 +205,9 @@ class Plan(JsonMixin):
             self.check_params(params)
         return value_and_grad(resolve(loss_fn, self.knobs), has_state=self.has_state, **self.value_and_grad_options())
 
-    def value_and_grad_options(self) -> dict[str, Any]:
-        """The `autoaccum.value_and_grad` arguments this plan sets, besides the loss and ``has_state``.
+    def value_and_grad_options(self, entry: str = "autoaccum") -> dict[str, Any]:
+        """The `autoaccum.value_and_grad` arguments this plan sets, besides the loss and ``has_state``; a refusal's
+        fixes name ``entry``'s functions (``"autoaccum.nnx"`` for an nnx model).
 
         Raises:
           ValueError: the plan's strategy runs on the host and cannot live inside a jit.
@@ -215,9 +216,14 @@ class Plan(JsonMixin):
             raise ValueError(
                 f"this plan's strategy {self.strategy!r} runs its microbatches from a host loop, which cannot live "
                 "inside a jit (value_and_grad runs in your jitted step); use the scan strategy at the plan's "
-                f"microbatch: autoaccum.value_and_grad(loss_fn, microbatch_size={self.microbatch_size}, ...), or "
-                f"dataclasses.replace(plan, strategy='scan').value_and_grad(loss_fn); or build the whole step, "
-                "plan.build(loss_fn, optimizer)."
+                f"microbatch: {entry}.value_and_grad(loss_fn, microbatch_size={self.microbatch_size}, ...)"
+                + (
+                    ", or dataclasses.replace(plan, strategy='scan').value_and_grad(loss_fn); or build the whole step,"
+                    " plan.build(loss_fn, optimizer)."
+                    if entry == "autoaccum"
+                    else f", or plan=dataclasses.replace(plan, strategy='scan'); or build the whole step, "
+                    f"{entry}.build_update(loss_fn, plan=plan)."
+                )
             )
         options = self.update_options()
         del options["strategy"]

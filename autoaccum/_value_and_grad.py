@@ -29,6 +29,7 @@ from autoaccum.strategies import (
     leading_size,
     mean_grads,
 )
+from autoaccum.strategies._base import to_varying, varying
 from autoaccum.strategies.scan import check_unroll
 
 
@@ -111,6 +112,19 @@ def value_and_grad(
     )
 
     def run(
+        params: PyTree, batch: PyTree, state: PyTree, layout: Layout | None, rows: _Rows | None
+    ) -> tuple[Any, PyTree, PyTree]:
+        # Inside jax.shard_map: each device accumulates its own gradient and each one invariant over the batch's
+        # mesh axes is summed over them once, at the end, as jax.value_and_grad's is (not once per microbatch).
+        axes = frozenset().union(*map(varying, jax.tree.leaves(batch)))
+        given, params = params, jax.tree.map(lambda p: to_varying(p, axes), params)
+        loss, grads, state = _run(params, batch, state, layout, rows)
+        grads = jax.tree.map(
+            lambda g, p: jax.lax.psum(g, tuple(sorted(axes - varying(p)))) if axes - varying(p) else g, grads, given
+        )
+        return loss, grads, state
+
+    def _run(
         params: PyTree, batch: PyTree, state: PyTree, layout: Layout | None, rows: _Rows | None
     ) -> tuple[Any, PyTree, PyTree]:
         if rows is None:

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from autoaccum._checks import check_loss_fn
 from autoaccum._deprecated import moved_names
 from autoaccum.strategies import PyTree
 
@@ -49,6 +50,7 @@ def init_state(variables: Mapping[str, Any], rng: jax.Array, mutable: Sequence[s
       >>> init_state({"params": {}, "batch_stats": {"mean": jnp.zeros(2)}}, jax.random.key(0))["batch_stats"]
       {'mean': Array([0., 0.], dtype=float32)}
     """
+    mutable = _names(mutable, "mutable", "batch_stats")
     missing = [name for name in mutable if name not in variables]
     if missing:
         raise ValueError(
@@ -89,7 +91,22 @@ def make_loss_fn(
       >>> params, opt_state, loss, state = update(variables["params"], optax.sgd(0.1).init(variables["params"]),
       ...                                         jnp.ones((4, 3)), state)
     """
-    return Loss(model, criterion, tuple(mutable), tuple(rng_streams))
+    if not callable(getattr(model, "apply", None)):
+        raise TypeError(
+            f"`model` must be a flax linen nn.Module, got {type(model).__name__}; pass the module itself (not its "
+            "variables), or for an nnx model use autoaccum.nnx."
+        )
+    check_loss_fn(criterion, ("apply", "batch"), name="criterion")
+    return Loss(
+        model, criterion, _names(mutable, "mutable", "batch_stats"), _names(rng_streams, "rng_streams", "dropout")
+    )
+
+
+def _names(value: Any, arg: str, example: str) -> tuple[str, ...]:
+    """``value`` as a tuple of collection or stream names; ``TypeError`` naming ``arg`` for one string or non-str."""
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"`{arg}` must be a sequence of names, got {arg}={value!r}; e.g. {arg}=({example!r},) or ().")
+    return tuple(value)
 
 
 class _NoState:

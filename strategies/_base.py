@@ -518,8 +518,10 @@ def accumulate_in_scan(
             return (add(acc, new), state), None
 
         first = jax.tree.map(lambda x: x[0], stacked)
-        shapes = jax.eval_shape(lambda p, b, s: body_grad_fn(p, b, s)[0], params, first, state)
-        start = (zeros or zero_accum)(shapes)
+        shapes, state_shapes = jax.eval_shape(lambda p, b, s: body_grad_fn(p, b, s), params, first, state)
+        # (inside jax.shard_map the carry starts varying over the mesh axes the microbatch's sums vary over)
+        start = jax.tree.map(lambda z, s: to_varying(z, varying(s)), (zeros or zero_accum)(shapes), shapes)
+        state = jax.tree.map(lambda x, s: to_varying(x, varying(s)), state, state_shapes)
         (scanned, state), _ = jax.lax.scan(body, (start, state), stacked, unroll=unroll)
         weight = jnp.asarray(m, spec.accumulator_dtype)
         acc = scanned._replace(grads=jax.tree.map(lambda g: g * weight, scanned.grads)) if raw else scanned
@@ -528,6 +530,22 @@ def accumulate_in_scan(
         acc = last if acc is None else add(acc, last)
     assert acc is not None
     return acc, state
+
+
+def varying(x: Any) -> frozenset[str]:
+    """The manual mesh axes an array (or ``ShapeDtypeStruct``) varies over inside ``jax.shard_map``; else empty."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # (jax >= 0.10; before, the aval's ``vma``)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", None) or ())
+
+
+def to_varying(x: Any, axes: frozenset[str]) -> Any:
+    """``x`` made varying over ``axes`` (those it does not vary over already), as ``jax.lax.pcast`` does."""
+    missing = tuple(sorted(axes - varying(x)))
+    if not missing:
+        return x
+    pcast = getattr(jax.lax, "pcast", None)
+    return pcast(x, missing, to="varying") if pcast is not None else jax.lax.pvary(x, missing)  # type: ignore[attr-defined]
 
 
 def zero_accum(shapes: Accum) -> Accum:

@@ -113,6 +113,7 @@ def layout_of(params: PyTree, batch: PyTree, state: PyTree = ()) -> Layout | Non
             f"{', '.join(found[mesh, batch_axes])} are, over {batch_axes}; put every leaf on one sharding: "
             f"jax.device_put(batch, NamedSharding(mesh, {spec}))."
         )
+    _check_devices(mesh, batch_axes, params=params, state=state)
     param_dims = []
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         named = _named_spec(leaf)
@@ -136,6 +137,25 @@ def layout_of(params: PyTree, batch: PyTree, state: PyTree = ()) -> Layout | Non
                 "microbatches."
             )
     return Layout(mesh, batch_axes, tuple(param_dims))
+
+
+def _check_devices(mesh: Any, batch_axes: tuple[str, ...], **trees: PyTree) -> None:
+    """Raises ``ValueError`` naming the first leaf of ``trees`` placed on devices other than ``mesh``'s."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return  # (inside a jit: the arrays are placed already)
+    devices = set(mesh.devices.flat)
+    for arg, tree in trees.items():
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if isinstance(leaf, jax.core.Tracer) or not getattr(leaf, "committed", False):
+                continue  # (an uncommitted array goes where the step runs)
+            placed = leaf.sharding.device_set
+            if placed != devices:
+                ids = sorted(d.id for d in placed)
+                raise ValueError(
+                    f"`{arg}` leaf {jax.tree_util.keystr(path) or '<root>'} is on devices {ids}, not on the mesh "
+                    f"the batch is sharded over (devices {sorted(d.id for d in devices)}, axes {batch_axes}); put it "
+                    "on that mesh, e.g. jax.device_put(leaf, NamedSharding(mesh, P())) (replicated)."
+                )
 
 
 def check_effective_batch(effective_batch: int, layout: Layout, name: str = "effective_batch", why: str = "") -> None:

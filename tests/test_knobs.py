@@ -206,6 +206,9 @@ def test_knobs_check_their_values() -> None:
         Knobs(scaled_loss, scale=(None, jax.checkpoint_policies.dots_saveable))
     with pytest.raises(ValueError, match=r"knob `scale` repeats a value"):
         Knobs(scaled_loss, scale=(1.0, 1.0))
+    for equal in ((1, 1.0), (0.5, True, 1), (False, 0)):  # equal in Python: Optuna's categorical index conflates them
+        with pytest.raises(ValueError, match=r"knob `scale` repeats a value: .* in Python, so one setting"):
+            Knobs(scaled_loss, scale=equal)
     with pytest.raises(ValueError, match=r"the Knobs lacks \['size'\], and no value is given for \['scale'\]"):
         knobs.loss_fn(size=2)  # (as from a plan tuned with a knob `size`: it said "unknown ['size']")
     with pytest.raises(TypeError, match=r"knobs \['activation'\] are not parameters of make_loss\(scale"):

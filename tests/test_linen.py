@@ -89,6 +89,23 @@ def test_init_state_names_a_missing_collection() -> None:
         autoaccum.linen.init_state({"params": {}}, jax.random.key(0))
 
 
+def test_make_loss_fn_and_init_state_name_a_bad_argument() -> None:
+    model = ConvNet()
+    variables = model.init(jax.random.key(0), data(0)["image"], train=False)
+    cases = [
+        (lambda: autoaccum.linen.make_loss_fn(variables, xent), r"`model` must be a flax linen nn.Module, got dict"),
+        (lambda: autoaccum.linen.make_loss_fn(model, None), r"`criterion` must be callable, got NoneType"),
+        (lambda: autoaccum.linen.make_loss_fn(model, lambda batch: 0.0), r"`criterion` must take 2 arguments"),
+        # one string was taken letter by letter: collections 'b', 'a', ... (a KeyError at the first call)
+        (lambda: autoaccum.linen.make_loss_fn(model, xent, mutable="batch_stats"), r"mutable='batch_stats'; e\.g\."),
+        (lambda: autoaccum.linen.make_loss_fn(model, xent, rng_streams="dropout"), r"`rng_streams` must be a sequence"),
+        (lambda: autoaccum.linen.init_state(variables, jax.random.key(1), mutable="batch_stats"), r"`mutable` must"),
+    ]
+    for make, message in cases:
+        with pytest.raises(TypeError, match=message):
+            make()
+
+
 def test_loss_fn_without_has_state_is_told_to_pass_it() -> None:
     model, tx = ConvNet(), optax.sgd(0.1)
     variables = model.init({"params": jax.random.key(0)}, data(0)["image"], train=False)

@@ -270,6 +270,27 @@ def test_layouts_it_does_not_run_are_refused_with_the_fix() -> None:
         update(place(params, mesh, P()), update.init(params), sideways)
 
 
+def test_params_or_state_on_other_devices_than_the_batchs_mesh_are_named(strategy: str) -> None:
+    params, batch = mlp()
+    devices = np.array(jax.devices())
+    data_mesh, other_mesh = jax.sharding.Mesh(devices[:4], ("data",)), jax.sharding.Mesh(devices[4:], ("data",))
+    data = place(batch, data_mesh, P("data"))
+    update = autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=8, strategy=strategy, donate=False)
+    elsewhere = [
+        place(params, other_mesh, P()),
+        {**place(params, data_mesh, P()), "w2": jax.device_put(params["w2"], devices[5])},
+    ]
+    for bad in elsewhere:
+        with pytest.raises(ValueError, match=r"`params` leaf \['w\d'\] is on devices \[.*\], not on the mesh"):
+            update(bad, update.init(bad), data)
+    update = autoaccum.build_update(
+        lambda p, b, s: (loss_fn(p, b), s), optax.sgd(0.1), microbatch_size=8, strategy=strategy, has_state=True
+    )
+    good = place(params, data_mesh, P())
+    with pytest.raises(ValueError, match=r"`state` leaf \['n'\] is on devices \[5\]"):
+        update(good, update.init(good), data, {"n": jax.device_put(jnp.zeros(()), devices[5])})
+
+
 def test_multisteps_on_a_mesh_reduces_only_in_the_last_microbatch_program() -> None:
     params, batch = mlp(batch_size=256)
     mesh = mesh_of(AxisType.Explicit)

@@ -309,6 +309,29 @@ def test_on_a_mesh_reduces_once_per_call(axis_type: AxisType) -> None:
         assert_close(jax.device_get(jax.jit(grad_fn)(replicated, sharded)), want)
 
 
+@pytest.mark.parametrize("microbatch_size", [2, 3, 10])  # 10 rows a device: even, uneven, one microbatch
+def test_inside_shard_map_equals_jax_value_and_grad_there(microbatch_size: int) -> None:
+    """Inside the user's jax.shard_map each device's batch is its own; jax.value_and_grad there returns the local
+    loss and the gradient of parameters the devices share summed over them, once (it failed: the scan's carry)."""
+    params, batch = mlp(80)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    sharded = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))), batch)
+    replicated = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), params)
+
+    def in_shard_map(grad_fn: Any) -> Any:
+        step = lambda p, b, s: jax.tree.map(lambda x: x[None], grad_fn(p, b, s))  # noqa: E731
+        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data"), P()), out_specs=P("data")))
+
+    def counting(p: Any, b: Any, s: jax.Array) -> tuple[jax.Array, jax.Array]:  # a state the batch moves
+        return loss_fn(p, b), s + jnp.sum(b["x"])
+
+    want = in_shard_map(lambda p, b, s: (*jax.value_and_grad(loss_fn)(p, b), s + jnp.sum(b["x"])))
+    got = in_shard_map(autoaccum.value_and_grad(counting, microbatch_size=microbatch_size, has_state=True))
+    assert_close(got(replicated, sharded, jnp.float32(1.0)), want(replicated, sharded, jnp.float32(1.0)), atol=2e-6)
+    program = in_shard_map(autoaccum.value_and_grad(counting, microbatch_size=2, has_state=True))
+    assert collectives(program.lower(replicated, sharded, jnp.float32(1.0)).compile().as_text()).in_loop == 0
+
+
 def test_a_plan_gives_the_transform_and_host_strategies_are_refused() -> None:
     params, batch = mlp(10)
     plan = autoaccum.Plan(
@@ -319,8 +342,12 @@ def test_a_plan_gives_the_transform_and_host_strategies_are_refused() -> None:
         host = dataclasses.replace(plan, strategy=strategy, options={})
         with pytest.raises(ValueError, match=rf"{strategy}.*cannot live inside a jit.*scan.*microbatch_size=4"):
             host.value_and_grad(loss_fn)
-        with pytest.raises(ValueError, match="cannot live inside a jit"):
+        with pytest.raises(ValueError, match="cannot live inside a jit") as refused:
             autoaccum.nnx.value_and_grad(lambda m, b: 0.0, plan=host)
+        # the fixes an nnx model can take (the pytree functions it was told before take no model)
+        assert "autoaccum.nnx.value_and_grad(loss_fn, microbatch_size=4" in str(refused.value)
+        assert "autoaccum.nnx.build_update(loss_fn, plan=plan)" in str(refused.value)
+        assert "plan.build(" not in str(refused.value)
 
 
 # -- nnx ------------------------------------------------------------------------------------------------------
