@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from autoaccum.strategies import _state
+from autoaccum.strategies._layout import Layout
 from autoaccum.strategies._remat import check_remat, rematerialised
 
 PyTree = Any
@@ -587,15 +588,17 @@ def output_dtypes(spec: Spec, params: PyTree, batch: PyTree, state: PyTree = ())
 
 
 def apply_optimizer(
-    spec: Spec, params: PyTree, opt_state: PyTree, acc: Accum, dtypes: OutDtypes
+    spec: Spec, params: PyTree, opt_state: PyTree, acc: Accum, dtypes: OutDtypes, layout: Layout | None = None
 ) -> tuple[PyTree, PyTree, Any]:
     """One optimizer step on the accumulated gradient; returns ``(params, opt_state, loss)``.
 
     The sums are divided by the total weight; the gradient is cast back like ``params``, the loss and floating
-    aux leaves back to ``dtypes`` (`finish_loss`).
+    aux leaves back to ``dtypes`` (`finish_loss`). On a mesh the new parameters keep ``layout``'s (an optimizer
+    state laid out otherwise, ZeRO's sharded over the batch's axes, does not re-lay them).
     """
     updates, opt_state = spec.optimizer.update(mean_grads(params, acc), opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, finish_loss(spec, acc, dtypes)
+    params = optax.apply_updates(params, updates)
+    return params if layout is None else layout.constrain(params), opt_state, finish_loss(spec, acc, dtypes)
 
 
 def check_optimizer_step(optimizer: optax.GradientTransformation, params: PyTree, opt_state: PyTree) -> None:

@@ -71,6 +71,16 @@ class Layout:
             specs.append(PartitionSpec(*entries))
         return jax.tree.unflatten(treedef, specs)
 
+    def constrain(self, params: PyTree) -> PyTree:
+        """``params`` (traced) laid out as `param_specs` says: ``reshard`` on an explicit mesh, else a constraint."""
+        explicit = jax.sharding.AxisType.Explicit in tuple(getattr(self.mesh, "axis_types", ()))
+
+        def place(x: Any, spec: PartitionSpec) -> Any:
+            sharding = NamedSharding(self.mesh, spec)
+            return jax.sharding.reshard(x, sharding) if explicit else jax.lax.with_sharding_constraint(x, sharding)
+
+        return jax.tree.map(place, params, self.param_specs(params))
+
 
 def layout_of(params: PyTree, batch: PyTree, state: PyTree = ()) -> Layout | None:
     """The `Layout` of a batch sharded along its example axis, or None when it is not (one device).

@@ -267,7 +267,7 @@ class Strategy(abc.ABC):
     ) -> tuple[PyTree, PyTree, Any]:
         if layout is not None:  # the one reduction of the devices' partial sums
             acc = self.on_mesh(layout).reduce(params, acc, dtypes)
-        return apply_optimizer(self.spec, params, opt_state, acc, dtypes)
+        return apply_optimizer(self.spec, params, opt_state, acc, dtypes, layout)
 
     @classmethod
     def supports(cls, layout: Layout) -> bool:

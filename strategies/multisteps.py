@@ -214,6 +214,15 @@ class MultiSteps(Strategy):
                 "strategy 'multisteps' runs optax.MultiSteps, whose inner optimizer sees whole parameters; with "
                 "parameters sharded over the mesh (FSDP) use strategy='scan' or 'loop'."
             )
+        if layout is not None:
+            for path, leaf in jax.tree_util.tree_leaves_with_path(opt_state):
+                spec = getattr(getattr(leaf, "sharding", None), "spec", ())
+                if any(spec):
+                    raise NotImplementedError(
+                        f"`opt_state` leaf {jax.tree_util.keystr(path)} is sharded as {spec}: strategy 'multisteps' "
+                        "runs optax.MultiSteps on whole, replicated optimizer state; with a sharded optimizer state "
+                        "(ZeRO) use strategy='scan' or 'loop', or pass update.init(params)."
+                    )
         dtypes = self.out_dtypes(params, batch, state, key=call.key)
         if layout is None:  # zero sums: the same step program for every microbatch
             return None, *self._begin(opt_state, params, dtypes=dtypes), state, dtypes

@@ -82,7 +82,7 @@ class Scan(Strategy):
         acc, state, dtypes = accumulate_in_jit(
             self.spec, params, batch, state, layout=layout, unroll=self.config["unroll"]
         )
-        params, opt_state, loss = apply_optimizer(self.spec, params, opt_state, acc, dtypes)
+        params, opt_state, loss = apply_optimizer(self.spec, params, opt_state, acc, dtypes, layout)
         return params, opt_state, loss, state
 
     def run(

@@ -255,6 +255,33 @@ def test_microbatch_size_must_be_a_multiple_of_the_shards() -> None:
         update(replicated, update.init(replicated), place(batch, mesh, P("data")))
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=lambda t: t.name)
+def test_an_optimizer_state_sharded_zero_style_keeps_every_layout(strategy: str, axis_type: AxisType) -> None:
+    """Replicated parameters, Adam's moments sharded over the batch's axis (ZeRO-1): the result is the full-batch
+    step, laid out as given (the parameters came back sharded like the moments; multisteps failed in shard_map)."""
+    params, batch = mlp()
+    optimizer = optax.adam(1e-2)
+    want, want_loss = reference(params, batch, optimizer)
+    mesh = mesh_of(axis_type)
+    replicated, data = place(params, mesh, P()), place(batch, mesh, P("data"))
+    update = autoaccum.build_update(loss_fn, optimizer, microbatch_size=24, strategy=strategy)
+    zero = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, P("data"))) if x.ndim else x, update.init(replicated)
+    )
+    if strategy == "multisteps":
+        with pytest.raises(
+            NotImplementedError, match=r"`opt_state` leaf \[0\]\.mu\['w1'\] is sharded .*'scan' or 'loop'"
+        ):
+            update(replicated, zero, data)
+        return
+    got, opt_state, loss = update(replicated, zero, data)
+    assert_trees_close(jax.device_get(got), want, atol=ATOL)
+    np.testing.assert_allclose(loss, want_loss, atol=ATOL)
+    assert all(not any(leaf.sharding.spec) for leaf in jax.tree.leaves(got)), jax.tree.map(lambda x: x.sharding, got)
+    moments = [leaf for leaf in jax.tree.leaves(opt_state) if leaf.ndim]
+    assert all(tuple(leaf.sharding.spec)[:1] == ("data",) for leaf in moments), [m.sharding for m in moments]
+
+
 def test_layouts_it_does_not_run_are_refused_with_the_fix() -> None:
     params, batch = mlp()
     mesh = mesh_of(AxisType.Auto, (4, 2), ("data", "model"))
