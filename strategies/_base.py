@@ -196,7 +196,8 @@ def check_distinct(**trees: PyTree) -> None:
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
             where = f"`{name}` leaf {jax.tree_util.keystr(path) or '<root>'}"
             if isinstance(leaf, jax.Array) and seen.setdefault(id(leaf), where) != where:
-                fix = "pass update.init(params)" if name == "opt_state" else "keep one leaf and use it twice in loss_fn"
+                fixes = {"opt_state": "pass update.init(params)", "state": "copy one of them (jnp.copy)"}
+                fix = fixes.get(name, "keep one leaf and use it twice in loss_fn")
                 raise ValueError(
                     f"{where} is the same array as {seen[id(leaf)]} (tied weights?): the update donates its inputs "
                     f"and cannot donate one buffer twice; {fix}, or build with donate=False."
@@ -470,7 +471,9 @@ def weighted_grad(spec: Spec, *, scale_grads: bool = True) -> Callable[[PyTree, 
         weight = jnp.asarray(out.weight, sums_dtype)
         factor = 1.0 if is_sum else weight
         grads = scale(grads, factor if scale_grads else 1.0, acc_dtype)
-        return Accum(grads, scale(loss, factor), scale(out.aux, weight), weight), out.state
+        # a microbatch of weight 0 (all padding) adds no aux: its own (a ratio over its tokens, say) may be 0/0
+        aux = jax.tree.map(lambda a: jnp.where(weight == 0, jnp.zeros_like(a), a), scale(out.aux, weight))
+        return Accum(grads, scale(loss, factor), aux, weight), out.state
 
     return f
 

@@ -117,7 +117,7 @@ class Strategy(abc.ABC):
     def init(self, params: PyTree) -> PyTree:
         """The optimizer's own state (``optimizer.init(params)``): the same type for every strategy, each array once
         (an optimizer may put one zero array in two fields, L-BFGS's memories: a call could not donate it twice)."""
-        seen: set[int] = set()
+        seen = {id(x) for x in jax.tree.leaves(params)}  # (some keep the initial parameters themselves: prodigy)
 
         def once(x: Any) -> Any:
             if isinstance(x, jax.Array) and (id(x) in seen or seen.add(id(x))):  # type: ignore[func-returns-value]
@@ -136,12 +136,33 @@ class Strategy(abc.ABC):
         (`carried`), and its mean returned.
 
         Raises:
-          ValueError, TypeError: the batch or parameters are malformed (checked before anything is traced).
+          ValueError, TypeError: the batch or parameters are malformed (checked before anything is traced), or
+            an input was donated to an earlier call (named by leaf).
         """
+        try:
+            return self._call(params, opt_state, batch, state)
+        except (ValueError, RuntimeError) as e:
+            if "deleted or donated" not in str(e) and "has been deleted" not in str(e):
+                raise
+            for name, tree in (("params", params), ("opt_state", opt_state), ("state", state)):
+                for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+                    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                        raise ValueError(
+                            f"`{name}` leaf {jax.tree_util.keystr(path) or '<root>'} was donated to an earlier call "
+                            "(the update donates params, opt_state and state by default): pass what that call "
+                            "returned, or build with donate=False to keep the inputs."
+                        ) from e
+            raise
+
+    def _call(
+        self, params: PyTree, opt_state: PyTree, batch: PyTree, state: PyTree
+    ) -> tuple[PyTree, PyTree, Any, PyTree]:
         if self.spec.state_update != "once":
             return self.run(self.checked(params, batch, state, opt_state), params, opt_state, batch, state)
         if not self._calls:  # the first call checks the optimizer's step before the carry donates ``state``
             check_optimizer_step(self.spec.optimizer, params, opt_state)
+            if self.spec.donate:
+                check_distinct(params=params, state=state, opt_state=opt_state)
         carried = self._carry(state)
         call = self.checked(params, batch, carried, opt_state)
         params, opt_state, loss, carried = self.run(call, params, opt_state, batch, carried)
@@ -219,11 +240,18 @@ class Strategy(abc.ABC):
         acc: Accum | None = None
         dtypes: OutDtypes | None = None
         layout: Layout | None = None
+        first: Any = None
         for i, microbatch in enumerate(microbatches):
             try:
                 leading_size(microbatch)
             except ValueError as e:
                 raise ValueError(f"microbatch {i} of `microbatches`: {e}") from e
+            first = jax.tree.structure(microbatch) if first is None else first
+            if jax.tree.structure(microbatch) != first:
+                raise ValueError(
+                    f"microbatch {i} of `microbatches` is a {jax.tree.structure(microbatch)}, unlike microbatch 0's "
+                    f"{first}; give every microbatch the same structure (the same keys)."
+                )
             if dtypes is None:
                 dtypes = self.out_dtypes(params, microbatch, state)
                 layout = self.layout(params, microbatch, state)

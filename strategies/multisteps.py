@@ -60,12 +60,20 @@ class MultiSteps(Strategy):
         self._loss = jax.jit(functools.partial(finish_loss, spec), static_argnames=("dtypes",))
         self._total = jax.jit(lambda sums: jax.tree.map(lambda x: x.sum(0), sums))  # the devices' loss sums
 
-    def _wrapped(self, k: int, inner: optax.GradientTransformation | None = None) -> optax.MultiSteps:
+    def _wrapped(
+        self, k: int, inner: optax.GradientTransformation | None = None, mini_step: Any = None
+    ) -> optax.MultiSteps:
+        """``MultiSteps`` over the optimizer (or ``inner``); at ``mini_step`` (traced) before the last of ``k``, the
+        inner updates it drops are zeros: it multiplies them by 0, which keeps a NaN or an infinity of an update on
+        a partial sum (an adaptive optimizer's first zero gradient, say) in the parameters."""
         inner = optax.with_extra_args_support(self.spec.optimizer if inner is None else inner)
 
         def update(updates: PyTree, state: PyTree, params: PyTree = None, **extra: Any) -> tuple[PyTree, PyTree]:
             # the mean gradient cast like the parameters, as every strategy hands it to the optimizer (`mean_grads`)
-            return inner.update(optax.tree.cast_like(updates, params), state, params, **extra)
+            out, state = inner.update(optax.tree.cast_like(updates, params), state, params, **extra)
+            if mini_step is not None:
+                out = jax.tree.map(lambda u: jnp.where(mini_step == k - 1, u, jnp.zeros_like(u)), out)
+            return out, state
 
         cast = optax.GradientTransformationExtraArgs(inner.init, update)
         return optax.MultiSteps(cast, every_k_schedule=k, accumulator_dtype=self.spec.accumulator_dtype)
@@ -96,9 +104,10 @@ class MultiSteps(Strategy):
         new, state = grad(params, microbatch, state)
         sums = add(sums, new._replace(grads=()))
         d = divisor(opt_state, sums)
-        grads = jax.tree.map(lambda g: g * jnp.asarray(k, g.dtype) / d.astype(g.dtype), new.grads)
+        dtype = self.spec.accumulator_dtype  # (k times a low-precision sum can overflow the gradient's own dtype)
+        grads = jax.tree.map(lambda g: g.astype(dtype) * jnp.asarray(k, dtype) / d.astype(dtype), new.grads)
         acc_grads = jax.tree.map(lambda a: a / d.astype(a.dtype), opt_state.acc_grads)
-        wrapped = self._wrapped(k, None if inner is None else inner(sums))
+        wrapped = self._wrapped(k, None if inner is None else inner(sums), opt_state.mini_step)
         updates, opt_state = wrapped.update(grads, opt_state._replace(acc_grads=acc_grads), params)
         return optax.apply_updates(params, updates), opt_state, sums, state
 
@@ -123,7 +132,7 @@ class MultiSteps(Strategy):
             )
         if even:  # k equal microbatches of a mean loss: the equal-weight mean of their mean gradients is exact
             new, state = self._mean_grad(params, take(batch, start, size), state)
-            updates, opt_state = self._wrapped(k).update(new.grads, opt_state, params)
+            updates, opt_state = self._wrapped(k, mini_step=opt_state.mini_step).update(new.grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, add(sums, new._replace(grads=())), state
 
         def divisor(opt_state: optax.MultiStepsState, sums: Accum) -> jax.Array:  # traced: one program per size

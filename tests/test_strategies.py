@@ -570,3 +570,78 @@ def test_scan_compiles_no_more_fusions_than_optax_microbatching(name: str) -> No
     (program,) = update.programs(w.params, update.init(w.params), w.batch)
     expected = theirs.lower(w.params, w.optimizer.init(w.params), w.batch).compile().as_text().count(" fusion(")
     assert program.lowered.compile().as_text().count(" fusion(") <= expected
+
+
+def test_an_update_on_a_partial_sum_that_is_not_finite_never_reaches_the_parameters(strategy: str) -> None:
+    """optax.MultiSteps runs the optimizer on every partial sum and multiplies the updates it drops by 0, which
+    keeps a NaN: prodigy on a first microbatch whose gradient is 0 gave NaN parameters, and so did k times a float16
+    token sum (overflowing float16 before the last microbatch divides it)."""
+    loss_fn = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)  # noqa: E731
+    batch = {"x": jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, 1.0]]), "y": jnp.array([1.0, 1.0, 5.0, 0.0])}
+    w, prodigy = jnp.ones(2), optax.contrib.prodigy()  # rows 0-1 fitted exactly at w: a zero first gradient
+    updates, _ = prodigy.update(jax.grad(loss_fn)(w, batch), prodigy.init(w), w)
+    want = optax.apply_updates(w, updates)
+    update = autoaccum.build_update(loss_fn, prodigy, microbatch_size=2, strategy=strategy)
+    np.testing.assert_allclose(update(w, update.init(w), batch)[0], want, atol=1e-6)
+
+    def token_sum(p: Any, b: Any) -> tuple[jax.Array, jax.Array]:  # per token in float32, summed over tokens
+        error = (b["x"] @ p["w"] + p["b"][0]).astype(jnp.float32) - b["y"]  # (a 0-d `0 * inf` is 0, not NaN)
+        return jnp.sum(error**2 * b["mask"]), jnp.sum(b["mask"])
+
+    batch = {"x": jax.random.normal(jax.random.key(0), (16, 250, 2)).astype(jnp.float16),
+             "y": jnp.full((16, 250), 10.0), "mask": jnp.ones((16, 250))}  # fmt: skip
+    params = {"w": jnp.zeros(2, jnp.float16), "b": jnp.zeros(1, jnp.float16)}
+    grads = jax.grad(lambda p: (lambda s, n: s / n)(*token_sum(p, batch)))(params)  # 4 x 1000 tokens: sums of 8e4
+    want = optax.apply_updates(params, jax.tree.map(lambda g: -1e-2 * g, grads))
+    update = autoaccum.build_update(token_sum, optax.sgd(1e-2), microbatch_size=4, strategy=strategy,
+                                    loss_reduction="sum")  # fmt: skip
+    got = update(params, update.init(params), batch)[0]
+    assert_trees_close(
+        jax.tree.map(lambda x: x.astype(jnp.float32), got),
+        jax.tree.map(lambda x: x.astype(jnp.float32), want),
+        atol=5e-3,
+    )
+
+
+def test_a_microbatch_of_weight_zero_adds_no_aux(strategy: str) -> None:
+    """An aux that is a ratio over the microbatch's tokens is 0/0 on an all-padding one: it weighs 0 (was NaN)."""
+
+    def loss_fn(w: jax.Array, b: Any) -> tuple[tuple[jax.Array, jax.Array], Any]:
+        error = (b["x"] @ w - b["y"]) ** 2 * b["mask"]
+        return (jnp.sum(error), jnp.sum(b["mask"])), {"token_mse": jnp.sum(error) / jnp.sum(b["mask"])}
+
+    x, mask = jnp.arange(12.0).reshape(6, 2) / 10, jnp.array([0.0, 0.0, 1.0, 1.0, 1.0, 0.0])  # microbatch 0: padding
+    batch, w = {"x": x, "y": jnp.ones(6), "mask": mask}, jnp.ones(2)
+    error = (x @ w - 1.0) ** 2 * mask
+    update = autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=2, strategy=strategy,
+                                    loss_reduction="sum", has_aux=True)  # fmt: skip
+    (loss, aux) = update(w, update.init(w), batch)[2]
+    np.testing.assert_allclose([loss, aux["token_mse"]], [error.sum() / 3] * 2, atol=1e-6)
+
+
+def test_the_inputs_an_update_donates_are_named_when_reused_or_shared(strategy: str) -> None:
+    w = jnp.ones(2)
+    loss_fn = lambda w, b: jnp.mean((b @ w) ** 2)  # noqa: E731
+    prodigy = autoaccum.build_update(loss_fn, optax.contrib.prodigy(), microbatch_size=2, strategy=strategy)
+    prodigy(w, prodigy.init(w), jnp.ones((4, 2)))  # prodigy keeps the initial parameters: init copies them
+    w = jnp.ones(2)
+    update = autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=2, strategy=strategy)
+    opt_state = update.init(w)
+    update(w, opt_state, jnp.ones((4, 2)))
+    with pytest.raises(ValueError, match=r"`params` leaf <root> was donated to an earlier call .*donate=False"):
+        update(w, opt_state, jnp.ones((4, 2)))  # (XLA's own "Buffer has been deleted or donated" before)
+    zeros = jnp.zeros(())
+    for state_update in ("per_microbatch", "once"):
+        counting = autoaccum.build_update(lambda p, b, s: (loss_fn(p, b), s), optax.sgd(0.1), microbatch_size=2,
+                                          strategy=strategy, has_state=True, state_update=state_update)  # fmt: skip
+        w = jnp.ones(2)
+        with pytest.raises(ValueError, match=r"`state` leaf \['sq'\] is the same array as .*copy one of them"):
+            counting(w, counting.init(w), jnp.ones((4, 2)), {"mean": zeros, "sq": zeros})
+
+
+def test_stream_names_a_microbatch_unlike_the_first(strategy: str) -> None:
+    w = jnp.ones(2)
+    update = autoaccum.build_update(lambda p, b: jnp.mean(b["x"] @ p), optax.sgd(0.1), microbatch_size=2,
+                                    strategy=strategy)  # fmt: skip
+    with pytest.raises(ValueError, match=r"microbatch 1 of `microbatches` is a .*unlike microbatch 0's"):
+        update.stream(w, update.init(w), [{"x": jnp.ones((2, 2))}, {"z": jnp.ones((2, 2))}])
