@@ -742,7 +742,10 @@ class Server:
             compiled(False)
             if self.refuses:
                 return self._refused(trial) or run_trial(trial, lambda: None)
-            return measured(trial, self.platform, self.limit)  # run even if XLA's figure is over: the probe is exact
+            outcome = measured(trial, self.platform, self.limit)  # run even if XLA's figure is over: the probe is exact
+            if outcome.status == "fits" and outcome.peak_bytes is None:  # the cap saw nothing: XLA's figure decides
+                return self._refused(trial) or outcome
+            return outcome
         job = self.job_for(request)  # keyed by the build it resolves to: the probe's and a trial's meet
         key = json.dumps(
             [job.build, request.microbatch_size, request.rows, request.setting], sort_keys=True, default=str

@@ -436,6 +436,17 @@ def test_a_trial_error_is_reported_not_taken_for_too_big() -> None:
         )  # fmt: skip
 
 
+def test_a_step_the_cpu_cap_cannot_see_is_judged_by_xlas_buffers() -> None:
+    """At a limit of 512 B a step runs in memory the worker holds already, so the address-space cap sees no growth;
+    the probe answered 'microbatch 6289 fits under 512 B' (a 32-float regression). XLA's buffers decide there."""
+    loss_fn = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)  # noqa: E731
+    batch = {"x": jnp.ones((64, 32)), "y": jnp.zeros(64)}
+    result = autoaccum.probe(loss_fn, jnp.zeros(32), batch, optimizer=optax.adam(1e-3), memory_limit=512)
+    assert result.max_microbatch == 0 and "nothing fits" in result.message, result.message
+    needs = [t.peak_bytes for t in result.trials]
+    assert all(n is not None and n > 512 for n in needs), needs  # each refusal carries XLA's bytes
+
+
 def test_nothing_fits_returns_zero() -> None:
     loss_fn, params, batch = probe_workloads.linear()
     result = autoaccum.probe(loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="4MiB", granularity=1024)

@@ -276,7 +276,10 @@ def _report(console: Console, result: Any, out: Path | None, *, isolated: bool, 
     units = "" if result.units is None else f" ({result.units:.1f} units of one compile + five steps of the pick)"
     phases = ", ".join(f"{name} {seconds:.1f}" for name, seconds in result.phases.items() if seconds >= 0.05)
     console.print(f"took {result.seconds:.1f} s{units}: {phases or 'nothing timed'}", highlight=False, markup=False)
-    if out is not None:
+    if out is None:
+        console.print("the code to train with it: run again with --out plan.json (nothing is timed again)",
+                      highlight=False, markup=False)  # fmt: skip
+    else:
         console.print(f"plan saved to {out}\n", highlight=False, markup=False)
         console.print(snippet(plan, out, api), highlight=False, markup=False, soft_wrap=True)  # code: never re-wrapped
 
