@@ -44,7 +44,8 @@ def encode(value: Any) -> Any:
         }
         for name in getattr(type(value), "json_properties", ()):
             out[name] = encode(getattr(value, name))
-        return out
+        tag = getattr(type(value), "json_format", None)  # (nested too: a tune's plan reads back as a plan file)
+        return {"format": tag, **out} if tag else out
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return {k: encode(v) for k, v in zip(value._fields, value, strict=True)}
     if isinstance(value, enum.Enum):
@@ -130,8 +131,7 @@ class JsonMixin:
 
     def to_dict(self) -> dict[str, Any]:
         """The result as plain JSON data."""
-        out = encode(self)
-        return {"format": self.json_format, **out} if self.json_format else out
+        return encode(self)
 
     def to_json(self, indent: int | None = 2) -> str:
         """`to_dict` as a JSON string."""

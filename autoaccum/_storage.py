@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import urllib.parse
 import warnings
 from pathlib import Path
 from typing import NoReturn
@@ -48,7 +49,7 @@ def default_storage() -> str:
         raise ValueError(
             f"{what}={str(root)!r} cannot hold the study database ({type(e).__name__}: {e.strerror or e}); {CACHE_FIX}."
         ) from e
-    return f"sqlite:///{root / 'studies.db'}"
+    return "sqlite:///" + urllib.parse.quote(str(root / "studies.db"), safe="/")  # ('?', '%' in a folder's name)
 
 
 def raise_unopenable(url: str, *, default: bool = False) -> NoReturn:

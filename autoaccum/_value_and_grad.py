@@ -28,8 +28,9 @@ from autoaccum.strategies import (
     layout_of,
     leading_size,
     mean_grads,
+    to_varying,
+    varying,
 )
-from autoaccum.strategies._base import to_varying, varying
 from autoaccum.strategies.scan import check_unroll
 
 

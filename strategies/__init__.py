@@ -37,7 +37,9 @@ from autoaccum.strategies._base import check_params as check_params
 from autoaccum.strategies._base import leading_size as leading_size
 from autoaccum.strategies._base import mean_grads as mean_grads
 from autoaccum.strategies._base import signature as signature
+from autoaccum.strategies._base import to_varying as to_varying
 from autoaccum.strategies._base import tree_bytes as tree_bytes
+from autoaccum.strategies._base import varying as varying
 from autoaccum.strategies._layout import Layout
 from autoaccum.strategies._layout import check_microbatch as check_microbatch
 from autoaccum.strategies._layout import layout_of as layout_of

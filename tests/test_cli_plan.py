@@ -201,3 +201,21 @@ def test_devices_plans_a_data_parallel_mesh_per_device() -> None:
     odd = run(CNN, "--effective-batch", "1020", "--devices", "8")
     check(odd, 2)
     assert "--effective-batch 1020 is not a multiple of --devices 8" in odd.output
+
+
+def test_a_workloads_own_memory_limit_is_the_target_without_gpu_or_limit(tmp_path: Path) -> None:
+    """probe and tune take the workload's limit when --memory-limit is not given; plan planned 'this machine'."""
+    (tmp_path / "own_limit.py").write_text(
+        "import jax.numpy as jnp, optax, autoaccum\n"
+        "def workload():\n"
+        "    loss_fn = lambda w, b: jnp.mean((b['x'] @ w - b['y']) ** 2)\n"
+        "    batch = {'x': jnp.ones((64, 32)), 'y': jnp.zeros(64)}\n"
+        "    return autoaccum.Workload(loss_fn, jnp.zeros(32), batch, optax.adam(1e-3), memory_limit='3MiB')\n"
+    )
+    result = run(f"{tmp_path / 'own_limit.py'}:workload", "--json")
+    check(result, 0)
+    (target,) = json.loads(result.stdout)["targets"]
+    assert target["memory_limit_bytes"] == 3 * 2**20, target
+    result = run(f"{tmp_path / 'own_limit.py'}:workload", "--memory-limit", "5MiB", "--json")
+    check(result, 0)
+    assert [t["memory_limit_bytes"] for t in json.loads(result.stdout)["targets"]] == [5 * 2**20]

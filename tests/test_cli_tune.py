@@ -72,6 +72,8 @@ def test_tune_json(tmp_path: Path) -> None:
     assert data["plan"]["effective_batch"] == 64
     assert len(data["trials"]) == 2 and data["trials"][0]["state"] == "COMPLETE"
     assert data["probe"] is None
+    (tmp_path / "plan.json").write_text(json.dumps(data["plan"]))  # the plan in it is a plan file (no "format" before)
+    assert Plan.load(tmp_path / "plan.json").microbatch_size == data["plan"]["microbatch_size"]
 
 
 def test_tune_bad_input_exits_2(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+import optuna
 import pytest
 from helpers import constant_measure, linear_problem
 from seams import tune
@@ -38,6 +39,19 @@ def test_an_unusable_cache_folder_names_the_variable_and_the_fix(
         open_storage(None)
     monkeypatch.setenv("AUTOACCUM_CACHE", str(tmp_path / "made" / "here"))  # a folder that can be made is
     assert default_storage() == f"sqlite:///{tmp_path / 'made' / 'here' / 'studies.db'}"
+
+
+def test_a_cache_folder_is_the_folder_named_whatever_its_characters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folder's path went into the SQLite URL unescaped: 'run?a=1' and 'run?b=2' shared run/studies.db (the
+    second resumed the first's study), and 'pc%41t' could not be opened."""
+    for name in ("run?a=1", "run?b=2", "pc%41t"):
+        monkeypatch.setenv("AUTOACCUM_CACHE", str(tmp_path / name))
+        storage, _ = open_storage(None)
+        optuna.create_study(storage=storage, study_name="s")
+        assert (tmp_path / name / "studies.db").is_file(), sorted(p.name for p in tmp_path.rglob("*"))
+    assert not (tmp_path / "run").exists()
 
 
 def start(storage: str, log: Path, *options: str) -> subprocess.Popen[str]:

@@ -856,3 +856,21 @@ def test_warm_start_enqueues_the_largest_candidate() -> None:
     )  # fmt: skip
     first = min(result.trials, key=lambda r: r.number)  # the warm start's ladder begins at the largest
     assert (first.microbatch_size, first.strategy) == (96, "scan") and calls[0][0] == 96
+
+
+def test_a_trials_reason_keeps_the_users_own_error_at_the_end_of_a_long_traceback() -> None:
+    """The worker's message is a traceback, the user's exception last; a reason cut to its first 900 characters
+    held only the library's frames."""
+    from types import SimpleNamespace
+
+    from autoaccum._isolation import Outcome
+    from autoaccum._knobs import Setting
+    from autoaccum._tune.search import Config
+    from autoaccum._tune.trials import time_in_worker
+
+    traceback = "Traceback (most recent call last):\n" + '  File "autoaccum/x.py", line 1, in f\n' * 60
+    traceback += '  File "faults.py", line 9, in loss_fn\nRuntimeError: boom from the user\'s loss'
+    worker = SimpleNamespace(limit=2**20, time=lambda request: Outcome("error", message=traceback))
+    job = SimpleNamespace(labels={"scan": ("scan", {})}, settings=[Setting()], effective_batch=8)
+    with pytest.raises(TrialFailed, match=r"(?s)failed in the worker: \.\.\. .*faults\.py.*boom from the user's loss"):
+        time_in_worker(job, worker)(Config(4, "scan"), 0)  # type: ignore[arg-type]

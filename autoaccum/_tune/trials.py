@@ -377,7 +377,8 @@ def time_in_worker(job: Job, worker: Worker) -> TimeOne:
             )
         if outcome.status != "fits":
             message = (outcome.message or "").strip()
-            raise TrialFailed(f"failed in the worker: {message if len(message) < 900 else message[:900] + ' ...'}")
+            # (a traceback ends with the error: the user's own exception and frame are its last lines)
+            raise TrialFailed(f"failed in the worker: {message if len(message) < 900 else '... ' + message[-900:]}")
         times = tuple(outcome.times or ())
         return Timing(outcome.seconds or 0.0, outcome.compile_seconds or 0.0, len(times), times, outcome.peak_bytes,
                       outcome.cached_seconds or 0.0)  # fmt: skip

@@ -298,6 +298,9 @@ def _plan_one(
                 param_hint="'--effective-batch'",
             )
         trees = _on_mesh(mesh, w)
+    if not targets and w.memory_limit is not None:  # (no --gpu, no --memory-limit)
+        targets.append(Target.memory_limit(str(w.memory_limit)))
+        console.print(f"memory limit {w.memory_limit}: the workload's own (--memory-limit or --gpu overrides it)")
     if not targets:
         targets.append(Target("this machine", resolve_memory_limit(detect_device(), None)[0]))
     status = compiler_status()
