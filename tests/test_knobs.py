@@ -490,3 +490,21 @@ def test_a_workloads_knobs_are_searched_by_the_cli_tune() -> None:
         dataclasses.replace(workloads.linear(batch_size=4), knobs={"block_remat": (None,)})
     with pytest.raises(ValueError, match=r'`Workload.api` must be "pytree" or "nnx", got api=\'flax\''):
         dataclasses.replace(workloads.linear(batch_size=4), api="flax")
+
+
+def test_a_knob_setting_the_budget_never_reaches_is_named_in_the_message() -> None:
+    """A budget spent before the knobs (the breadth of strategy variants first) left them untimed, silently."""
+    w = workloads.linear(batch_size=24, features=16)
+    knobs = Knobs(scaled_loss, scale=(1.0, 0.5))
+    result = tune(
+        knobs, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=4, strategies=["scan", "loop"], budget=2,
+        storage=":memory:", measure=fake_measure(), race_rounds=0,
+    )  # fmt: skip
+    timed = {r.knobs["scale"] for r in result.trials if r.throughput is not None}
+    assert timed == {1.0}, result.trials
+    assert "knob settings not timed within the budget: remat=None, scale=0.5" in result.message, result.message
+    result = tune(
+        knobs, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=4, strategies=["scan"], budget=32,
+        storage=":memory:", measure=fake_measure(), race_rounds=0,
+    )  # fmt: skip
+    assert "not timed" not in result.message, result.message

@@ -874,3 +874,20 @@ def test_a_trials_reason_keeps_the_users_own_error_at_the_end_of_a_long_tracebac
     job = SimpleNamespace(labels={"scan": ("scan", {})}, settings=[Setting()], effective_batch=8)
     with pytest.raises(TrialFailed, match=r"(?s)failed in the worker: \.\.\. .*faults\.py.*boom from the user's loss"):
         time_in_worker(job, worker)(Config(4, "scan"), 0)  # type: ignore[arg-type]
+
+
+def test_a_loss_calling_back_into_python_is_warned_that_the_fingerprint_cannot_see_the_callback() -> None:
+    """Changing what a callback does (a sleep per microbatch, say) kept the study: its earlier timings came back."""
+    w = workloads.linear(batch_size=8, features=4)
+
+    def loss_fn(params: Any, batch: Any) -> jax.Array:
+        jax.debug.callback(lambda: None)
+        return w.loss_fn(params, batch)
+
+    with pytest.warns(UserWarning, match=r"calls back into Python .*fresh=True"):
+        tune(loss_fn, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=4, budget=1, storage=":memory:",
+             measure=fake_measure(), race_rounds=0)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        tune(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=4, budget=1, storage=":memory:",
+             measure=fake_measure(), race_rounds=0)  # fmt: skip

@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import re
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from autoaccum._tune.job import Job, Space
 from autoaccum._tune.race import ROUNDS, Runner
 from autoaccum._tune.result import Clock, TrialRecord, TuneResult, records
 from autoaccum._tune.search import Config
-from autoaccum._tune.study import fingerprint, open_study, quiet_optuna, settled_configs
+from autoaccum._tune.study import fingerprint, open_study, quiet_optuna, settled, settled_configs
 from autoaccum._tune.trials import MEASURE, Trials, time_here, time_in_worker
 from autoaccum._units import parse_bytes
 from autoaccum._version import __version__
@@ -81,6 +82,14 @@ def _fingerprint(job: Job, limit: int | None, bound: int | None, timeouts: tuple
     losses = {id(loss): loss for loss in map(job.loss_for, job.settings)}  # (settings may share a loss)
     losses.pop(id(job.loss_for(job.settings[0])))  # the default's: in the update above
     texts += [loss_text(loss, job.params, job.batch, job.state) for loss in losses.values()]
+    if any(re.search(r"custom_call @\w*python\w*callback", text) for text in texts):
+        warnings.warn(
+            "the loss calls back into Python (jax.debug.callback, jax.pure_callback): the study's fingerprint holds "
+            "the compiled program, not what the callback does; after changing the callback, tune with fresh=True "
+            "(--fresh), or its earlier trials are reused.",
+            UserWarning,
+            stacklevel=4,
+        )
     searched = {
         "strategies": list(job.labels), "knobs": job.knob_space.params(), "max_microbatch": bound,
         "min_microbatch": job.min_microbatch, "timeouts": list(timeouts),
@@ -147,13 +156,15 @@ def _result(job: Job, space: Space, study: optuna.Study, runners: list[Runner], 
     )  # fmt: skip
 
 
-def _summary(result: TuneResult, resumed: int, new: int, seconds: float) -> dict[str, Any]:
-    """The result's message, and its cost in units: ``seconds`` over one compile plus five steps of the pick (its
-    compile as if JAX's persistent cache had not had it)."""
+def _summary(result: TuneResult, resumed: int, new: int, seconds: float, untimed: list[str]) -> dict[str, Any]:
+    """The result's message (naming the knob settings ``untimed``), and its cost in units: ``seconds`` over one
+    compile plus five steps of the pick (its compile as if JAX's persistent cache had not had it)."""
     message = f"new study {result.study_name}: {new} trials"
     if resumed:
         message = f"resumed: {resumed} trials from earlier runs, {new} new (study {result.study_name}; pass fresh=True"
         message += " to start over)"
+    if untimed:
+        message += f"; knob settings not timed within the budget: {'; '.join(untimed)} (a larger budget times them)"
     number = result.race[0].trial if result.race else result.trials[0].number
     pick = next(r for r in result.trials if r.number == number)
     units = None if pick.unit_seconds is None else seconds / pick.unit_seconds
@@ -294,5 +305,8 @@ def tune(
         limit = space.probed.memory_limit_bytes
     with clock.phase("build"):
         result = _result(job, space, study, runners, limit)
-    summary = _summary(result, resumed, len(settled_configs(study)) - resumed, time.perf_counter() - clock.start)
+    timed = {job.config_of(t.params).setting for t in study.get_trials(deepcopy=False) if settled(t)}
+    untimed = [str(setting) for i, setting in enumerate(job.settings) if i not in timed]
+    seconds = time.perf_counter() - clock.start
+    summary = _summary(result, resumed, len(settled_configs(study)) - resumed, seconds, untimed)
     return dataclasses.replace(result, storage=storage_label, fingerprint=key, phases=dict(clock.seconds), **summary)
