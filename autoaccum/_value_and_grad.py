@@ -68,7 +68,9 @@ def value_and_grad(
     axis (a concrete array's ``NamedSharding``, or inside jit an explicit mesh axis in its type, ``jax.make_mesh``'s
     default), each device accumulates its own rows and the gradients are reduced once per call. An ``AxisType.Auto``
     mesh's sharding is not in the type: inside a jit XLA then partitions the loop itself (the result is the same; it
-    gathers the batch).
+    gathers the batch). Inside ``jax.shard_map`` each device's batch is its own: the result is
+    ``jax.value_and_grad``'s there (the local loss; the gradient of parameters the devices share summed over the
+    batch's axes, once per call).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (the mean over the batch's examples), or as ``has_aux``,
