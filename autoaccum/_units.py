@@ -9,7 +9,7 @@ _UNITS = {
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }  # fmt: skip
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_PATTERN = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: int | float | str, name: str = "memory_limit") -> int:
@@ -18,6 +18,11 @@ def parse_bytes(value: int | float | str, name: str = "memory_limit") -> int:
     Example:
       >>> parse_bytes("1.5GiB")
       1610612736
+      >>> try:
+      ...     parse_bytes("-1GiB")
+      ... except ValueError as e:
+      ...     print(e)
+      `memory_limit` must be positive, got memory_limit='-1GiB'.
 
     Raises:
       ValueError: the value does not parse, or is not positive (the message names ``name``).

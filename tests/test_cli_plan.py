@@ -219,3 +219,19 @@ def test_a_workloads_own_memory_limit_is_the_target_without_gpu_or_limit(tmp_pat
     result = run(f"{tmp_path / 'own_limit.py'}:workload", "--memory-limit", "5MiB", "--json")
     check(result, 0)
     assert [t["memory_limit_bytes"] for t in json.loads(result.stdout)["targets"]] == [5 * 2**20]
+
+
+def test_an_uneven_split_shows_its_last_microbatch() -> None:
+    """'25 x 21' for an effective batch of 512 read as 525 examples: the last microbatch is 12."""
+    from rich.console import Console
+
+    from autoaccum._capacity import Capacity
+    from autoaccum.cli.plan import _print_table
+
+    def plan(m: int, steps: int) -> Capacity:
+        return Capacity("L4", 2**30, 512, True, False, m, m, steps, 2**29, None, None, 0.0, 0.0)
+
+    console = Console(record=True, width=200)
+    _print_table(console, [plan(25, 21), plan(64, 8)], [None, None], 512)
+    text = console.export_text()
+    assert "25 x 21 (last 12)" in text and "64 x 8 " in text and "64 x 8 (last" not in text, text

@@ -465,7 +465,10 @@ def _print_table(console: Any, plans: list[Any], targets: list[Any], total: int)
             continue
         split: str | Text = Text("nothing fits", style="red")
         if p.fits:
-            split = f"{p.microbatch_size} x {p.accumulation_steps}"
+            last = p.effective_batch - p.microbatch_size * (p.accumulation_steps - 1)  # an uneven split's remainder
+            split = f"{p.microbatch_size} x {p.accumulation_steps}" + (
+                f" (last {last})" if last != p.microbatch_size else ""
+            )
         seconds = "-" if p.step_seconds is None else f"{_seconds(p.step_seconds)} ({p.bound.value}-bound)"
         rows.append((
             p.target,
