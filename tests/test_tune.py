@@ -891,3 +891,15 @@ def test_a_loss_calling_back_into_python_is_warned_that_the_fingerprint_cannot_s
         warnings.simplefilter("error", UserWarning)
         tune(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, microbatch_bound=4, budget=1, storage=":memory:",
              measure=fake_measure(), race_rounds=0)  # fmt: skip
+
+
+def test_a_finalist_that_fails_in_the_race_keeps_why() -> None:
+    """The CLI printed 'failed in round 1' and the reason (RESOURCE_EXHAUSTED, say) was thrown away."""
+    reason = "out of memory in the worker (limit 24.00 MiB): RESOURCE_EXHAUSTED"
+
+    def time_one(key: str) -> list[float] | str:
+        return reason if key == "b" else [1.0, 1.0, 1.0]
+
+    winner, failed = race([("a", 0, [1.0]), ("b", 1, [0.5]), ("c", 2, [2.0])], time_one, rounds=2)[::2]
+    assert winner.failed is None and failed.trial == 1 and failed.out_after == 1 and failed.failed == reason
+    assert failed.rounds == 0  # (its re-timing never ran: the CLI reads 'failed in round 1: <reason>')

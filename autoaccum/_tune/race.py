@@ -65,6 +65,7 @@ class Runner(JsonMixin):
       times: every step time of its rounds, seconds (none run: its study trial's).
       rounds: the rounds it ran; out_after: the round after which it was dropped (None: it finished).
       relative: the median of its step times, each over its round's median (what the race ranks by).
+      failed: why its timing failed in round `out_after` (None: it ran, or was dropped as slower).
     """
 
     trial: int
@@ -72,6 +73,7 @@ class Runner(JsonMixin):
     rounds: int
     out_after: int | None = None
     relative: float | None = None
+    failed: str | None = None
 
     @property
     def quartiles(self) -> tuple[float, float, float]:
@@ -81,12 +83,13 @@ class Runner(JsonMixin):
 
 def race(
     finalists: Sequence[tuple[K, int, Sequence[float]]],
-    time_one: Callable[[K], Sequence[float] | None],
+    time_one: Callable[[K], Sequence[float] | str],
     *,
     rounds: int = ROUNDS,
 ) -> list[Runner]:
     """Races ``finalists`` (``(key, trial number, its trial's step times)``); ``time_one(key)`` returns a new
-    timing's step times (None: it failed, and is out). Returns the runners ranked, the winner first. Pure Python.
+    timing's step times (a string: why it failed; it is out). Returns the runners ranked, the winner first. Pure
+    Python.
 
     Example:
       >>> fast = iter([[1.0, 1.1], [0.9, 1.0]])
@@ -98,6 +101,7 @@ def race(
     relative: dict[K, list[float]] = {key: [] for key in pooled}  # each time over its round's median
     ran = dict.fromkeys(pooled, 0)
     out: dict[K, int] = {}
+    failed: dict[K, str] = {}
     alive = [key for key, _, _ in finalists]
     budget = rounds * len(alive)  # timings
     r = 0
@@ -108,8 +112,8 @@ def race(
         this_round: dict[K, Sequence[float]] = {}
         for key in alive[shift:] + alive[:shift]:
             times = time_one(key)
-            if not times:  # None: it failed this time
-                out[key] = r
+            if isinstance(times, str) or not times:  # it failed this time
+                out[key], failed[key] = r, str(times or "no step time")
                 continue
             this_round[key] = times
             pooled[key].extend(times)
@@ -130,7 +134,14 @@ def race(
                 out[key] = r
         alive = [k for k in alive if k not in out]
     runners = [
-        Runner(number, tuple(pooled[k] or times), ran[k], out.get(k), quartiles(relative[k])[1] if ran[k] else None)
+        Runner(
+            number,
+            tuple(pooled[k] or times),
+            ran[k],
+            out.get(k),
+            quartiles(relative[k])[1] if ran[k] else None,
+            failed.get(k),
+        )
         for k, number, times in finalists
     ]
     return sorted(runners, key=lambda x: (x.out_after is not None, x.relative is None, x.relative or 0.0))

@@ -289,12 +289,12 @@ class Trials:
         distinct = [t for t in done if not ({"duplicate_of", "same_program_as"} & t.user_attrs.keys())]
         return sorted(distinct, key=lambda t: (-float(t.value), t.number))  # type: ignore[arg-type]
 
-    def _retime(self, number: int) -> tuple[float, ...] | None:
-        """Trial ``number``'s configuration timed again (None if it failed this time)."""
+    def _retime(self, number: int) -> tuple[float, ...] | str:
+        """Trial ``number``'s configuration timed again (why not, where it failed this time)."""
         try:
             timing = self.time_one(self.job.config_of(self.trial(number).params), 0)
-        except TrialFailed:
-            return None
+        except TrialFailed as e:
+            return str(e)
         return timing.times or (timing.seconds_per_step,)
 
 

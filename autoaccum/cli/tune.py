@@ -379,6 +379,7 @@ def _print_table(console: Console, result: Any) -> None:
         if runner.out_after is not None:
             failed = runner.rounds < runner.out_after  # (its re-timing in that round failed: out of memory)
             outcome = f"{'failed in' if failed else 'out after'} round {runner.out_after}"
+            outcome += f": {runner.failed}" if runner.failed else ""
         rows.append([
             str(runner.trial), str(runner.rounds), str(len(runner.times)),
             "" if runner.relative is None else f"{runner.relative:.3f}",
