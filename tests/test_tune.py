@@ -903,3 +903,14 @@ def test_a_finalist_that_fails_in_the_race_keeps_why() -> None:
     winner, failed = race([("a", 0, [1.0]), ("b", 1, [0.5]), ("c", 2, [2.0])], time_one, rounds=2)[::2]
     assert winner.failed is None and failed.trial == 1 and failed.out_after == 1 and failed.failed == reason
     assert failed.rounds == 0  # (its re-timing never ran: the CLI reads 'failed in round 1: <reason>')
+
+
+def test_a_limit_above_the_machines_memory_is_warned_of_once() -> None:
+    """tune resolved the limit for its worker and again in the probe: a MemoryLimitWarning each (printed twice)."""
+    w = workloads.linear(batch_size=8, features=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tune(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="10TiB", budget=1, storage=":memory:",
+             strategies=["scan"], race_rounds=0)  # fmt: skip
+    limits = [c for c in caught if issubclass(c.category, autoaccum.MemoryLimitWarning)]
+    assert len(limits) == 1, [str(c.message) for c in limits]

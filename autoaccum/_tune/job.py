@@ -241,7 +241,8 @@ class Space(JsonMixin):
             with clock.phase("probe"), scoped(LENT, worker):
                 probed = probe(
                     job.loss_for(default), job.params, job.batch, optimizer=job.optimizer, strategy=job.names[0],
-                    memory_limit=job.memory_limit, microbatch_cap=eb, state=job.state,
+                    memory_limit=job.memory_limit if worker is None or job.memory_limit is None else worker.limit,
+                    microbatch_cap=eb, state=job.state,
                     has_aux=job.loss_kw["has_aux"], loss_reduction=job.loss_kw["loss_reduction"],
                     options=None if default.remat is None else {"remat": default.remat},
                     sizes=[m for m in probe_sizes(eb) if job.allows(m)], effective_batch=eb,
