@@ -246,10 +246,11 @@ class Strategy(abc.ABC):
                 leading_size(microbatch)
             except ValueError as e:
                 raise ValueError(f"microbatch {i} of `microbatches`: {e}") from e
-            first = jax.tree.structure(microbatch) if first is None else first
-            if jax.tree.structure(microbatch) != first:
+            structure = jax.tree.structure(microbatch)
+            first = structure if first is None else first
+            if structure != first:
                 raise ValueError(
-                    f"microbatch {i} of `microbatches` is a {jax.tree.structure(microbatch)}, unlike microbatch 0's "
+                    f"microbatch {i} of `microbatches` is a {structure}, unlike microbatch 0's "
                     f"{first}; give every microbatch the same structure (the same keys)."
                 )
             if dtypes is None:
