@@ -311,6 +311,16 @@ def cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
+def device_kind() -> str:
+    """What this process measures on: the first JAX device's kind; on the CPU (whose kind is just ``"cpu"``), its
+    model and the cores this process may use, which both change a timing (``"AMD EPYC 7B13 (2 cores)"``)."""
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        return str(device.device_kind)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu_name()} ({cores} cores)"
+
+
 def all_devices() -> list[DeviceInfo]:
     """`detect_device` for every JAX device."""
     return [detect_device(d) for d in jax.devices()]

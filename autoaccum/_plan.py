@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from autoaccum._device import device_kind
 from autoaccum._json import JsonMixin
 from autoaccum._knobs import Knobs, resolve
 from autoaccum._update import Update, build_update
@@ -53,7 +54,8 @@ class Plan(JsonMixin):
       throughput: measured examples per second of the whole update (0.0 if not measured).
       source: ``"measured"`` (by `autoaccum.tune`) or ``"predicted"`` (by ``autoaccum plan --out``, from the
         compile-only estimate for ``device``; nothing was run).
-      device: the device it was measured on, e.g. ``"NVIDIA H100 80GB HBM3"`` or ``"cpu"``.
+      device: the device it was measured on (`autoaccum._device.device_kind`), e.g. ``"NVIDIA H100 80GB HBM3"``, or
+        on the CPU its model and cores, ``"AMD EPYC 7B13 (2 cores)"``.
       has_aux: whether the loss returns ``(loss, aux)``.
       has_state: whether the loss threads a model state (``loss_fn(params, batch, state)``).
       loss_reduction: ``"mean"`` or ``"sum"`` (`autoaccum.build_update`).
@@ -161,7 +163,7 @@ class Plan(JsonMixin):
           UserWarning: the plan was measured on another device or jax version than this process runs (its
             microbatch may not fit, or not be the fastest, here: tune again).
         """
-        here = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+        here = {"device": device_kind(), "jax": jax.__version__}
         there = {"device": self.device, "jax": self.versions.get("jax", here["jax"])}
         if self.source == "measured" and self.device and there != here:
             warnings.warn(

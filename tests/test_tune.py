@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -16,12 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optuna
 import pytest
 from helpers import constant_measure, fake_measure, linear_problem
 from seams import tune
 
 import autoaccum
+import autoaccum._device
 from autoaccum import Plan, Update, workloads
+from autoaccum._device import device_kind
 from autoaccum._tune.race import FINALISTS, quartiles, race
 from autoaccum._tune.space import microbatch_candidates, variants
 from autoaccum._worker import Timing, TrialFailed
@@ -333,9 +337,9 @@ def test_a_plan_measured_elsewhere_warns_when_built_here(linear: autoaccum.Workl
     measured here, and a predicted one (its device a planned target), build without one."""
     foreign = Plan(10, 4, 3, "scan", device="NVIDIA H100 80GB HBM3", versions={"jax": "0.4.1"})
     with pytest.warns(UserWarning, match=r"measured on NVIDIA H100 80GB HBM3 with jax 0\.4\.1, and this process runs "
-                      rf"{jax.devices()[0].device_kind} with jax {jax.__version__}.*tune again"):  # fmt: skip
+                      rf"{re.escape(device_kind())} with jax {jax.__version__}.*tune again"):  # fmt: skip
         foreign.build(linear.loss_fn, optax.sgd(0.1))
-    here = dataclasses.replace(foreign, device=jax.devices()[0].device_kind, versions={"jax": jax.__version__})
+    here = dataclasses.replace(foreign, device=device_kind(), versions={"jax": jax.__version__})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         here.build(linear.loss_fn, optax.sgd(0.1))
@@ -707,6 +711,23 @@ def test_a_study_is_not_resumed_under_another_knob_loss_or_time_limit(tmp_path: 
     assert other_loss.resumed_trials == other_limit.resumed_trials == 0
 
 
+def test_a_study_is_not_resumed_on_another_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU, whose JAX device kind is just "cpu", the study and the plan name the CPU's model and the cores
+    this process may use: a study cached on a shared folder is not resumed by another machine's tune."""
+    params, batch = {"w": jnp.zeros(4)}, {"x": jnp.ones((8, 4)), "y": jnp.ones(8)}
+
+    def loss_fn(p: Any, b: Any) -> jax.Array:
+        return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+
+    kw = dict(optimizer=optax.sgd(0.1), microbatch_bound=4, storage=f"sqlite:///{tmp_path / 's.db'}", budget=2)
+    first = tune(loss_fn, params, batch, measure=constant_measure([]), **kw)
+    assert first.plan.device == device_kind() and "cores)" in first.plan.device
+    monkeypatch.setattr(autoaccum._device, "cpu_name", lambda: "Another CPU 9000")
+    other = tune(loss_fn, params, batch, measure=constant_measure([]), **kw)
+    assert other.fingerprint != first.fingerprint and other.resumed_trials == 0
+    assert other.plan.device.startswith("Another CPU 9000 (")
+
+
 def test_a_race_is_reused_only_with_its_rounds(tmp_path: Path) -> None:
     """A study resumed with ``race_rounds=0`` returns no race and the fastest trial, not an earlier run's race."""
     w = workloads.linear(batch_size=8, features=4)
@@ -914,3 +935,17 @@ def test_a_limit_above_the_machines_memory_is_warned_of_once() -> None:
              strategies=["scan"], race_rounds=0)  # fmt: skip
     limits = [c for c in caught if issubclass(c.category, autoaccum.MemoryLimitWarning)]
     assert len(limits) == 1, [str(c.message) for c in limits]
+
+
+def test_a_trial_whose_process_ended_mid_trial_says_so() -> None:
+    """A trial failed by its end (its worker killed; Optuna failed it as stale) shows why, not a bare FAIL; a trial
+    failed for a reason of its own keeps that reason."""
+    from autoaccum._tune.result import records
+
+    distributions = {"microbatch_size": optuna.distributions.CategoricalDistribution([4, 8])}
+    killed = optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL, params={"microbatch_size": 8},
+                                       distributions=distributions)  # fmt: skip
+    own = optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL, params={"microbatch_size": 4},
+                                    distributions=distributions, user_attrs={"reason": "out of memory"})  # fmt: skip
+    shown = {r.microbatch_size: r.reason for r in records([killed, own], 8, {})}
+    assert shown[4] == "out of memory" and (shown[8] or "").startswith("did not finish: its process ended")

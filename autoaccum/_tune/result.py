@@ -174,10 +174,13 @@ def record(trial: optuna.trial.FrozenTrial, effective_batch: int, labels: dict[s
     m, label, attrs = int(trial.params.get("microbatch_size", 0)), trial.params.get("strategy", ""), trial.user_attrs
     complete = trial.state == optuna.trial.TrialState.COMPLETE
     name, options = labels.get(label, (label, {}))
+    reason = attrs.get("reason")
+    if reason is None and trial.state == optuna.trial.TrialState.FAIL:
+        reason = "did not finish: its process ended or was stopped mid-trial (killed, crashed); it settles nothing"
     return TrialRecord(
         number=trial.number, microbatch_size=m, accumulation_steps=-(-effective_batch // m) if m else 0, strategy=name,
         options=dict(options), throughput=trial.value if complete else None, state=trial.state.name,
-        compile_seconds=attrs.get("compile_seconds"), reason=attrs.get("reason"),
+        compile_seconds=attrs.get("compile_seconds"), reason=reason,
         same_program_as=attrs.get("same_program_as"), peak_bytes=attrs.get("peak_bytes"),
         seconds=quartiles(attrs["times"]) if complete and attrs.get("times") else None,
         remat=attrs.get("remat"), accumulator_dtype=attrs.get("accumulator_dtype", "float32"),

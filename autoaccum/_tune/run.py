@@ -18,7 +18,7 @@ import optax
 import optuna
 
 from autoaccum._deprecated import renamed
-from autoaccum._device import detect_device
+from autoaccum._device import detect_device, device_kind
 from autoaccum._knobs import BUILTIN_REMAT, Knobs, KnobSpace, check_dtype_values, check_remat_values
 from autoaccum._plan import Plan, params_signature
 from autoaccum._preflight import loss_text
@@ -98,7 +98,7 @@ def _fingerprint(job: Job, limit: int | None, bound: int | None, timeouts: tuple
         "\n".join(texts),
         {
             "effective_batch": job.effective_batch, "search": searched, "memory_limit": limit,
-            "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "versions": _versions(),
+            "device": device_kind(), "platform": jax.default_backend(), "versions": _versions(),
         },
     )  # fmt: skip
 
@@ -139,7 +139,7 @@ def _result(job: Job, space: Space, study: optuna.Study, runners: list[Runner], 
     m = int(top.params["microbatch_size"])
     plan = Plan(
         effective_batch=eb, microbatch_size=m, accumulation_steps=-(-eb // m), strategy=strategy,
-        options=dict(options), throughput=throughput, device=jax.devices()[0].device_kind, **job.loss_kw,
+        options=dict(options), throughput=throughput, device=device_kind(), **job.loss_kw,
         accumulator_dtype=chosen.accumulator_dtype, remat=chosen.remat, knobs=chosen.values,
         params=params_signature(job.params), versions=_versions(),
     )  # fmt: skip
