@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from autoaccum import Plan
+from autoaccum._device import device_kind
 from autoaccum.cli import main
 
 LINEAR = "autoaccum.workloads:linear"
@@ -209,7 +210,7 @@ def test_off_a_terminal_nothing_is_cut_or_wrapped(tmp_path: Path) -> None:
     assert any("relative step time" in line and "examples/s (median)" in line for line in lines), explain(result)
     assert "…" not in result.stdout, explain(result)
     (best,) = [line for line in lines if line.startswith("best plan")]
-    assert best.endswith("examples/s on cpu"), explain(result)  # one line, not wrapped at 80 columns
+    assert best.endswith(f"examples/s on {device_kind()}"), explain(result)  # one line, not wrapped at 80 columns
 
 
 def test_on_a_narrow_terminal_lines_fit_and_words_are_whole() -> None:
@@ -223,7 +224,7 @@ def test_on_a_narrow_terminal_lines_fit_and_words_are_whole() -> None:
     too_long = [line for line in lines if len(line) > 60]
     assert not too_long, explain(result)
     words = " ".join(" ".join(lines).split())  # lines wrapped at spaces join back into their sentences
-    assert "examples, strategy " in words and "examples/s on cpu" in words, explain(result)
+    assert "examples, strategy " in words and f"examples/s on {device_kind()}" in words, explain(result)
     assert "#0: microbatch " in words or "│ microbatch" in text, explain(result)
 
 
