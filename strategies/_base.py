@@ -619,10 +619,29 @@ def check_optimizer_step(optimizer: optax.GradientTransformation, params: PyTree
                 "line search, reduce_on_plateau's value) is not supported; use one that takes the gradient alone, "
                 "e.g. optax.adamw(1e-3)."
             ) from e
+        whole = " ".join(str(e).split())[:600]
+        if not _is_state_of(optimizer, params, opt_state):
+            raise TypeError(
+                f"optimizer.update(grads, opt_state, params) fails on these arguments ({type(e).__name__}: {whole}); "
+                "`opt_state` must be the optimizer's state of these parameters: pass update.init(params)."
+            ) from e
         raise TypeError(
-            f"optimizer.update(grads, opt_state, params) fails on these arguments ({type(e).__name__}: {first}); "
-            "`opt_state` must be the optimizer's state of these parameters: pass update.init(params)."
+            f"`optimizer`.update fails on a gradient shaped like the whole `params` ({type(e).__name__}: {whole}), "
+            "though `opt_state` is its state of these parameters: an update gives it the gradient of every leaf of "
+            "params, so an optimizer that wants another tree (optax.lookahead: the gradient of params.fast alone) is "
+            "not supported here; in your own step, differentiate what it wants with autoaccum.value_and_grad."
         ) from e
+
+
+def _is_state_of(optimizer: optax.GradientTransformation, params: PyTree, opt_state: PyTree) -> bool:
+    """Whether ``opt_state`` has the structure, shapes and dtypes of ``optimizer.init(params)`` (False where init
+    fails)."""
+    try:
+        expected, given = jax.eval_shape(optimizer.init, params), jax.eval_shape(lambda s: s, opt_state)
+    except Exception:
+        return False
+    shapes = [jax.tree.map(lambda a: (a.shape, a.dtype), tree) for tree in (expected, given)]
+    return shapes[0] == shapes[1]
 
 
 def mean_grads(params: PyTree, acc: Accum) -> PyTree:

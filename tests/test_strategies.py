@@ -360,6 +360,13 @@ def test_an_optimizer_state_or_optimizer_that_cannot_step_is_named(strategy: str
         with pytest.raises(TypeError, match=r"fails on these arguments .* `opt_state` must be .* update\.init"):
             update(params, wrong, batch)
     assert float(params["w"][0]) == 1.0  # not donated away by the refused call
+    lookahead = optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5)  # wants params.fast's gradient
+    synced = optax.LookaheadParams.init_synced(params)
+    lookahead_loss = lambda p, b: loss_fn(p.fast, b)  # noqa: E731
+    ahead = autoaccum.build_update(lookahead_loss, lookahead, microbatch_size=2, strategy=strategy, donate=False)
+    with pytest.raises(TypeError, match=r"fails on a gradient shaped like the whole `params` .*LookaheadParams.* "
+                       r"though `opt_state` is its state .*params\.fast"):  # fmt: skip
+        ahead(synced, ahead.init(synced), batch)
     for wrong in (None, {}):  # (the optimizer step would blame `opt_state`)
         with pytest.raises(TypeError, match=r"`params` has no arrays to differentiate"):
             update(wrong, update.init(params), batch)
