@@ -17,22 +17,27 @@ def _mesh_sharding(x: Any) -> jax.sharding.NamedSharding | None:
     return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
 
 
-def abstract(tree: PyTree) -> PyTree:
-    """``jax.ShapeDtypeStruct`` of every leaf (nothing is copied or allocated); a leaf laid out over a mesh
-    keeps its ``NamedSharding``, so programs lowered from it are the mesh's (memory figures per device).
+def abstract(tree: PyTree, *, sharded: bool = True) -> PyTree:
+    """``jax.ShapeDtypeStruct`` of every leaf (nothing is copied or allocated), a Python number's weakly typed as
+    JAX takes it; with ``sharded``, a leaf laid out over a mesh keeps its ``NamedSharding``, so programs lowered
+    from it are the mesh's (memory figures per device).
 
     Example:
-      >>> abstract({"w": jnp.ones((2, 3))})["w"]
-      ShapeDtypeStruct(shape=(2, 3), dtype=float32)
+      >>> abstract({"w": jnp.ones((2, 3)), "b": 0.5})["b"]
+      ShapeDtypeStruct(shape=(), dtype=float32, weak_type=True)
     """
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=_mesh_sharding(x)), tree)
+    return jax.tree.map(lambda x: _struct(x, jnp.shape(x), sharded), tree)
 
 
 def abstract_batch(batch: PyTree, size: int) -> PyTree:
     """``jax.ShapeDtypeStruct`` of ``batch`` resized to ``size`` examples (a mesh's sharding kept)."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((size, *jnp.shape(x)[1:]), x.dtype, sharding=_mesh_sharding(x)), batch
-    )
+    return jax.tree.map(lambda x: _struct(x, (size, *jnp.shape(x)[1:]), True), batch)
+
+
+def _struct(x: Any, shape: tuple[int, ...], sharded: bool) -> jax.ShapeDtypeStruct:
+    number = isinstance(x, (bool, int, float, complex))
+    dtype = jnp.result_type(x) if number else x.dtype
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=_mesh_sharding(x) if sharded else None, weak_type=number)
 
 
 def resize_batch(batch: PyTree, size: int) -> PyTree:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from autoaccum._batch import abstract
 from autoaccum._catalog import DEFAULT_SAFETY_MARGIN, Accelerator, lookup, usable_bytes
 from autoaccum._checks import check_positive_int
 from autoaccum._json import JsonMixin
@@ -348,7 +349,7 @@ def fit_cost(
     flops_slope, flops_fixed = np.polyfit(xs, np.asarray(flops, float) - optimizer[0], 1)
     moved_slope, moved_fixed = np.polyfit(xs, np.asarray(bytes_accessed, float) - optimizer[1], 1)
     by_dtype: dict[str, int] = {}
-    for leaf in jax.tree.leaves(params):
+    for leaf in jax.tree.leaves(abstract(params, sharded=False)):
         dtype = np.dtype(leaf.dtype)
         if np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16":
             by_dtype[dtype.name] = by_dtype.get(dtype.name, 0) + int(np.prod(leaf.shape)) * dtype.itemsize

@@ -47,6 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from autoaccum._batch import abstract
 from autoaccum._catalog import UnknownAcceleratorError, lookup, suggest
 from autoaccum._driver_noise import has_driver, without_driver_noise
 from autoaccum.strategies import PyTree
@@ -322,7 +323,8 @@ def on_gpu(target: str | Path, *trees: PyTree) -> tuple[PyTree, ...]:
         s = getattr(x, "sharding", None)
         spec = s.spec if isinstance(s, jax.sharding.NamedSharding) and s.mesh.size > 1 else None
         sharding = replicated if spec is None else jax.sharding.NamedSharding(mesh, spec)
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+        plain = abstract(x, sharded=False)
+        return jax.ShapeDtypeStruct(plain.shape, plain.dtype, sharding=sharding, weak_type=plain.weak_type)
 
     return tuple(jax.tree.map(place, tree) for tree in trees)
 

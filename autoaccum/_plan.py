@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from autoaccum._batch import abstract
 from autoaccum._device import device_kind
 from autoaccum._json import JsonMixin
 from autoaccum._knobs import Knobs, resolve
@@ -25,8 +26,8 @@ from autoaccum.strategies import get as get_strategy
 def params_signature(params: PyTree) -> dict[str, str]:
     """``{path: "dtype[shape]"}`` for every leaf of ``params``: what a plan was tuned for."""
     return {
-        jax.tree_util.keystr(path) or "<root>": f"{np.dtype(leaf.dtype).name}{list(np.shape(leaf))}"
-        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        jax.tree_util.keystr(path) or "<root>": f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+        for path, leaf in jax.tree_util.tree_leaves_with_path(abstract(params, sharded=False))
     }
 
 

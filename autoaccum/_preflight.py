@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
+from autoaccum._batch import abstract
 from autoaccum.strategies import PyTree
 
 
@@ -35,7 +35,7 @@ def _call(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state: PyT
 def _plain(tree: PyTree) -> PyTree:
     """``tree``'s shapes and dtypes without shardings: the loss as an update calls it, on gathered parameters and
     one device's rows (on an explicit mesh, a sharded parameter's gather would need an ``out_sharding``)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+    return abstract(tree, sharded=False)
 
 
 def loss_text(loss_fn: Callable[..., Any], params: PyTree, batch: PyTree, state: PyTree | None = None) -> str:

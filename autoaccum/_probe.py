@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import jax
-import numpy as np
 import optax
 
 from autoaccum._batch import abstract, host_copy
@@ -277,7 +275,7 @@ def prepare(
                 f"`microbatch_cap`={cap} is below {granularity}, the least common multiple of `granularity` and the "
                 f"{mesh.shards} shards the batch is split into (microbatch sizes are global); raise microbatch_cap."
             )
-    plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)  # no devices: it pickles
+    plain = abstract(params, sharded=False)  # no devices: it pickles
     job = Job(loss_fn, optimizer, plain, host_copy(batch), None if state is None else host_copy(state), build, mesh)
     update = job.update(granularity)
     info = detect_device(device)

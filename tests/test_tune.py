@@ -949,3 +949,25 @@ def test_a_trial_whose_process_ended_mid_trial_says_so() -> None:
                                     distributions=distributions, user_attrs={"reason": "out of memory"})  # fmt: skip
     shown = {r.microbatch_size: r.reason for r in records([killed, own], 8, {})}
     assert shown[4] == "out of memory" and (shown[8] or "").startswith("did not finish: its process ended")
+
+
+def test_a_python_number_in_params_is_taken_as_build_update_takes_it() -> None:
+    """A Python float leaf (weakly typed, as JAX takes it) tunes and estimates as `build_update` steps it: it
+    failed at the end of a whole tune (the plan's params signature read ``leaf.dtype``). The plan built from the
+    result equals one full-batch step computed here."""
+    params, batch = {"w": jnp.zeros(4), "b": 0.5}, {"x": jnp.arange(32.0).reshape(8, 4) / 32, "y": jnp.ones(8)}
+
+    def loss_fn(p: Any, b: Any) -> jax.Array:
+        return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+    optimizer = optax.sgd(0.1)
+    estimated = autoaccum.estimate(loss_fn, params, batch, optimizer=optimizer, memory_limit="64MiB")
+    assert estimated.max_microbatch >= 8
+    result = tune(loss_fn, params, batch, optimizer=optimizer, microbatch_bound=4, budget=2, storage=":memory:",
+                  measure=constant_measure([]))  # fmt: skip
+    assert result.plan.params == {"['b']": "float32[]", "['w']": "float32[4]"}
+    update = result.plan.build(loss_fn, optimizer, donate=False)
+    new, _, _ = update(params, update.init(params), batch)
+    grads = jax.grad(loss_fn)(jax.tree.map(jnp.asarray, params), batch)
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-6), new, expected))
