@@ -180,6 +180,8 @@ def is_oom(exc: BaseException) -> bool:
     """
     if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
         return True
+    if isinstance(exc, ValueError) and str(exc).startswith("RESOURCE_EXHAUSTED:"):  # (a copy to the device)
+        return says_out_of_memory(str(exc))
     return isinstance(exc, jax.errors.JaxRuntimeError) and says_out_of_memory(str(exc))
 
 
@@ -407,7 +409,7 @@ def unless_oom(run: Callable[[], Outcome]) -> Outcome:
     """``run()``, or the ``"oom"`` outcome when it raises an allocation failure (`is_oom`); else it raises."""
     try:
         return run()
-    except (jax.errors.JaxRuntimeError, MemoryError, OSError) as e:
+    except (jax.errors.JaxRuntimeError, MemoryError, OSError, ValueError) as e:
         if not is_oom(e):
             raise
         return Outcome("oom", message=first_line(e))

@@ -306,6 +306,7 @@ def test_oom_classification() -> None:
     assert is_oom(jax.errors.JaxRuntimeError("INTERNAL: Error dispatching computation: Out of memory allocating 8"))
     assert not is_oom(jax.errors.JaxRuntimeError("INTERNAL: something else"))
     assert is_oom(MemoryError()) and not is_oom(ValueError("RESOURCE_EXHAUSTED"))
+    assert is_oom(ValueError("RESOURCE_EXHAUSTED: Out of memory allocating 2097152 bytes."))  # (a copy to the device)
     abort = -signal.SIGABRT
     bad_alloc = "terminate called after throwing an instance of 'std::bad_alloc'\n  what():  std::bad_alloc"
     assert classify_exit(abort, bad_alloc, None).status == "oom"
@@ -445,6 +446,16 @@ def test_a_step_the_cpu_cap_cannot_see_is_judged_by_xlas_buffers() -> None:
     assert result.max_microbatch == 0 and "nothing fits" in result.message, result.message
     needs = [t.peak_bytes for t in result.trials]
     assert all(n is not None and n > 512 for n in needs), needs  # each refusal carries XLA's bytes
+
+
+def test_an_effective_batch_that_alone_is_over_the_cap_is_nothing_fits() -> None:
+    """Copying the effective batch (2 MiB) to the device under a 4 MiB cap fails as XLA's RESOURCE_EXHAUSTED raised
+    as a ValueError: the step does not fit, not 'failed for another reason than memory' (a ProbeError)."""
+    loss_fn = lambda p, b: jnp.mean((jnp.tanh(b["x"] * p["a"]).mean(axis=1) + p["b"] - b["y"]) ** 2)  # noqa: E731
+    params, batch = {"a": jnp.ones(()), "b": jnp.zeros(())}, {"x": jnp.ones((256, 2048)), "y": jnp.ones(256)}
+    result = autoaccum.probe(loss_fn, params, batch, optimizer=optax.adam(1e-3), memory_limit="4MiB",
+                             effective_batch=256)  # fmt: skip
+    assert result.max_microbatch == 0 and "nothing fits" in result.message, result.message
 
 
 def test_nothing_fits_returns_zero() -> None:
