@@ -561,7 +561,11 @@ def error_report(e: BaseException, limit: int = 3000) -> str:
     whole = "".join(traceback.format_exception(type(e), e, e.__traceback__)).strip()
     room = max(limit - len(head), 500)
     tail = whole if len(whole) <= room else "..." + whole[-room:]
-    return f"{head}\nThe whole traceback (autoaccum's and the libraries' frames too):\n{tail}"
+    return f"{head}{WHOLE}{tail}"
+
+
+WHOLE = "\nThe whole traceback (autoaccum's and the libraries' frames too):\n"
+"""Where an `error_report`'s head (the exception and the user's frames) ends."""
 
 
 @functools.cache

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import typing
 import warnings
 from pathlib import Path
 from typing import Any
@@ -758,6 +759,26 @@ def test_a_loss_that_raises_raises_its_own_error_before_any_trial(linear: autoac
             measure=fake_measure(calls),
         )  # fmt: skip
     assert calls == []
+
+
+def test_params_of_a_class_only_the_callers_script_has_reach_the_worker() -> None:
+    """The worker evaluates the loss at the caller's parameters, pickled: a NamedTuple defined in the user's script
+    (``__main__``; here a local class, which plain pickle cannot name either) went by reference, the worker could
+    not load it, and the loss's NaN went unwarned (a RuntimeWarning with a cut traceback instead)."""
+
+    class Params(typing.NamedTuple):
+        w: jax.Array
+        b: jax.Array
+
+    def loss_fn(p: Params, b: Any) -> jax.Array:
+        return jnp.mean((b["x"] @ p.w + jnp.log(p.b) - b["y"]) ** 2)  # log(-1): NaN
+
+    batch = {"x": jnp.ones((8, 4)), "y": jnp.zeros(8)}
+    with pytest.warns(autoaccum.NonFiniteLossWarning, match="the loss is nan at the initial parameters"):
+        autoaccum.tune(
+            loss_fn, Params(jnp.zeros(4), -jnp.ones(())), batch, optimizer=optax.sgd(0.1), microbatch_bound=4,
+            budget=1, race_rounds=0, storage=":memory:", memory_limit="256MiB",
+        )  # fmt: skip
 
 
 def test_a_loss_not_finite_at_the_initial_parameters_is_warned_of(linear: autoaccum.Workload) -> None:

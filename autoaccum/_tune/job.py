@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pickle
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import cloudpickle
 import jax
 import optax
 
@@ -24,7 +24,7 @@ from autoaccum._tune.search import Config
 from autoaccum._tune.space import lighter, microbatch_candidates, probe_sizes, program_key, variants
 from autoaccum._units import format_bytes, parse_bytes
 from autoaccum._update import Update, build_update, resolve_strategy
-from autoaccum._worker import Request, Worker
+from autoaccum._worker import WHOLE, Request, Worker
 from autoaccum.strategies import Layout, PyTree, check_params, layout_of, leading_size
 from autoaccum.strategies import available as available_strategies
 from autoaccum.strategies import get as get_strategy
@@ -282,7 +282,8 @@ def check_initial_loss(job: Job, worker: Worker | None) -> None:
         warn_if_not_finite(job.loss_for(job.settings[0]), job.params, job.batch, state=job.state, rows=rows, **kw)
         return
     inputs = worker.folder / "initial.pkl"
-    inputs.write_bytes(pickle.dumps((host_copy(job.params), None if job.state is None else host_copy(job.state))))
+    copies = (host_copy(job.params), None if job.state is None else host_copy(job.state))
+    inputs.write_bytes(cloudpickle.dumps(copies))  # (a class of the user's script, __main__'s, goes by value)
     try:
         outcome = worker.ask(Request({}, rows, 0, kind="loss", inputs=str(inputs)))
     finally:
@@ -290,7 +291,7 @@ def check_initial_loss(job: Job, worker: Worker | None) -> None:
     if outcome.status == "fits":
         warn_of(outcome.loss, rows, stacklevel=7)  # (at the caller of tune)
     else:
-        message = (outcome.message or "").strip()[-600:]
+        message = (outcome.message or "").split(WHOLE)[0].strip()[:600]  # (`error_report`'s head)
         warnings.warn(f"the loss could not be run at the initial parameters in the worker: {message}", RuntimeWarning,
                       stacklevel=6)  # fmt: skip
 
