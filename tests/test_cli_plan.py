@@ -179,6 +179,16 @@ def test_out_writes_a_predicted_plan_that_builds(tmp_path: Path) -> None:
     assert plan.build(w.loss_fn, w.optimizer, params=w.params).microbatch_size == plan.microbatch_size
 
 
+def test_out_says_when_the_first_target_has_no_plan_to_save(tmp_path: Path) -> None:
+    """Where nothing fits the first target, ``--out`` writes nothing and says so (it said nothing, exit 0)."""
+    path = tmp_path / "plan.json"
+    result = run(CNN, "--effective-batch", "1024", "--memory-limit", "64KiB", "--out", str(path))
+    check(result, 0)
+    assert not path.exists() and f"no plan saved to {path}: nothing fits there" in " ".join(result.output.split())
+    as_json = run(CNN, "--effective-batch", "1024", "--memory-limit", "64KiB", "--out", str(path), "--json")
+    assert json.loads(as_json.stdout)["saved"] is None and not path.exists()
+
+
 @pytest.mark.slow
 def test_devices_plans_a_data_parallel_mesh_per_device() -> None:
     """8 devices (this test process has 8 CPU devices): global microbatches in multiples of 8, memory per

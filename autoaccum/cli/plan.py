@@ -317,20 +317,25 @@ def _plan_one(
     results = [by_target[t.name] for t in targets]
     plans = [None if isinstance(r, Exception) else r.capacity(total, t) for r, t in zip(results, targets, strict=True)]
     ests = [r for r in results if not isinstance(r, Exception)]
-    if out is not None and plans[0] is not None and plans[0].fits:
-        _predicted_plan(w, ests[0], plans[0]).save(out)
+    saved = out is not None and plans[0] is not None and plans[0].fits
+    if saved:
+        _predicted_plan(w, ests[0], plans[0]).save(out)  # type: ignore[arg-type]
     if plot is not None and ests:
         _plot(ests, [p for p in plans if p is not None], total, plot, w.name)
     if as_json:
         data = _as_dict(w.name, total, ests[0] if ests else None, plans, results, targets)
         data["gpu_compiler"] = status
+        data["saved"] = str(out) if saved else None
         click.echo(json.dumps(data, indent=2))
     else:
         _report(console, plans, results, targets, total, mem_fraction, safety_margin, time.perf_counter() - start)
         if plot is not None and ests:
             console.print(f"plot saved to {plot}")
-        if out is not None and plans[0] is not None and plans[0].fits:
-            console.print(f"plan for {plans[0].target} (predicted) saved to {out}")
+        if saved:
+            console.print(f"plan for {plans[0].target} (predicted) saved to {out}")  # type: ignore[union-attr]
+        elif out is not None:
+            why = "its estimate failed" if plans[0] is None else "nothing fits there"
+            console.print(f"no plan saved to {out}: {why} on {targets[0].name}, the first target (--out saves its)")
     return 0 if ests else 1
 
 
