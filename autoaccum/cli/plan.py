@@ -319,7 +319,7 @@ def _plan_one(
     ests = [r for r in results if not isinstance(r, Exception)]
     saved = out is not None and plans[0] is not None and plans[0].fits
     if saved:
-        _predicted_plan(w, ests[0], plans[0]).save(out)  # type: ignore[arg-type]
+        _predicted_plan(w, ests[0], plans[0]).save(out)
     if plot is not None and ests:
         _plot(ests, [p for p in plans if p is not None], total, plot, w.name)
     if as_json:
