@@ -390,7 +390,8 @@ class TrialRunner:
         self._owned = s.isolate and (lent is None or lent.limit != limit)
         self._worker = lent if s.isolate and not self._owned else None
         if self._owned:
-            self._worker = Worker(s.job, s.device, limit, compile_timeout=timeout, step_timeout=timeout)
+            self._worker = Worker(s.job, s.device, limit, compile_timeout=timeout, step_timeout=timeout,
+                                  timeout_names=("trial_timeout", "trial_timeout"))  # fmt: skip
         self._build = {} if self._owned else dict(s.job.build)  # (a lent worker's job has another build)
         self._server = None if s.isolate else Server(s.job, [{}], s.device.platform, s.device.device, limit, False)
 

@@ -810,7 +810,8 @@ class Worker:
     """Answers requests of one `Job` in a child process under ``limit`` bytes per device, as a context manager.
 
     ``compile_timeout``, ``step_timeout``: seconds compiling (an estimate: all of it) and stepping may take before the
-    child is killed as hung (None: no limit). ``settings``: the loss's knob values a `Request` picks from."""
+    child is killed as hung (None: no limit); ``timeout_names``: the caller's arguments they come from, which a
+    timeout's message names. ``settings``: the loss's knob values a `Request` picks from."""
 
     def __init__(
         self,
@@ -821,9 +822,10 @@ class Worker:
         compile_timeout: float | None,
         step_timeout: float | None,
         settings: Sequence[Mapping[str, Any]] = ({},),
+        timeout_names: tuple[str, str] = ("compile_timeout", "trial_timeout"),
     ) -> None:
         self.job, self.device, self.limit, self.settings = job, device, limit, [dict(s) for s in settings]
-        self.compile_timeout, self.step_timeout = compile_timeout, step_timeout
+        self.compile_timeout, self.step_timeout, self.timeout_names = compile_timeout, step_timeout, timeout_names
         self.restarts = 0
         self.start_seconds = 0.0  # spent starting the worker, restarts too
         self.compiles = 0  # configurations compiled (not among the programs kept)
@@ -883,7 +885,8 @@ class Worker:
             if ready is None:
                 return self._dead()
             if ready is _TIMEOUT:
-                return self._hung(f"the worker did not start in {self.compile_timeout:g} s")
+                name = self.timeout_names[0]
+                return self._hung(f"the worker did not start in `{name}`={self.compile_timeout:g} s; raise `{name}`.")
         assert self._proc is not None and self._proc.stdin is not None and self._log_path is not None
         self._log_start = self._log_path.stat().st_size if self._log_path.exists() else 0
         try:
@@ -891,7 +894,8 @@ class Worker:
             self._proc.stdin.flush()
         except BrokenPipeError:
             return self._dead()
-        for event, limit in (("compiled", self.compile_timeout), ("done", self.step_timeout)):
+        for event, limit, name in zip(("compiled", "done"), (self.compile_timeout, self.step_timeout),
+                                      self.timeout_names, strict=True):  # fmt: skip
             message = self._read(limit)
             if message is None:
                 return self._dead()
@@ -900,8 +904,8 @@ class Worker:
                 what = "compiling" if event == "compiled" else what
                 what = "the compile-only estimate" if request.kind == "estimate" else what
                 what = "the loss at the initial parameters" if request.kind == "loss" else what
-                return self._hung(f"{what} ran over {limit:g} s and the worker was killed (a hang? raise the time "
-                                  "limit if it is only slow).")  # fmt: skip
+                return self._hung(f"{what} ran over `{name}`={limit:g} s and the worker was killed (a hang? raise "
+                                  f"`{name}` if it is only slow).")  # fmt: skip
             if message["event"] == "done":  # (failed while compiling: no "compiled" message)
                 return Outcome.from_dict(message["outcome"]), False
             if not message.get("cached"):

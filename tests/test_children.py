@@ -328,7 +328,8 @@ def test_probe_payload_carries_shapes_not_weights() -> None:
 @pytest.mark.slow
 def test_a_hung_trial_is_killed_and_reported() -> None:
     _, params, batch = probe_workloads.linear()
-    with pytest.raises(autoaccum.ProbeError, match=r"timed out: (compiling|stepping .*) ran over 15 s") as caught:
+    hung = r"timed out: (compiling|stepping .*) ran over `trial_timeout`=15 s"  # (the argument named)
+    with pytest.raises(autoaccum.ProbeError, match=hung) as caught:
         autoaccum.probe(
             probe_workloads.hang_past_64, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB",
             microbatch_cap=128, granularity=32, trial_timeout=15,

@@ -130,7 +130,7 @@ def test_a_crashing_and_a_hanging_trial_are_recorded_and_the_study_goes_on(monke
         )  # fmt: skip
     reasons = {r.microbatch_size: r.reason or "" for r in result.trials}
     assert "SIGABRT" in reasons[2], reasons[2]
-    assert "timed out: stepping" in reasons[4], reasons[4]
+    assert "timed out: stepping" in reasons[4] and "raise `trial_timeout`" in reasons[4], reasons[4]
     assert result.plan.microbatch_size == 1 and {r.microbatch_size: r.state for r in result.trials} == {
         1: "COMPLETE",
         2: "FAIL",

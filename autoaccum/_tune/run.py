@@ -241,8 +241,8 @@ def tune(
       min_microbatch: no trial (and no probe trial) runs a smaller microbatch, an uneven split's last one
         included; set it where a smaller one changes the model, not just the speed (BatchNorm in training mode).
       remat: the remat policies to search (`autoaccum.build_update`'s ``remat``, None: off), the first probed.
-      trial_timeout, compile_timeout: seconds a trial's steps, and its compiling, may take before it is recorded
-        as failed (the worker restarts).
+      trial_timeout, compile_timeout: seconds a trial's steps, and its compiling (or the worker's start), may take
+        before it is recorded as failed (the worker restarts).
       isolate: probe and time in a worker process under the memory limit (`autoaccum._worker`); ``False``: in
         this process, with no cap. Default: isolated, except on a TPU (a warning says so).
       race_rounds: timings per finalist of the race before the pick (`autoaccum._tune.race`; 0: no race).

@@ -99,7 +99,7 @@ step = autoaccum.nnx.build_update({loss}, plan=plan)
 )  # fmt: skip
 @click.option(
     "--compile-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
-    help="Seconds a trial's compiling may take, likewise.",
+    help="Seconds a trial's compiling (or the worker's start) may take, likewise.",
 )  # fmt: skip
 @click.option(
     "--race-rounds", type=click.IntRange(min=0), default=4, show_default=True,
