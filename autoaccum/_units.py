@@ -42,6 +42,10 @@ def parse_bytes(value: int | float | str, name: str = "memory_limit") -> int:
         number = float(match.group(1)) * _UNITS[unit]
     if not number > 0:
         raise ValueError(f"`{name}` must be positive, got {name}={value!r}.")
+    if number < 1:
+        raise ValueError(
+            f"`{name}`={value!r} is less than one byte: it is a size in bytes, not a fraction; write e.g. '12GiB'."
+        )
     return int(number)
 
 

@@ -289,11 +289,12 @@ def test_probe_at_listed_sizes_reports_the_next_size_that_failed() -> None:
         (dict(granularity=100, microbatch_cap=1000, effective_batch=64), r"`effective_batch`=64 is below `granul"),
         (dict(memory_limit="lots"), "`memory_limit`='lots' does not parse"),
         (dict(memory_limit=-5), "`memory_limit` must be positive"),
+        (dict(memory_limit=0.5), r"`memory_limit`=0.5 is less than one byte: it is a size in bytes, not a fraction"),
         (dict(memory_limit=1000), r"alone need: .*\(16388 bytes\)"),
         (dict(strategy="nope"), "unknown `strategy`"),
     ],
     ids=["max_microbatch", "granularity", "granularity-above-max", "granularity-above-batch", "unparsable-limit",
-         "negative-limit", "limit-below-state", "strategy"],
+         "negative-limit", "fraction-limit", "limit-below-state", "strategy"],
 )  # fmt: skip
 def test_bad_input_is_refused_before_anything_runs(kwargs: dict, match: str) -> None:
     loss_fn, params, batch = probe_workloads.linear()
