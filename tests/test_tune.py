@@ -992,3 +992,11 @@ def test_a_python_number_in_params_is_taken_as_build_update_takes_it() -> None:
     grads = jax.grad(loss_fn)(jax.tree.map(jnp.asarray, params), batch)
     expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
     assert jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b, atol=1e-6), new, expected))
+
+
+def test_a_bound_given_above_the_effective_batch_is_reported_as_the_batch() -> None:
+    """``microbatch_bound=1000`` for 8 examples bounds at 8: `TuneResult.bounds` said 1000."""
+    params, batch = {"w": jnp.zeros(4)}, {"x": jnp.ones((8, 4)), "y": jnp.zeros(8)}
+    result = tune(lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), params, batch, optimizer=optax.sgd(0.1),
+                  microbatch_bound=1000, budget=2, storage=":memory:", measure=constant_measure([]))  # fmt: skip
+    assert set(result.bounds.values()) == {8} and all(r.microbatch_size <= 8 for r in result.trials)

@@ -249,7 +249,7 @@ class Space(JsonMixin):
                     **({} if job.children else {"isolate": False}),  # type: ignore[arg-type]
                 )  # fmt: skip
             microbatch_bound = probed.max_microbatch
-        bounds = [microbatch_bound] * len(job.settings)
+        bounds = [min(microbatch_bound, eb)] * len(job.settings)  # (a bound given above the batch: the batch)
         accumulating: dict[int, Estimate] = {}
         if probed is not None:
             with clock.phase("estimate"):
