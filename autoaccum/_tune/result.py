@@ -38,7 +38,9 @@ class TrialRecord(JsonMixin):
         (`autoaccum._tune.space.program_key`).
       seconds: ``(q1, median, q3)`` of the trial's step times, in seconds (None unless it completed);
         ``throughput`` is the effective batch over the median.
-      peak_bytes: the trial's peak memory per device in the worker (None when timed in this process).
+      peak_bytes: the trial's peak memory per device in the worker (None when timed in this process); on the CPU
+        the resident memory the step added (`autoaccum.probe`'s fresh processes count address space, which reads
+        higher).
       remat: the remat policy around the loss (`autoaccum.build_update`'s ``remat``), or None.
       accumulator_dtype: the dtype gradients accumulated in, by name.
       knobs: the values of the loss's own knobs (`autoaccum.Knobs`), ``{}`` without any.
@@ -79,7 +81,8 @@ class TuneResult(JsonMixin):
       trials: every trial of the study (earlier runs' too), fastest first as the trials measured them.
       race: the finalists re-timed side by side (`autoaccum._tune.race`), the winner (the plan) first.
       memory_limit_bytes: the limit every trial ran under (per device).
-      peak_bytes: the plan's measured peak memory in its trial (per device; None where not measured).
+      peak_bytes: the plan's measured peak memory in its trial (per device; None where not measured; on the CPU
+        resident memory, as `TrialRecord.peak_bytes`).
       probe: the probe's result, or ``None`` when a bound was given (``microbatch_bound``).
       study_name: the Optuna study (named after `fingerprint` unless given).
       storage: where the study lives (an RDB URL, or ``":memory:"``).

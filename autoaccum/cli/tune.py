@@ -266,6 +266,9 @@ def _report(console: Console, result: Any, out: Path | None, *, isolated: bool, 
     )
     if result.memory_limit_bytes is not None and isolated:
         peak = "not measured" if result.peak_bytes is None else format_bytes(result.peak_bytes)
+        import jax  # (imported by the tune already)
+
+        peak += " (resident memory)" if result.peak_bytes is not None and jax.default_backend() == "cpu" else ""
         limit = format_bytes(result.memory_limit_bytes)
         console.print(
             f"the plan's step: measured peak {peak}, limit {limit} (every trial ran in an isolated worker under it)",
