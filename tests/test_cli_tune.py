@@ -247,3 +247,10 @@ def test_the_race_table_shows_the_figure_the_race_ranks_by(monkeypatch: pytest.M
     (finisher,) = [line for line in result.stdout.splitlines() if "finished" in line]
     assert "0.971" in winner and "1,294.8" in winner and "1.013" in finisher and "1,306.4" in finisher
     assert "relative step time" in result.stdout and "The race ranks by it" in " ".join(result.stdout.split())
+
+
+def test_a_bad_value_is_named_by_its_flag() -> None:
+    """The library names its arguments (`min_microbatch`); on the command line the error names the flags given."""
+    result = run("tune", LINEAR, "--min-microbatch", "600", "--effective-batch", "512", "--storage", ":memory:")
+    words = " ".join(result.output.split())
+    assert result.exit_code == 2 and "`--min-microbatch`=600 is above" in words and "`--effective-batch`=512" in words

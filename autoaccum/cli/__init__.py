@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 from collections.abc import Sequence
@@ -50,6 +51,19 @@ def interrupted(command: str | None, args: Sequence[str], terminated: bool) -> s
     return text
 
 
+def as_flags(message: str, command: click.Command) -> str:
+    """``message`` (the library's, naming its arguments in backticks) with each argument that ``command`` has as an
+    option named by its flag.
+
+    Example:
+      >>> command = click.Command("tune", params=[click.Option(["--min-microbatch"], type=int)])
+      >>> as_flags("`min_microbatch`=600 is above `effective_batch`", command)
+      '`--min-microbatch`=600 is above `effective_batch`'
+    """
+    flags = {p.name: p.opts[0] for p in command.params if isinstance(p, click.Option) and p.opts[0].startswith("--")}
+    return re.sub(r"`(\w+)`", lambda m: f"`{flags.get(m.group(1), m.group(1))}`", message)
+
+
 class _Main(click.Group):
     """The command group: a command interrupted by Ctrl-C exits with 130, terminated by SIGTERM with 143 (not click's
     bare "Aborted!" and 1, or SIGTERM's silent death, which left the children and the temporary files behind),
@@ -63,6 +77,9 @@ class _Main(click.Group):
         try:
             return super().invoke(ctx)
         except click.ClickException as e:  # bad usage or input (exit 2): with --json, as JSON on stdout too
+            command = self.get_command(ctx, ctx.invoked_subcommand or "")
+            if command is not None and isinstance(e, click.UsageError):
+                e.message = as_flags(e.message, command)
             if "--json" in args:
                 click.echo(json.dumps({"error": e.format_message(), "exit_code": e.exit_code}))
             raise
