@@ -78,11 +78,12 @@ class _Main(click.Group):
             return super().invoke(ctx)
         except click.ClickException as e:  # bad usage or input (exit 2): with --json, as JSON on stdout too
             command = self.get_command(ctx, ctx.invoked_subcommand or "")
-            if command is not None and isinstance(e, click.UsageError):
-                e.message = as_flags(e.message, command)
+            error = e
+            if command is not None and type(e) is click.UsageError:  # (not click's own BadParameter: flags already)
+                error = click.UsageError(as_flags(e.message, command), e.ctx)
             if "--json" in args:
-                click.echo(json.dumps({"error": e.format_message(), "exit_code": e.exit_code}))
-            raise
+                click.echo(json.dumps({"error": error.format_message(), "exit_code": error.exit_code}))
+            raise error from e.__cause__
         except KeyboardInterrupt as e:
             terminated = isinstance(e, _Terminated)
             click.echo(interrupted(ctx.invoked_subcommand, args, terminated), err=True)
