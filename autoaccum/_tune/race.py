@@ -27,6 +27,10 @@ ROUNDS = 4
 MIN_ROUNDS = 2
 """Rounds every finalist runs before any is out."""
 
+SLOWER_OUT = 2.0
+"""A configuration whose trial read this many times slower than the fastest's is no finalist: beyond the drift seen
+between two timings of one program on a noisy CPU (0.76-1.10, benchmarks/README.md), and its steps cost the most."""
+
 K = TypeVar("K", bound=Hashable)
 
 

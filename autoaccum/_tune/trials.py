@@ -16,7 +16,7 @@ import optuna
 
 from autoaccum._knobs import Setting
 from autoaccum._tune.job import Job, Space
-from autoaccum._tune.race import FINALISTS, Runner, race
+from autoaccum._tune.race import FINALISTS, SLOWER_OUT, Runner, race
 from autoaccum._tune.result import Clock, TrialRecord, record, scoped
 from autoaccum._tune.search import Config, Search, Trial
 from autoaccum._tune.study import (
@@ -267,13 +267,15 @@ class Trials:
             after_round = len(settled_configs(self.study))
 
     def race(self, rounds: int) -> list[Runner]:
-        """The finalists re-timed side by side (`autoaccum._tune.race`), the winner first. Several workers on one
-        study race once: the first to finish records its race (its entrants and rounds), the others take it."""
+        """The finalists re-timed side by side (`autoaccum._tune.race`), the winner first: of the fastest entrants,
+        those not `SLOWER_OUT` times slower than the fastest. Several workers on one study race once: the first to
+        finish records its race (its entrants and rounds), the others take it."""
         ranked = self.entrants()
         key = {"entrants": [t.number for t in ranked], "rounds": rounds}
         recorded = self.study.user_attrs.get("race")
-        if (recorded is None or not _holds(recorded, key)) and rounds > 0 and len(ranked) > 1:
-            finalists = [(t.number, t.number, t.user_attrs.get("times") or ()) for t in ranked[:FINALISTS]]
+        close = [t for t in ranked[:FINALISTS] if float(t.value or 0) * SLOWER_OUT >= float(ranked[0].value or 0)]
+        if (recorded is None or not _holds(recorded, key)) and rounds > 0 and len(close) > 1:
+            finalists = [(t.number, t.number, t.user_attrs.get("times") or ()) for t in close]
             runners = race(finalists, self._retime, rounds=rounds)
             recorded = self.study.user_attrs.get("race")
             if recorded is None or not _holds(recorded, key):
