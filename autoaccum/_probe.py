@@ -17,9 +17,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
 import optax
 
-from autoaccum._batch import abstract, host_copy
+from autoaccum._batch import abstract, abstract_batch, host_copy
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum._deprecated import renamed
 from autoaccum._device import DeviceInfo, detect_device, resolve_memory_limit
@@ -278,6 +279,10 @@ def prepare(
     plain = abstract(params, sharded=False)  # no devices: it pickles
     job = Job(loss_fn, optimizer, plain, host_copy(batch), None if state is None else host_copy(state), build, mesh)
     update = job.update(granularity)
+    trace_loss(loss_fn, params, batch, state)  # the loss's own error, here, before any child starts
+    if mesh is None:  # and what it returns (a scalar, the aux), on shapes: nothing runs
+        more = () if state is None else (abstract(state),)
+        jax.eval_shape(update, plain, jax.eval_shape(update.init, plain), abstract_batch(batch, granularity), *more)
     info = detect_device(device)
     limit, source = resolve_memory_limit(info, memory_limit, isolate=isolate, devices=job.devices)
     needed = state_bytes(update, job.abstract_params()) + (0 if state is None else tree_bytes(abstract(state)))
@@ -529,7 +534,6 @@ def probe(
     )  # fmt: skip
     if sizes is not None:
         sizes = _check_sizes(sizes, setup)
-    trace_loss(loss_fn, params, batch, state)  # the loss's own error, here, before any child starts
     with TrialRunner(setup, progress) as runner:
         model, why = runner.estimate()
         g = setup.granularity

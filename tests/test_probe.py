@@ -22,6 +22,7 @@ import pytest
 from helpers import assert_trees_close, full_batch_step
 
 import autoaccum
+import autoaccum._probe
 from autoaccum import workloads
 from autoaccum._capacity import StepCost
 from autoaccum._device import DeviceInfo
@@ -457,6 +458,16 @@ def test_an_effective_batch_that_alone_is_over_the_cap_is_nothing_fits() -> None
     result = autoaccum.probe(loss_fn, params, batch, optimizer=optax.adam(1e-3), memory_limit="4MiB",
                              effective_batch=256)  # fmt: skip
     assert result.max_microbatch == 0 and "nothing fits" in result.message, result.message
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused_before_any_child_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The update is traced on shapes in the caller: the loss's output is checked there, not in a child's first
+    trial (with an explicit strategy, "auto" resolving none here, a (B,)-shaped loss got its error from a child)."""
+    loss_fn, params, batch = probe_workloads.linear()
+    monkeypatch.setattr(autoaccum._probe, "Worker", None)  # (a child would fail to start: TypeError)
+    with pytest.raises(ValueError, match=r"`loss_fn` must return a scalar .* returned shape \(1,\)"):
+        autoaccum.probe(lambda p, b: loss_fn(p, b) * jnp.ones(jax.tree.leaves(b)[0].shape[:1]), params, batch,
+                        optimizer=optax.sgd(0.1), memory_limit="64MiB", strategy="loop")  # fmt: skip
 
 
 def test_nothing_fits_returns_zero() -> None:
