@@ -112,9 +112,11 @@ def load_workload(target: str) -> Workload:
         except (ImportError, ValueError):
             found = None
         if found is None:
+            file = Path(*where.split(".")).with_suffix(".py")
+            hint = f"; the file {str(file)!r} is here: give {f'{file}:{attr}'!r}" if file.is_file() else ""
             raise WorkloadError(
                 f"workload module {where!r} cannot be found (from {target!r}); give an importable module or a "
-                "path to a .py file."
+                f"path to a .py file{hint}."
             )
         module = _run(lambda: importlib.import_module(where), f"importing workload module {where!r}", target)
     fn = getattr(module, attr, None)

@@ -190,3 +190,14 @@ def test_probe_with_an_effective_batch_answers_for_the_accumulating_step(tmp_pat
     assert single["effective_batch"] is None and accumulating["effective_batch"] == 512
     assert 0 < accumulating["max_microbatch"] < single["max_microbatch"], (accumulating, single)
     assert invoke("probe", spec, "--effective-batch", "0").exit_code == 2
+
+
+def test_a_module_name_that_is_a_file_here_gets_its_path_suggested(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``textcls:workload`` run beside ``textcls.py`` (not importable: this folder is not on the path) names the path
+    to give, ``textcls.py:workload``."""
+    (tmp_path / "textcls_xyz.py").write_text("def workload():\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(autoaccum.WorkloadError, match=r"the file 'textcls_xyz.py' is here: give 'textcls_xyz.py:work"):
+        autoaccum.load_workload("textcls_xyz:workload")
