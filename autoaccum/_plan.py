@@ -31,6 +31,20 @@ def params_signature(params: PyTree) -> dict[str, str]:
     }
 
 
+def versions() -> dict[str, str]:
+    """The versions of autoaccum and the libraries a plan was made with."""
+    import flax
+    import jaxlib
+    import optuna
+
+    from autoaccum._version import __version__
+
+    return {
+        "autoaccum": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__,
+        "flax": flax.__version__, "optuna": optuna.__version__,
+    }  # fmt: skip
+
+
 def describe_difference(expected: dict[str, str], actual: dict[str, str], limit: int = 5) -> str:
     """A short human description of how two `params_signature` dicts differ ("" when equal)."""
     lines = [f"missing {k} ({v})" for k, v in expected.items() if k not in actual]

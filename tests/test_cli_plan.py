@@ -175,6 +175,7 @@ def test_out_writes_a_predicted_plan_that_builds(tmp_path: Path) -> None:
     check(run(CNN, "--effective-batch", "1024", "--memory-limit", "64MiB", "--out", str(path)), 0)
     plan = autoaccum.Plan.load(path)
     assert plan.source == "predicted" and plan.effective_batch == 1024 and plan.accumulation_steps > 1
+    assert plan.versions["jax"] == jax.__version__ and plan.versions["autoaccum"] == autoaccum.__version__
     w = autoaccum.load_workload(CNN)
     assert plan.build(w.loss_fn, w.optimizer, params=w.params).microbatch_size == plan.microbatch_size
 

@@ -20,7 +20,7 @@ import optuna
 from autoaccum._deprecated import renamed
 from autoaccum._device import detect_device, device_kind
 from autoaccum._knobs import BUILTIN_REMAT, Knobs, KnobSpace, check_dtype_values, check_remat_values
-from autoaccum._plan import Plan, params_signature
+from autoaccum._plan import Plan, params_signature, versions
 from autoaccum._preflight import loss_text
 from autoaccum._probe import Setup, prepare
 from autoaccum._storage import open_storage
@@ -31,7 +31,6 @@ from autoaccum._tune.search import Config
 from autoaccum._tune.study import fingerprint, open_study, quiet_optuna, settled, settled_configs
 from autoaccum._tune.trials import MEASURE, Trials, time_here, time_in_worker
 from autoaccum._units import parse_bytes
-from autoaccum._version import __version__
 from autoaccum._worker import Worker, time_update
 from autoaccum.strategies import PyTree
 
@@ -63,16 +62,6 @@ def _callbacks(on_trial: Any) -> tuple[Callable[[TrialRecord, int, int], None], 
     return tuple(on_trial)
 
 
-def _versions() -> dict[str, str]:
-    import flax
-    import jaxlib
-
-    return {
-        "autoaccum": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__, "optax": optax.__version__,
-        "flax": flax.__version__, "optuna": optuna.__version__,
-    }  # fmt: skip
-
-
 def _fingerprint(job: Job, limit: int | None, bound: int | None, timeouts: tuple[float | None, ...]) -> str:
     """A hash of what determines a tune's answer: the lowered full-batch update (the loss's body, the optimizer,
     shapes, dtypes) and every other knob setting's lowered loss, the search's inputs, the time limits, the limit,
@@ -98,7 +87,7 @@ def _fingerprint(job: Job, limit: int | None, bound: int | None, timeouts: tuple
         "\n".join(texts),
         {
             "effective_batch": job.effective_batch, "search": searched, "memory_limit": limit,
-            "device": device_kind(), "platform": jax.default_backend(), "versions": _versions(),
+            "device": device_kind(), "platform": jax.default_backend(), "versions": versions(),
         },
     )  # fmt: skip
 
@@ -141,7 +130,7 @@ def _result(job: Job, space: Space, study: optuna.Study, runners: list[Runner], 
         effective_batch=eb, microbatch_size=m, accumulation_steps=-(-eb // m), strategy=strategy,
         options=dict(options), throughput=throughput, device=device_kind(), **job.loss_kw,
         accumulator_dtype=chosen.accumulator_dtype, remat=chosen.remat, knobs=chosen.values,
-        params=params_signature(job.params), versions=_versions(),
+        params=params_signature(job.params), versions=versions(),
     )  # fmt: skip
     update_fn = plan.build(job.loss_fn, job.optimizer)  # keeps the executables: the first call compiles nothing
     if PRECOMPILE.get():

@@ -386,7 +386,7 @@ def _on_mesh(mesh: Any, w: Any) -> tuple[Any, Any, Any]:
 
 
 def _predicted_plan(w: Any, est: Any, capacity: Any) -> Any:
-    from autoaccum._plan import Plan, params_signature
+    from autoaccum._plan import Plan, params_signature, versions
 
     return Plan(
         effective_batch=capacity.effective_batch,
@@ -400,6 +400,7 @@ def _predicted_plan(w: Any, est: Any, capacity: Any) -> Any:
         has_state=w.state is not None,
         loss_reduction=w.loss_reduction,
         params=params_signature(w.params),
+        versions=versions(),
     )
 
 
