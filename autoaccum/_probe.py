@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import optax
 
-from autoaccum._batch import abstract, abstract_batch, host_copy
+from autoaccum._batch import abstract, host_copy
 from autoaccum._checks import check_bool, check_loss_fn, check_optimizer, check_positive_int
 from autoaccum._deprecated import renamed
 from autoaccum._device import DeviceInfo, detect_device, resolve_memory_limit
@@ -280,9 +280,9 @@ def prepare(
     job = Job(loss_fn, optimizer, plain, host_copy(batch), None if state is None else host_copy(state), build, mesh)
     update = job.update(granularity)
     trace_loss(loss_fn, params, batch, state)  # the loss's own error, here, before any child starts
-    if mesh is None:  # and what it returns (a scalar, the aux), on shapes: nothing runs
-        more = () if state is None else (abstract(state),)
-        jax.eval_shape(update, plain, jax.eval_shape(update.init, plain), abstract_batch(batch, granularity), *more)
+    if mesh is None:  # and what it returns (a scalar, the aux), on shapes (the example batch: nothing runs)
+        whole, more = job.update(leading_size(batch)), () if state is None else (abstract(state),)
+        jax.eval_shape(whole, plain, jax.eval_shape(whole.init, plain), abstract(batch, sharded=False), *more)
     info = detect_device(device)
     limit, source = resolve_memory_limit(info, memory_limit, isolate=isolate, devices=job.devices)
     needed = state_bytes(update, job.abstract_params()) + (0 if state is None else tree_bytes(abstract(state)))

@@ -465,7 +465,7 @@ def test_a_loss_that_is_not_a_scalar_is_refused_before_any_child_starts(monkeypa
     trial (with an explicit strategy, "auto" resolving none here, a (B,)-shaped loss got its error from a child)."""
     loss_fn, params, batch = probe_workloads.linear()
     monkeypatch.setattr(autoaccum._probe, "Worker", None)  # (a child would fail to start: TypeError)
-    with pytest.raises(ValueError, match=r"`loss_fn` must return a scalar .* returned shape \(1,\)"):
+    with pytest.raises(ValueError, match=r"must return a scalar .* returned shape \(4,\) on a microbatch of 4 "):
         autoaccum.probe(lambda p, b: loss_fn(p, b) * jnp.ones(jax.tree.leaves(b)[0].shape[:1]), params, batch,
                         optimizer=optax.sgd(0.1), memory_limit="64MiB", strategy="loop")  # fmt: skip
 
