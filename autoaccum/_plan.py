@@ -17,9 +17,10 @@ from autoaccum._batch import abstract
 from autoaccum._device import device_kind
 from autoaccum._json import JsonMixin
 from autoaccum._knobs import Knobs, resolve
+from autoaccum._units import format_bytes
 from autoaccum._update import Update, build_update
 from autoaccum._value_and_grad import value_and_grad
-from autoaccum.strategies import Auto, PyTree, Scan, Schedule
+from autoaccum.strategies import Auto, PyTree, Scan, Schedule, tree_bytes
 from autoaccum.strategies import get as get_strategy
 
 
@@ -29,6 +30,11 @@ def params_signature(params: PyTree) -> dict[str, str]:
         jax.tree_util.keystr(path) or "<root>": f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
         for path, leaf in jax.tree_util.tree_leaves_with_path(abstract(params, sharded=False))
     }
+
+
+def opt_state_bytes(optimizer: optax.GradientTransformation, params: PyTree) -> int:
+    """The bytes of ``optimizer.init(params)``, from shapes (nothing is allocated)."""
+    return tree_bytes(jax.eval_shape(optimizer.init, abstract(params, sharded=False)))
 
 
 def versions() -> dict[str, str]:
@@ -80,6 +86,9 @@ class Plan(JsonMixin):
       knobs: the values of the loss's own knobs (`autoaccum.Knobs`) it was tuned with, ``{}`` without any.
       params: the parameters it was tuned for, as `params_signature`.
       versions: autoaccum and jax versions at tuning time.
+      opt_state_bytes: the optimizer's state of those parameters, in bytes (`opt_state_bytes`; None: not recorded):
+        `build` with ``params`` warns where another optimizer's state of them needs more (its microbatch may then
+        not fit).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -104,6 +113,7 @@ class Plan(JsonMixin):
     knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
     params: dict[str, str] = dataclasses.field(default_factory=dict)
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    opt_state_bytes: int | None = None
 
     json_format = "autoaccum.plan/1"
 
@@ -164,6 +174,17 @@ class Plan(JsonMixin):
         difference = describe_difference(self.params, params_signature(params))
         if difference:
             raise ValueError(f"this plan was tuned for different params: {difference}.")
+
+    def _check_optimizer(self, optimizer: optax.GradientTransformation, params: PyTree) -> None:
+        """Warns where ``optimizer``'s state of ``params`` needs more bytes than the plan's was measured with."""
+        now = opt_state_bytes(optimizer, params)
+        if self.opt_state_bytes is not None and now > self.opt_state_bytes:
+            warnings.warn(
+                f"this optimizer's state of these params needs {format_bytes(now)}, and the plan was made with one of "
+                f"{format_bytes(self.opt_state_bytes)}: its microbatch may not fit; tune again with it.",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def update_options(self) -> dict[str, Any]:
         """The `autoaccum.build_update` arguments this plan sets, besides the loss, the optimizer, ``has_state``
@@ -268,6 +289,7 @@ class Plan(JsonMixin):
         """
         if params is not None:
             self.check_params(params)
+            self._check_optimizer(optimizer, params)
         return build_update(
             resolve(loss_fn, self.knobs),
             optimizer,

@@ -1023,3 +1023,26 @@ def test_the_race_leaves_out_a_finalist_clearly_slower_than_the_fastest() -> Non
     assert timed and len(timed) == len(set(timed)), timed  # each loop configuration timed once: never raced
     strategy = {r.number: r.strategy for r in result.trials}
     assert len(result.race) >= 2 and {strategy[r.trial] for r in result.race} == {"multisteps"}  # the level raced
+
+
+def test_a_plan_built_with_an_optimizer_whose_state_needs_more_warns(tmp_path: Path) -> None:
+    """A plan records its optimizer state's bytes (also in its JSON): built for the same params with an optimizer
+    whose state is larger (adam's two moments against sgd's none), it warns that its microbatch may not fit; with
+    another learning rate, or a smaller state, it does not."""
+    params, batch = {"w": jnp.zeros(64)}, {"x": jnp.ones((8, 64)), "y": jnp.zeros(8)}
+
+    def loss_fn(p: Any, b: Any) -> jax.Array:
+        return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+
+    result = tune(loss_fn, params, batch, optimizer=optax.adam(1e-3), microbatch_bound=4, budget=1, race_rounds=0,
+                  storage=":memory:", measure=constant_measure([]))  # fmt: skip
+    assert result.plan.opt_state_bytes == 2 * 64 * 4 + 4  # mu, nu and the count
+    result.plan.save(tmp_path / "plan.json")
+    plan = Plan.load(tmp_path / "plan.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan.build(loss_fn, optax.adam(0.1), params=params)
+        plan.build(loss_fn, optax.sgd(0.1), params=params)
+    bigger = optax.chain(optax.adam(1e-3), optax.ema(0.9))
+    with pytest.warns(UserWarning, match=r"this optimizer's state of these params needs .* tune again with it"):
+        plan.build(loss_fn, bigger, params=params)

@@ -20,7 +20,7 @@ import optuna
 from autoaccum._deprecated import renamed
 from autoaccum._device import detect_device, device_kind
 from autoaccum._knobs import BUILTIN_REMAT, Knobs, KnobSpace, check_dtype_values, check_remat_values
-from autoaccum._plan import Plan, params_signature, versions
+from autoaccum._plan import Plan, opt_state_bytes, params_signature, versions
 from autoaccum._preflight import loss_text
 from autoaccum._probe import Setup, prepare
 from autoaccum._storage import open_storage
@@ -131,6 +131,7 @@ def _result(job: Job, space: Space, study: optuna.Study, runners: list[Runner], 
         options=dict(options), throughput=throughput, device=device_kind(), **job.loss_kw,
         accumulator_dtype=chosen.accumulator_dtype, remat=chosen.remat, knobs=chosen.values,
         params=params_signature(job.params), versions=versions(),
+        opt_state_bytes=opt_state_bytes(job.optimizer, job.params),
     )  # fmt: skip
     update_fn = plan.build(job.loss_fn, job.optimizer)  # keeps the executables: the first call compiles nothing
     if PRECOMPILE.get():

@@ -386,7 +386,7 @@ def _on_mesh(mesh: Any, w: Any) -> tuple[Any, Any, Any]:
 
 
 def _predicted_plan(w: Any, est: Any, capacity: Any) -> Any:
-    from autoaccum._plan import Plan, params_signature, versions
+    from autoaccum._plan import Plan, opt_state_bytes, params_signature, versions
 
     return Plan(
         effective_batch=capacity.effective_batch,
@@ -401,6 +401,7 @@ def _predicted_plan(w: Any, est: Any, capacity: Any) -> Any:
         loss_reduction=w.loss_reduction,
         params=params_signature(w.params),
         versions=versions(),
+        opt_state_bytes=opt_state_bytes(w.optimizer, w.params),
     )
 
 
