@@ -276,19 +276,15 @@ def test_a_target_xla_cannot_compile_for_is_shown_and_the_others_planned(
     assert "XLA:GPU sm_90 (compile-only)" in result.output
 
 
-@pytest.mark.parametrize("platforms", [None, "cpu"])
-def test_no_driver_lines_on_the_terminal(gpu_compiler: None, platforms: str | None) -> None:
+def test_no_driver_lines_on_the_terminal(gpu_compiler: None) -> None:
     """Without an NVIDIA driver the CUDA plugin's C++ prints absl's preamble and "Could not find cuda drivers"
-    on file descriptor 2 (at ``import jax``, or with ``JAX_PLATFORMS`` set at the backends' start, and when its
-    compiler loads); ``autoaccum plan`` shows neither."""
+    on file descriptor 2 (at ``import jax`` and when its compiler loads); ``autoaccum plan`` shows neither."""
     import subprocess
     import sys
 
     command = "from autoaccum.cli import main; main()"
     args = ["plan", "autoaccum.workloads:linear", "--gpu", "H100"]
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    env.update({"JAX_PLATFORMS": platforms} if platforms else {})
-    done = subprocess.run([sys.executable, "-c", command, *args], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run([sys.executable, "-c", command, *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "XLA:GPU sm_90 (compile-only)" in done.stdout
     if not Path("/proc/driver/nvidia").exists():

@@ -106,13 +106,6 @@ def main() -> None:
     """
     # Before JAX starts: this process must not take 75% of the GPU that trials (child processes) need.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from autoaccum._driver_noise import has_driver, without_driver_noise
-
-    if os.environ.get("JAX_PLATFORMS") and not has_driver():  # the CUDA plugin loads at the backends' start then
-        import jax
-
-        with without_driver_noise():
-            jax.devices()
 
 
 __all__ = ["main"]
