@@ -30,7 +30,7 @@ from autoaccum._json import JsonMixin
 from autoaccum._preflight import trace_loss
 from autoaccum._units import format_bytes
 from autoaccum._update import resolve_strategy
-from autoaccum._worker import STEPS, WARMUP, Job, MeshSpec, Request, Server, Worker, unless_oom
+from autoaccum._worker import STEPS, WARMUP, Job, MeshSpec, Request, Server, Worker, brief, unless_oom
 from autoaccum.strategies import PyTree, check_params, layout_of, leading_size, tree_bytes
 from autoaccum.strategies import get as get_strategy
 from autoaccum.strategies._layout import check_effective_batch
@@ -435,7 +435,7 @@ class TrialRunner:
         if outcome.status == "oom":
             return None, "XLA ran out of memory compiling the step for an estimate"
         if outcome.estimate is None:
-            return None, f"the compile-only estimate failed: {(outcome.message or '').strip()[-300:]}"
+            return None, f"the compile-only estimate failed: {brief(outcome.message, 300)}"
         return Estimate.from_dict(outcome.estimate), None
 
     def __call__(self, size: int) -> Trial:

@@ -568,6 +568,21 @@ WHOLE = "\nThe whole traceback (autoaccum's and the libraries' frames too):\n"
 """Where an `error_report`'s head (the exception and the user's frames) ends."""
 
 
+def brief(message: str | None, limit: int) -> str:
+    """A child's ``message`` in about ``limit`` characters: an `error_report`'s head (the exception and the user's
+    frames), else its end (a crash's output ends with its reason).
+
+    Example:
+      >>> brief("KeyError: 'x'" + WHOLE + "Traceback ..." * 99, 40), brief("a" * 50 + " SIGABRT", 8)
+      ("KeyError: 'x'", '... SIGABRT')
+    """
+    text = (message or "").strip()
+    if WHOLE in text:
+        head = text.split(WHOLE)[0].strip()
+        return head if len(head) <= limit else head[:limit] + " ..."
+    return text if len(text) <= limit else "... " + text[-limit:].lstrip()
+
+
 @functools.cache
 def _library_folders() -> tuple[str, ...]:
     """The folders whose code is not the user's: autoaccum's (its strategies too) and the Python installation's."""

@@ -24,7 +24,7 @@ from autoaccum._tune.search import Config
 from autoaccum._tune.space import lighter, microbatch_candidates, probe_sizes, program_key, variants
 from autoaccum._units import format_bytes, parse_bytes
 from autoaccum._update import Update, build_update, resolve_strategy
-from autoaccum._worker import WHOLE, Request, Worker
+from autoaccum._worker import Request, Worker, brief
 from autoaccum.strategies import Layout, PyTree, check_params, layout_of, leading_size
 from autoaccum.strategies import available as available_strategies
 from autoaccum.strategies import get as get_strategy
@@ -291,7 +291,7 @@ def check_initial_loss(job: Job, worker: Worker | None) -> None:
     if outcome.status == "fits":
         warn_of(outcome.loss, rows, stacklevel=7)  # (at the caller of tune)
     else:
-        message = (outcome.message or "").split(WHOLE)[0].strip()[:600]  # (`error_report`'s head)
+        message = brief(outcome.message, 600)
         warnings.warn(f"the loss could not be run at the initial parameters in the worker: {message}", RuntimeWarning,
                       stacklevel=6)  # fmt: skip
 

@@ -31,7 +31,7 @@ from autoaccum._tune.study import (
 )
 from autoaccum._units import format_bytes
 from autoaccum._update import Update
-from autoaccum._worker import STEPS, WARMUP, Request, Timing, TrialFailed, Worker
+from autoaccum._worker import STEPS, WARMUP, Request, Timing, TrialFailed, Worker, brief
 
 EXHAUSTIVE_UP_TO = 8
 """Without a budget, a space of at most this many configurations is searched whole (``GridSampler``); a larger
@@ -378,9 +378,7 @@ def time_in_worker(job: Job, worker: Worker) -> TimeOne:
                 None if outcome.need_bytes is None else (outcome.need_bytes, worker.limit),
             )
         if outcome.status != "fits":
-            message = (outcome.message or "").strip()
-            # (a traceback ends with the error: the user's own exception and frame are its last lines)
-            raise TrialFailed(f"failed in the worker: {message if len(message) < 900 else '... ' + message[-900:]}")
+            raise TrialFailed(f"failed in the worker: {brief(outcome.message, 900)}")
         times = tuple(outcome.times or ())
         return Timing(outcome.seconds or 0.0, outcome.compile_seconds or 0.0, len(times), times, outcome.peak_bytes,
                       outcome.cached_seconds or 0.0)  # fmt: skip
