@@ -175,15 +175,17 @@ class Plan(JsonMixin):
         if difference:
             raise ValueError(f"this plan was tuned for different params: {difference}.")
 
-    def _check_optimizer(self, optimizer: optax.GradientTransformation, params: PyTree) -> None:
-        """Warns where ``optimizer``'s state of ``params`` needs more bytes than the plan's was measured with."""
+    def check_optimizer(self, optimizer: optax.GradientTransformation, params: PyTree, stacklevel: int = 2) -> None:
+        """Warns where ``optimizer``'s state of ``params`` needs more bytes than the plan was made with."""
+        if self.opt_state_bytes is None:  # (a plan that did not record it)
+            return
         now = opt_state_bytes(optimizer, params)
-        if self.opt_state_bytes is not None and now > self.opt_state_bytes:
+        if now > self.opt_state_bytes:
             warnings.warn(
                 f"this optimizer's state of these params needs {format_bytes(now)}, and the plan was made with one of "
                 f"{format_bytes(self.opt_state_bytes)}: its microbatch may not fit; tune again with it.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=stacklevel + 1,
             )
 
     def update_options(self) -> dict[str, Any]:
@@ -289,7 +291,7 @@ class Plan(JsonMixin):
         """
         if params is not None:
             self.check_params(params)
-            self._check_optimizer(optimizer, params)
+            self.check_optimizer(optimizer, params, stacklevel=2)
         return build_update(
             resolve(loss_fn, self.knobs),
             optimizer,

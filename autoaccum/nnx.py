@@ -146,6 +146,7 @@ class ModelUpdate:
         if key not in self._cache:
             if self.plan is not None:
                 self.plan.check_params(f.params)
+                self.plan.check_optimizer(f.tx, f.params, stacklevel=3)
             update = _build_update(f.loss_fn, _last_gradient(), has_state=True, **self.options)
             shapes = [x.shape for x in jax.tree.leaves(jax.eval_shape(f.tx.init, f.params))]
             self._cache[key] = update, shapes, f.tx  # (holding the transformation: its id is not given again)

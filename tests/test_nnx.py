@@ -282,6 +282,10 @@ def test_a_plan_is_checked_against_the_model_and_the_arguments_beside_it() -> No
     other = dataclasses.replace(plan, params={"['kernel']": "float32[3, 3]"})
     with pytest.raises(ValueError, match=r"this plan was tuned for different params"):
         autoaccum.nnx.build_update(loss_fn, plan=other)(model, optimizer, batches()[0])
+    smaller = dataclasses.replace(plan, opt_state_bytes=8)  # (the optimizer's state here is larger)
+    with pytest.warns(UserWarning, match=r"this optimizer's state of these params needs .* tune again") as caught:
+        autoaccum.nnx.build_update(loss_fn, plan=smaller)(model, optimizer, batches()[0])
+    assert caught[0].filename == __file__  # (at the caller's line)
 
 
 def test_a_plan_built_the_functional_way_points_an_nnx_model_at_the_nnx_door() -> None:

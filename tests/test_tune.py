@@ -1044,5 +1044,9 @@ def test_a_plan_built_with_an_optimizer_whose_state_needs_more_warns(tmp_path: P
         plan.build(loss_fn, optax.adam(0.1), params=params)
         plan.build(loss_fn, optax.sgd(0.1), params=params)
     bigger = optax.chain(optax.adam(1e-3), optax.ema(0.9))
-    with pytest.warns(UserWarning, match=r"this optimizer's state of these params needs .* tune again with it"):
+    with pytest.warns(UserWarning, match=r"this optimizer's state of these params needs .* tune again with it") as seen:
         plan.build(loss_fn, bigger, params=params)
+    assert seen[0].filename == __file__  # (at the caller's line)
+    with warnings.catch_warnings():  # a plan that did not record it is not checked
+        warnings.simplefilter("error")
+        dataclasses.replace(plan, opt_state_bytes=None).build(loss_fn, bigger, params=params)
