@@ -202,6 +202,8 @@ class Plan(JsonMixin):
             microbatch may not fit, or not be the fastest, here: tune again).
         """
         here = {"device": device_kind(), "jax": jax.__version__}
+        if self.device == jax.devices()[0].platform == "cpu":  # (a plan saved before the CPU's model was recorded)
+            here["device"] = "cpu"
         there = {"device": self.device, "jax": self.versions.get("jax", here["jax"])}
         if self.source == "measured" and self.device and there != here:
             warnings.warn(

@@ -341,9 +341,12 @@ def test_a_plan_measured_elsewhere_warns_when_built_here(linear: autoaccum.Workl
                       rf"{re.escape(device_kind())} with jax {jax.__version__}.*tune again"):  # fmt: skip
         foreign.build(linear.loss_fn, optax.sgd(0.1))
     here = dataclasses.replace(foreign, device=device_kind(), versions={"jax": jax.__version__})
+    older = dataclasses.replace(here, device=jax.devices()[0].platform)  # (a CPU plan saved before: "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         here.build(linear.loss_fn, optax.sgd(0.1))
+        if jax.default_backend() == "cpu":
+            older.build(linear.loss_fn, optax.sgd(0.1))
         dataclasses.replace(foreign, source="predicted").build(linear.loss_fn, optax.sgd(0.1))
 
 
@@ -714,6 +717,7 @@ def test_a_study_is_not_resumed_under_another_knob_loss_or_time_limit(tmp_path: 
     assert other_loss.resumed_trials == other_limit.resumed_trials == 0
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's model and cores name the device on the CPU")
 def test_a_study_is_not_resumed_on_another_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU, whose JAX device kind is just "cpu", the study and the plan name the CPU's model and the cores
     this process may use: a study cached on a shared folder is not resumed by another machine's tune."""
