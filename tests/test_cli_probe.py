@@ -132,7 +132,7 @@ def test_trial_timeout_ends_a_hanging_trial_and_the_running_trial_shows_its_time
     print(result.output)
     assert result.exit_code == 1
     assert time.monotonic() - start < 120  # not the 600 s default
-    assert "ran over `trial_timeout`=4 s" in " ".join(result.output.split())  # the time-out is named
+    assert "ran over `--trial-timeout`=4 s" in " ".join(result.output.split())  # the time-out is named, as a flag
     assert "running" in result.output and "0:00:0" in result.output  # the live line: the trial's elapsed time
     assert "--trial-timeout" in invoke("probe", "--help").output
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from typing import Any
 import click
 
 from autoaccum._version import __version__
+from autoaccum.cli._common import as_flags
 
 
 class _Terminated(KeyboardInterrupt):
@@ -49,19 +49,6 @@ def interrupted(command: str | None, args: Sequence[str], terminated: bool) -> s
                 "are not run again."
             )
     return text
-
-
-def as_flags(message: str, command: click.Command) -> str:
-    """``message`` (the library's, naming its arguments in backticks) with each argument that ``command`` has as an
-    option named by its flag.
-
-    Example:
-      >>> command = click.Command("tune", params=[click.Option(["--min-microbatch"], type=int)])
-      >>> as_flags("`min_microbatch`=600 is above `effective_batch`", command)
-      '`--min-microbatch`=600 is above `effective_batch`'
-    """
-    flags = {p.name: p.opts[0] for p in command.params if isinstance(p, click.Option) and p.opts[0].startswith("--")}
-    return re.sub(r"`(\w+)`", lambda m: f"`{flags.get(m.group(1), m.group(1))}`", message)
 
 
 class _Main(click.Group):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -107,3 +108,16 @@ def check_loss_traces(w: Workload, target: str) -> None:
             f"trial:\n{where}",
             param_hint="WORKLOAD",
         ) from e
+
+
+def as_flags(message: str, command: click.Command) -> str:
+    """``message`` (the library's, naming its arguments in backticks) with each argument that ``command`` has as an
+    option named by its flag.
+
+    Example:
+      >>> command = click.Command("tune", params=[click.Option(["--min-microbatch"], type=int)])
+      >>> as_flags("`min_microbatch`=600 is above `effective_batch`", command)
+      '`--min-microbatch`=600 is above `effective_batch`'
+    """
+    flags = {p.name: p.opts[0] for p in command.params if isinstance(p, click.Option) and p.opts[0].startswith("--")}
+    return re.sub(r"`(\w+)`", lambda m: f"`{flags.get(m.group(1), m.group(1))}`", message)

@@ -12,6 +12,7 @@ from rich.text import Text
 from autoaccum._probe import DEFAULT_TRIAL_TIMEOUT
 from autoaccum._units import format_bytes
 from autoaccum.cli._common import (
+    as_flags,
     check_strategies,
     renamed_option,
     resolve_workload,
@@ -125,11 +126,12 @@ def probe(
             with _LiveTrials(console, None if no_isolate else trial_timeout) as live:
                 result = run_probe(w.loss_fn, w.params, w.batch, progress=live.finished, **kwargs)
         except ProbeError as e:
+            message = as_flags(str(e), click.get_current_context().command)
             if as_json:
                 trials = [t.to_dict() for t in e.trials]
-                click.echo(json.dumps({"error": str(e), "trials": trials}, indent=2))
+                click.echo(json.dumps({"error": message, "trials": trials}, indent=2))
             else:
-                console.print(Text.assemble(("error: ", "bold red"), str(e)))
+                console.print(Text.assemble(("error: ", "bold red"), message))
             raise SystemExit(1) from e
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))

@@ -11,6 +11,7 @@ from rich.text import Text
 
 from autoaccum._units import format_bytes
 from autoaccum.cli._common import (
+    as_flags,
     check_output,
     check_strategies,
     renamed_option,
@@ -218,9 +219,10 @@ def tune(
         except (ValueError, TypeError) as e:
             raise click.UsageError(str(e)) from e
         except RuntimeError as e:
-            console.print(Text.assemble(("error: ", "red"), str(e)))
+            message = as_flags(str(e), click.get_current_context().command)
+            console.print(Text.assemble(("error: ", "red"), message))
             if as_json:
-                click.echo(json.dumps({"error": str(e)}))
+                click.echo(json.dumps({"error": message}))
             raise SystemExit(1) from e
 
     if out is not None:
