@@ -171,6 +171,10 @@ def step(update: Update, params: PyTree, opt_state: PyTree, batch: PyTree, state
     return tuple(update(params, opt_state, batch, state))
 
 
+ALLOCATION_ERRORS = (jax.errors.JaxRuntimeError, MemoryError, OSError, ValueError)
+"""The exceptions an allocation failure comes as (`is_oom` decides which are one)."""
+
+
 def is_oom(exc: BaseException) -> bool:
     """Whether ``exc`` says an allocation failed (see the module docstring).
 
@@ -409,7 +413,7 @@ def unless_oom(run: Callable[[], Outcome]) -> Outcome:
     """``run()``, or the ``"oom"`` outcome when it raises an allocation failure (`is_oom`); else it raises."""
     try:
         return run()
-    except (jax.errors.JaxRuntimeError, MemoryError, OSError, ValueError) as e:
+    except ALLOCATION_ERRORS as e:
         if not is_oom(e):
             raise
         return Outcome("oom", message=first_line(e))
@@ -1075,7 +1079,7 @@ def time_update(
         _, first, times = run_steps(update, made, steps=steps, warmup=warmup, time_limit=time_limit)
     except TimeoutError as e:
         raise TrialFailed(f"timed out: {e}") from e
-    except (jax.errors.JaxRuntimeError, MemoryError, OSError) as e:
+    except ALLOCATION_ERRORS as e:
         if is_oom(e):
             raise TrialFailed(f"out of memory: {first_line(e)[:300]}") from e
         raise

@@ -303,6 +303,20 @@ def test_bad_input_is_refused_before_anything_runs(kwargs: dict, match: str) -> 
         autoaccum.probe(loss_fn, params, batch, optimizer=optax.sgd(0.1), **kwargs)
 
 
+def test_in_this_process_an_allocation_failure_raised_as_a_value_error_is_a_failed_trial() -> None:
+    """`time_update` (``isolate=False``) takes XLA's RESOURCE_EXHAUSTED raised as a ValueError (a copy to the device)
+    for out of memory, as the worker does: a failed trial, not an error out of the tune."""
+    from types import SimpleNamespace
+
+    from autoaccum._worker import TrialFailed, time_update
+
+    def init(params: Any) -> Any:
+        raise ValueError("RESOURCE_EXHAUSTED: Out of memory allocating 2097152 bytes.")
+
+    with pytest.raises(TrialFailed, match="out of memory: RESOURCE_EXHAUSTED"):
+        time_update(SimpleNamespace(init=init), {"w": jnp.zeros(2)}, {"x": jnp.ones((2, 2))})
+
+
 def test_oom_classification() -> None:
     assert is_oom(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 5 bytes."))
     assert is_oom(jax.errors.JaxRuntimeError("INTERNAL: Error dispatching computation: Out of memory allocating 8"))
