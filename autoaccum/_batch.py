@@ -25,6 +25,8 @@ def abstract(tree: PyTree, *, sharded: bool = True) -> PyTree:
     Example:
       >>> abstract({"w": jnp.ones((2, 3)), "b": 0.5})["b"]
       ShapeDtypeStruct(shape=(), dtype=float32, weak_type=True)
+      >>> abstract(True).weak_type, abstract(np.float64(1.0)).weak_type  # (strongly typed, as JAX takes them)
+      (False, False)
     """
     return jax.tree.map(lambda x: _struct(x, jnp.shape(x), sharded), tree)
 
@@ -35,9 +37,10 @@ def abstract_batch(batch: PyTree, size: int) -> PyTree:
 
 
 def _struct(x: Any, shape: tuple[int, ...], sharded: bool) -> jax.ShapeDtypeStruct:
-    number = isinstance(x, (bool, int, float, complex))
-    dtype = jnp.result_type(x) if number else x.dtype
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=_mesh_sharding(x) if sharded else None, weak_type=number)
+    number = type(x) in (int, float, complex)  # (Python's own: weakly typed; a bool or a NumPy scalar is not)
+    dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+    weak = number or bool(getattr(x, "weak_type", False))  # (an abstract or a JAX array's own, kept)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=_mesh_sharding(x) if sharded else None, weak_type=weak)
 
 
 def resize_batch(batch: PyTree, size: int) -> PyTree:
