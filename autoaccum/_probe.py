@@ -501,7 +501,8 @@ def probe(
         when XLA's buffer assignment fits the limit and the step runs, and its peak is not measured.
       device: a ``jax.Device`` (default: the first).
       options: the strategy's options.
-      trial_timeout: seconds a trial (or the estimate) may run before it is reported as hung; None: no limit.
+      trial_timeout: seconds a trial (or the estimate, or the worker's start) may run before it is reported as hung;
+        None: no limit.
       progress: called with each `Trial` as it finishes.
       sizes: try only these microbatch sizes (multiples of ``granularity`` up to ``microbatch_cap``).
       effective_batch: run the step that accumulates this many examples per update in microbatches of the size

@@ -25,7 +25,7 @@ def parse_bytes(value: int | float | str, name: str = "memory_limit") -> int:
       `memory_limit` must be positive, got memory_limit='-1GiB'.
 
     Raises:
-      ValueError: the value does not parse, or is not positive (the message names ``name``).
+      ValueError: the value does not parse, is not positive, or is under one byte (the message names ``name``).
     """
     if isinstance(value, bool):
         raise TypeError(f"`{name}` must be bytes (int) or a string like '1.5GiB', got {value!r}.")

@@ -1,4 +1,5 @@
-"""The race: the study's best configurations (`FINALISTS` distinct programs) re-timed side by side.
+"""The race: the study's best configurations (up to `FINALISTS` distinct programs, none `SLOWER_OUT` times slower
+than the fastest) re-timed side by side.
 
 Rounds are interleaved (each times every finalist still in, in an order rotated round by round), and each step
 time is divided by its round's median over all finalists, so the machine's drift falls on all of them alike; only
@@ -19,7 +20,7 @@ from typing import TypeVar
 from autoaccum._json import JsonMixin
 
 FINALISTS = 3
-"""Configurations the race re-times: the study's fastest by their trials (distinct programs)."""
+"""Configurations the race re-times at most: the study's fastest by their trials (distinct programs)."""
 
 ROUNDS = 4
 """Rounds the race runs while every finalist stays in (its budget: this many timings per finalist)."""

@@ -39,7 +39,7 @@ class TrialRecord(JsonMixin):
       seconds: ``(q1, median, q3)`` of the trial's step times, in seconds (None unless it completed);
         ``throughput`` is the effective batch over the median.
       peak_bytes: the trial's peak memory per device in the worker (None when timed in this process); on the CPU
-        the resident memory the step added (`autoaccum.probe`'s fresh processes count address space, which reads
+        the resident memory the step added (`autoaccum.probe`'s own worker counts address space, which reads
         higher).
       remat: the remat policy around the loss (`autoaccum.build_update`'s ``remat``), or None.
       accumulator_dtype: the dtype gradients accumulated in, by name.
