@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import typing
 import warnings
 from pathlib import Path
 from typing import Any
@@ -767,24 +766,34 @@ def test_a_loss_that_raises_raises_its_own_error_before_any_trial(linear: autoac
     assert calls == []
 
 
-def test_params_of_a_class_only_the_callers_script_has_reach_the_worker() -> None:
+def test_params_of_a_class_only_the_callers_script_has_reach_the_worker(tmp_path: Path) -> None:
     """The worker evaluates the loss at the caller's parameters, pickled: a NamedTuple defined in the user's script
-    (``__main__``; here a local class, which plain pickle cannot name either) went by reference, the worker could
-    not load it, and the loss's NaN went unwarned (a RuntimeWarning with a cut traceback instead)."""
+    (``__main__``) went by reference, the worker could not load it, and the loss's NaN went unwarned (a
+    RuntimeWarning with a cut traceback instead). Here a child Python runs such a script."""
+    script = tmp_path / "named.py"
+    script.write_text(NAMED_PARAMS_TUNE)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "AUTOACCUM_CACHE": str(tmp_path)})  # fmt: skip
+    assert done.returncode == 0 and "TUNED" in done.stdout, done.stderr[-3000:]
+    assert "NonFiniteLossWarning: the loss is nan at the initial parameters" in done.stderr, done.stderr[-3000:]
+    assert "could not be run" not in done.stderr, done.stderr[-3000:]
 
-    class Params(typing.NamedTuple):
-        w: jax.Array
-        b: jax.Array
 
-    def loss_fn(p: Params, b: Any) -> jax.Array:
-        return jnp.mean((b["x"] @ p.w + jnp.log(p.b) - b["y"]) ** 2)  # log(-1): NaN
+NAMED_PARAMS_TUNE = """
+import typing, jax, jax.numpy as jnp, optax, autoaccum
 
-    batch = {"x": jnp.ones((8, 4)), "y": jnp.zeros(8)}
-    with pytest.warns(autoaccum.NonFiniteLossWarning, match="the loss is nan at the initial parameters"):
-        autoaccum.tune(
-            loss_fn, Params(jnp.zeros(4), -jnp.ones(())), batch, optimizer=optax.sgd(0.1), microbatch_bound=4,
-            budget=1, race_rounds=0, storage=":memory:", memory_limit="256MiB",
-        )  # fmt: skip
+class Params(typing.NamedTuple):
+    w: jax.Array
+    b: jax.Array
+
+def loss_fn(p, b):
+    return jnp.mean((b["x"] @ p.w + jnp.log(p.b) - b["y"]) ** 2)  # log(-1): NaN
+
+batch = {"x": jnp.ones((8, 4)), "y": jnp.zeros(8)}
+autoaccum.tune(loss_fn, Params(jnp.zeros(4), -jnp.ones(())), batch, optimizer=optax.sgd(0.1), microbatch_bound=4,
+               budget=1, race_rounds=0, storage=":memory:", memory_limit="256MiB")
+print("TUNED")
+"""
 
 
 def test_a_loss_not_finite_at_the_initial_parameters_is_warned_of(linear: autoaccum.Workload) -> None:
