@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import click
 import jax
 import pytest
 from click.testing import CliRunner, Result
@@ -256,3 +257,15 @@ def test_a_bad_value_is_named_by_its_flag() -> None:
     result = run("tune", LINEAR, "--min-microbatch", "600", "--effective-batch", "512", "--storage", ":memory:")
     words = " ".join(result.output.split())
     assert result.exit_code == 2 and "`--min-microbatch`=600 is above" in words and "`--effective-batch`=512" in words
+
+
+def test_a_trials_reason_names_the_flags() -> None:
+    """A failed trial's reason (the library's words) names the command's flags on the command line."""
+    from autoaccum._tune.result import TrialRecord
+    from autoaccum.cli.tune import _describe
+    from autoaccum.cli.tune import tune as tune_command
+
+    reason = "timed out: stepping ran over `trial_timeout`=8 s and the worker was killed (raise `trial_timeout`)"
+    record = TrialRecord(3, 4, 2, "scan", {}, None, None, "FAIL", reason=reason)
+    with click.Context(tune_command):
+        assert "ran over `--trial-timeout`=8 s" in _describe(record) and "raise `--trial-timeout`" in _describe(record)
