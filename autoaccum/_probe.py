@@ -28,7 +28,7 @@ from autoaccum._estimate import DEFAULT_MAX_MICROBATCH, Estimate, state_bytes
 from autoaccum._isolation import Outcome
 from autoaccum._json import JsonMixin
 from autoaccum._preflight import trace_loss
-from autoaccum._units import format_bytes
+from autoaccum._units import format_bytes, parse_bytes
 from autoaccum._update import resolve_strategy
 from autoaccum._worker import STEPS, WARMUP, Job, MeshSpec, Request, Server, Worker, brief, unless_oom
 from autoaccum.strategies import PyTree, check_params, layout_of, leading_size, tree_bytes
@@ -254,6 +254,8 @@ def prepare(
             "granularity."
         )
     check_bool(isolate, "isolate")
+    if memory_limit is not None:  # (before anything traces the loss)
+        parse_bytes(memory_limit, "memory_limit")
     if trial_timeout is not None and not (isinstance(trial_timeout, (int, float)) and trial_timeout > 0):
         raise ValueError(f"`trial_timeout` must be a positive number of seconds or None, got {trial_timeout!r}.")
     leading_size(batch)
@@ -279,10 +281,6 @@ def prepare(
     plain = abstract(params, sharded=False)  # no devices: it pickles
     job = Job(loss_fn, optimizer, plain, host_copy(batch), None if state is None else host_copy(state), build, mesh)
     update = job.update(granularity)
-    trace_loss(loss_fn, params, batch, state)  # the loss's own error, here, before any child starts
-    if mesh is None:  # and what it returns (a scalar, the aux), on shapes (the example batch: nothing runs)
-        whole, more = job.update(leading_size(batch)), () if state is None else (abstract(state),)
-        jax.eval_shape(whole, plain, jax.eval_shape(whole.init, plain), abstract(batch, sharded=False), *more)
     info = detect_device(device)
     limit, source = resolve_memory_limit(info, memory_limit, isolate=isolate, devices=job.devices)
     needed = state_bytes(update, job.abstract_params()) + (0 if state is None else tree_bytes(abstract(state)))
@@ -291,6 +289,10 @@ def prepare(
             f"`memory_limit`={format_bytes(limit)} ({limit} bytes) is below what the parameters, optimizer state "
             f"and model state alone need: {format_bytes(needed)} ({needed} bytes); give a limit above that."
         )
+    trace_loss(loss_fn, params, batch, state)  # the loss's own error, here, before any child starts
+    if mesh is None:  # and what it returns (a scalar, the aux), on shapes (the example batch: nothing runs)
+        whole, more = job.update(leading_size(batch)), () if state is None else (abstract(state),)
+        jax.eval_shape(whole, plain, jax.eval_shape(whole.init, plain), abstract(batch, sharded=False), *more)
     return Setup(job, info, limit, source, needed, cap, granularity, isolate, trial_timeout, effective_batch)
 
 

@@ -484,6 +484,13 @@ def test_a_loss_that_is_not_a_scalar_is_refused_before_any_child_starts(monkeypa
                         optimizer=optax.sgd(0.1), memory_limit="64MiB", strategy="loop")  # fmt: skip
 
 
+def test_a_bad_limit_is_named_before_the_loss_is_traced() -> None:
+    """The cheap checks come first: a bad `memory_limit` is named though the loss would raise when traced."""
+    _, params, batch = probe_workloads.linear()
+    with pytest.raises(ValueError, match=r"`memory_limit`='lots' does not parse"):
+        autoaccum.probe(lambda p, b: b["nope"].mean(), params, batch, optimizer=optax.sgd(0.1), memory_limit="lots")
+
+
 def test_nothing_fits_returns_zero() -> None:
     loss_fn, params, batch = probe_workloads.linear()
     result = autoaccum.probe(loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="4MiB", granularity=1024)
