@@ -58,10 +58,16 @@ def test_emitted_update_equals_full_batch_step(linear: autoaccum.Workload) -> No
     )
     assert result.probe is None
     assert [r.state for r in result.trials].count("COMPLETE") == 4
-    # Timed in the worker, then the best configurations raced: the plan is the race's winner, at its median.
-    winner = next(r for r in result.trials if r.number == result.race[0].trial)
-    assert result.plan.throughput == pytest.approx(24 / result.race[0].quartiles[1]) and result.plan.throughput > 0
+    # Timed in the worker, then the best configurations raced: the plan is the race's winner, at its median (no race
+    # where one trial read over SLOWER_OUT times faster than the others: the plan is that fastest trial).
+    if result.race:
+        winner = next(r for r in result.trials if r.number == result.race[0].trial)
+        assert result.plan.throughput == pytest.approx(24 / result.race[0].quartiles[1])
+    else:
+        winner = result.trials[0]  # (fastest first)
+        assert result.plan.throughput == pytest.approx(winner.throughput)
     assert (result.plan.microbatch_size, result.plan.strategy) == (winner.microbatch_size, winner.strategy)
+    assert result.plan.throughput > 0
     assert result.plan.microbatch_size <= 8 and all(r.peak_bytes is not None for r in result.trials)
     # measured (a step this small may fit in memory the worker already holds: then its growth is 0)
     assert result.peak_bytes is not None and 0 <= result.peak_bytes <= result.memory_limit_bytes
