@@ -110,14 +110,19 @@ def check_loss_traces(w: Workload, target: str) -> None:
         ) from e
 
 
-def as_flags(message: str, command: click.Command) -> str:
-    """``message`` (the library's, naming its arguments in backticks) with each argument that ``command`` has as an
-    option named by its flag.
+def as_flags(message: str, command: click.Command | None = None) -> str:
+    """``message`` (the library's, naming its arguments in backticks) with each argument that ``command`` (default:
+    the command running now, if any) has as an option named by its flag.
 
     Example:
       >>> command = click.Command("tune", params=[click.Option(["--min-microbatch"], type=int)])
       >>> as_flags("`min_microbatch`=600 is above `effective_batch`", command)
       '`--min-microbatch`=600 is above `effective_batch`'
     """
+    if command is None:
+        ctx = click.get_current_context(silent=True)
+        if ctx is None:
+            return message
+        command = ctx.command
     flags = {p.name: p.opts[0] for p in command.params if isinstance(p, click.Option) and p.opts[0].startswith("--")}
     return re.sub(r"`(\w+)`", lambda m: f"`{flags.get(m.group(1), m.group(1))}`", message)

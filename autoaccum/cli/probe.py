@@ -126,7 +126,7 @@ def probe(
             with _LiveTrials(console, None if no_isolate else trial_timeout) as live:
                 result = run_probe(w.loss_fn, w.params, w.batch, progress=live.finished, **kwargs)
         except ProbeError as e:
-            message = as_flags(str(e), click.get_current_context().command)
+            message = as_flags(str(e))
             if as_json:
                 trials = [t.to_dict() for t in e.trials]
                 click.echo(json.dumps({"error": message, "trials": trials}, indent=2))

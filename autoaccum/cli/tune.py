@@ -219,7 +219,7 @@ def tune(
         except (ValueError, TypeError) as e:
             raise click.UsageError(str(e)) from e
         except RuntimeError as e:
-            message = _flags(str(e))
+            message = as_flags(str(e))
             console.print(Text.assemble(("error: ", "red"), message))
             if as_json:
                 click.echo(json.dumps({"error": message}))
@@ -327,13 +327,7 @@ def _describe(record: Any) -> str:
     if record.throughput is not None:
         spread = "" if record.seconds is None else f" (step {_ms_spread(record.seconds)})"
         return f"{what}: {record.throughput:,.1f} examples/s{spread}"
-    return f"{what}: {record.state} {_flags(record.reason or '')}".rstrip()
-
-
-def _flags(text: str) -> str:
-    """``text`` naming this command's flags where it names the library's arguments (`as_flags`)."""
-    ctx = click.get_current_context(silent=True)
-    return text if ctx is None else as_flags(text, ctx.command)
+    return f"{what}: {record.state} {as_flags(record.reason or '')}".rstrip()
 
 
 def _knobs_text(record: Any) -> str:
@@ -373,7 +367,7 @@ def _print_table(console: Console, result: Any) -> None:
             "" if r.seconds is None else _ms_spread(r.seconds),
             "" if r.peak_bytes is None else format_bytes(r.peak_bytes),
             "" if r.compile_seconds is None else f"{r.compile_seconds:.2f}",
-            (r.state if r.reason is None else f"{r.state}: {_flags(r.reason)[:60]}")
+            (r.state if r.reason is None else f"{r.state}: {as_flags(r.reason)[:60]}")
             + ("" if r.same_program_as is None else f" (same program as #{r.same_program_as}, timed once)"),
         ])  # fmt: skip
     console.print(fit_table(console, "trials (best first; step time: median [quartiles] of its timed steps)",
