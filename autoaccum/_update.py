@@ -7,7 +7,8 @@ state)``; from a data loader: ``update.stream(params, opt_state, microbatches[, 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+import inspect
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -347,3 +348,19 @@ def resolve_strategy(
     chosen = auto.choose(params, batch, auto.carried(() if state is None else state), platform)
     kept = {k: v for k, v in build.items() if k not in Auto.options or k in chosen.options}
     return {**kept, "strategy": chosen.name}
+
+
+def spelled_out(build: Mapping[str, Any]) -> dict[str, Any]:
+    """``build`` (`build_update`'s keywords) with every default of `build_update` and of its strategy filled in, the
+    accumulator's dtype by name: two builds of one update are equal.
+
+    Example:
+      >>> spelled_out({"strategy": "scan"}) == spelled_out({"strategy": "scan", "unroll": 1, "remat": None})
+      True
+    """
+    keywords = inspect.signature(build_update).parameters.values()
+    defaults = {p.name: p.default for p in keywords if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
+    name = build.get("strategy", defaults["strategy"])
+    strategy = Auto if name == Auto.name else get_strategy(name)
+    full = {**defaults, **{k: v[0] for k, v in strategy.options.items()}, **build}
+    return {**full, "accumulator_dtype": jnp.dtype(full["accumulator_dtype"]).name}

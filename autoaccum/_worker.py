@@ -52,6 +52,7 @@ from autoaccum._isolation import (
     payload,
     says_out_of_memory,
 )
+from autoaccum._update import spelled_out
 from autoaccum.strategies import Program, PyTree, layout_of, leading_size
 
 if TYPE_CHECKING:
@@ -773,7 +774,8 @@ class Server:
             return outcome
         job = self.job_for(request)  # keyed by the build it resolves to: the probe's and a trial's meet
         key = json.dumps(
-            [job.build, request.microbatch_size, request.rows, request.setting], sort_keys=True, default=str
+            [spelled_out(job.build), request.microbatch_size, request.rows, request.setting], sort_keys=True,
+            default=str,
         )
         cached = self.cache.get(key)
         ran_before = cached is not None

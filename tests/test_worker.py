@@ -167,6 +167,19 @@ def test_the_worker_keeps_the_fastest_programs_so_the_race_compiles_nothing_agai
         assert again.status == "fits" and w.compiles == 1 + len(slower)  # (kept the most recent: compiled again)
 
 
+def test_a_build_spelled_with_its_defaults_is_the_program_the_worker_ran() -> None:
+    """The probe asks for the default strategy's build as `prepare` resolves it (no options), a trial for the same
+    program with every option and knob spelled out: the worker compiles it once, so the race re-times the probe's
+    fit without a compile."""
+    params, batch = problem(features=16)
+    setup = prepare(linear_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="256MiB")
+    spelled = {"strategy": "scan", "unroll": 1, "remat": None, "accumulator_dtype": "float32"}
+    with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+        assert w.time(Request({"strategy": "scan"}, 8, 32, 2, 0)).status == "fits" and w.compiles == 1
+        assert w.time(Request(spelled, 8, 32, 2, 0)).status == "fits" and w.compiles == 1
+        assert w.time(Request({**spelled, "unroll": 2}, 8, 32, 2, 0)).status == "fits" and w.compiles == 2
+
+
 def test_the_probe_of_a_tune_runs_in_the_tunes_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """One worker serves the tune's probe, estimates and timings: only one is ever started (its restarts after an
     out-of-memory aside), and the probe's trials ran in it, each with a trial's warm-up and timed steps (so that the
