@@ -18,7 +18,8 @@ reduce-scatter them for each microbatch (sharded sums, more communication).
 ``loss_fn`` runs on each device's share of a microbatch: per-example losses (mean or summed) give exactly the
 single-device result. A model state is threaded through each device's microbatches separately and combined
 after the loop: floating leaves are averaged over the devices (e.g. BatchNorm's running statistics, as
-data-parallel training averages them), other leaves (keys, counters) are taken from the first device.
+data-parallel training averages them), other leaves (keys, counters) are taken from the first device. A typed PRNG
+key is the first device's as given, ``fold_in(key, d)`` on device ``d``: each device draws its own numbers.
 """
 
 from __future__ import annotations
@@ -52,6 +53,20 @@ def _vary(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
         return x
 
     return jax.tree.map(one, tree)
+
+
+def _own_keys(state: PyTree, axes: tuple[str, ...]) -> PyTree:
+    """Inside ``shard_map``: each typed PRNG key of ``state`` as device ``d`` of the batch's axes draws from it, the key
+    itself on device 0 (the single-device chain) and ``fold_in(key, d)`` on the others, so that no two devices draw
+    the same numbers for their rows."""
+    index = jax.lax.axis_index(axes)
+
+    def one(x: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return x
+        return jax.lax.cond(index == 0, lambda k: k, lambda k: jax.random.fold_in(k, index), x)
+
+    return jax.tree.map(one, state)
 
 
 class OnMesh:
@@ -122,7 +137,7 @@ class OnMesh:
             params = _vary(params, self._axes)
         elif not self.gathers_per_microbatch:
             params = self.gather_local(params)
-        return params, _vary(state, self._axes)
+        return params, _own_keys(_vary(state, self._axes), self._axes)
 
     def grad_fn(self) -> Callable[[PyTree, PyTree, PyTree], tuple[Accum, PyTree]]:
         """``f(params, microbatch, state) -> (Accum, state)`` for one device's share of a microbatch.
@@ -218,7 +233,11 @@ class OnMesh:
     def stack_state(self, state: PyTree) -> PyTree:
         """Each device's own copy of the state, stacked along a leading axis (threaded between host calls)."""
         specs = jax.tree.map(lambda _: P0, state)
-        return self.run(lambda s: expand(_vary(s, self._axes)), (specs,), self.stacked(state))(state)
+
+        def own(state: PyTree) -> PyTree:
+            return expand(_own_keys(_vary(state, self._axes), self._axes))
+
+        return self.run(own, (specs,), self.stacked(state))(state)
 
     def stacked_accum(self, acc: Accum, *, stack: bool) -> Accum:
         """Adds (``stack``) or drops the leading per-device axis of partial sums (not of reduced gradients)."""

@@ -246,6 +246,60 @@ def test_state_is_threaded_per_device_and_combined_after_the_loop(strategy_name:
     np.testing.assert_allclose(running, np.mean(finals), atol=ATOL)
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=lambda t: t.name)
+def test_each_device_draws_from_its_own_key_and_the_first_keeps_the_single_device_chain(
+    strategy: str, axis_type: AxisType
+) -> None:
+    """A typed key in the state: device 0 runs the single-device key chain (the key returned is one device's), every
+    other device ``fold_in(key, d)``'s, so no two devices draw the same dropout mask. Reference without the library:
+    the gradient of row j is its mask bit over the batch."""
+    rows, microbatch = 64, 16  # 8 devices: 2 rows each per microbatch, 4 microbatches
+
+    def masked(w: Any, batch: Any, state: Any) -> tuple[jax.Array, Any]:
+        key, sub = jax.random.split(state["key"])
+        keep = jax.random.bernoulli(sub, 0.5, (batch["x"].shape[0],)).astype(jnp.float32)
+        return jnp.mean(keep * (batch["x"] @ w)), {"key": key}
+
+    def chain(key: jax.Array) -> tuple[np.ndarray, jax.Array]:  # one device's 4 microbatches of 2 rows
+        bits = []
+        for _ in range(rows // microbatch):
+            key, sub = jax.random.split(key)
+            bits.append(np.asarray(jax.random.bernoulli(sub, 0.5, (2,))))
+        return np.concatenate(bits), key
+
+    key = jax.random.key(0)
+    want = [chain(key if d == 0 else jax.random.fold_in(key, d)) for d in range(8)]
+    mesh = mesh_of(axis_type)
+    update = autoaccum.build_update(
+        masked, optax.sgd(1.0), microbatch_size=microbatch, strategy=strategy, has_state=True
+    )
+    w = place(jnp.zeros(rows), mesh, P())
+    got, _, _, state = update(w, update.init(w), place({"x": jnp.eye(rows)}, mesh, P("data")), place({"key": key}, mesh, P()))
+    bits = (-np.asarray(got) * rows).round().reshape(8, -1)  # sgd(1): -grad; device d holds rows [8d, 8d + 8)
+    np.testing.assert_array_equal(bits, np.stack([b for b, _ in want]))
+    assert len({tuple(b) for b in bits}) > 1
+    np.testing.assert_array_equal(jax.random.key_data(state["key"]), jax.random.key_data(want[0][1]))
+
+
+@pytest.mark.parametrize("strategy_name", ["scan", "loop"])
+def test_state_moved_once_per_update_is_the_single_device_result(strategy_name: str) -> None:
+    """With ``state_update="once"`` every microbatch starts from the incoming state and the floating state is the
+    example-weighted mean of theirs: for a mean over the examples, the single-device result. Reference without the
+    library: ``0.5 * 1.0 + mean(x)``, whichever rows make each microbatch."""
+    params, batch = mlp(seed=5)
+
+    def stateful(params: Any, batch: Any, running: Any) -> tuple[jax.Array, Any]:
+        return loss_fn(params, batch), 0.5 * running + jnp.mean(batch["x"])
+
+    mesh = mesh_of(AxisType.Auto)
+    update = autoaccum.build_update(
+        stateful, optax.sgd(0.1), microbatch_size=16, strategy=strategy_name, has_state=True, state_update="once"
+    )
+    replicated = place(params, mesh, P())
+    *_, running = update(replicated, update.init(replicated), place(batch, mesh, P("data")), place(1.0, mesh, P()))
+    np.testing.assert_allclose(running, 0.5 + np.mean(np.asarray(batch["x"])), atol=ATOL)
+
+
 def test_microbatch_size_must_be_a_multiple_of_the_shards() -> None:
     params, batch = mlp()
     mesh = mesh_of(AxisType.Auto)
