@@ -773,10 +773,8 @@ class Server:
                 return self._refused(trial) or outcome
             return outcome
         job = self.job_for(request)  # keyed by the build it resolves to: the probe's and a trial's meet
-        key = json.dumps(
-            [spelled_out(job.build), request.microbatch_size, request.rows, request.setting], sort_keys=True,
-            default=str,
-        )
+        spelled = spelled_out(job.build)
+        key = json.dumps([spelled, request.microbatch_size, request.rows, request.setting], sort_keys=True, default=str)
         cached = self.cache.get(key)
         ran_before = cached is not None
         if cached is None:
