@@ -274,7 +274,8 @@ def test_each_device_draws_from_its_own_key_and_the_first_keeps_the_single_devic
         masked, optax.sgd(1.0), microbatch_size=microbatch, strategy=strategy, has_state=True
     )
     w = place(jnp.zeros(rows), mesh, P())
-    got, _, _, state = update(w, update.init(w), place({"x": jnp.eye(rows)}, mesh, P("data")), place({"key": key}, mesh, P()))
+    batch, state = place({"x": jnp.eye(rows)}, mesh, P("data")), place({"key": key}, mesh, P())
+    got, _, _, state = update(w, update.init(w), batch, state)
     bits = (-np.asarray(got) * rows).round().reshape(8, -1)  # sgd(1): -grad; device d holds rows [8d, 8d + 8)
     np.testing.assert_array_equal(bits, np.stack([b for b, _ in want]))
     assert len({tuple(b) for b in bits}) > 1
