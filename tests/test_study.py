@@ -96,7 +96,7 @@ def test_waiting_on_a_dead_workers_trial_prints_no_experimental_warning(tmp_path
 def test_a_killed_runs_trial_on_this_host_is_not_waited_for(tmp_path: Path) -> None:
     """A tune killed (SIGKILL: no Ctrl-C handler runs) mid-trial leaves its trial RUNNING. The next run on the same
     host sees that the trial's process has ended and re-queues the trial at once, long before its heartbeat's grace
-    period (an hour here) would end; it measures the trial itself."""
+    period (an hour here) would end; it measures the trial itself, first."""
     storage = f"sqlite:///{tmp_path / 'studies.db'}"
     victim_log, next_log = tmp_path / "victim.jsonl", tmp_path / "next.jsonl"
     victim = start(storage, victim_log, "--hang", "--heartbeat", "1,3600")
@@ -111,7 +111,7 @@ def test_a_killed_runs_trial_on_this_host_is_not_waited_for(tmp_path: Path) -> N
         pytest.fail("the next run waited on the killed run's trial")
     assert rerun.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
     (hung,) = lines(victim_log)
-    assert hung in lines(next_log), "the killed run's trial was not measured again"
+    assert lines(next_log)[:1] == [hung], "the killed run's trial was not measured again first"
     assert json.loads(out.strip().splitlines()[-1])["new_trials"] >= GRID - 1
 
 

@@ -242,6 +242,8 @@ class Trials:
         ``heartbeats``, the study's storage where it has them) and is queued again, for this worker to run."""
         deadline = None if timeout is None else time.monotonic() + timeout
         after_round = -1
+        if heartbeats:  # a killed run's trial, queued again before anything else
+            fail_stale_trials(self.study, heartbeats)
         self.steer()
         labels, fitting = len(self.job.labels), self.space.fitting
         above = (len(self.space.sizes) * len(fitting) - sum(len(f) for f in fitting)) * labels  # pruned
