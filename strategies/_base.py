@@ -359,6 +359,11 @@ def _split_aux(spec: Spec, out: Any) -> tuple[Any, PyTree]:
             f"`loss_fn` returned a tuple of {len(out)} but has_aux=False and loss_reduction='mean'; {_SUM_FIX}; "
             "if it returns (loss, aux), pass has_aux=True; otherwise return only the scalar mean loss."
         )
+    if not spec.has_aux and is_sum and _is_pair(out) and _is_pair(out[0]):
+        raise TypeError(
+            "`loss_fn` returned ((loss_sum, weight), aux) but has_aux=False; pass has_aux=True, or return only the "
+            "pair (loss_sum, weight)."
+        )
     value, aux = out if spec.has_aux else (out, ())
     if not is_sum and isinstance(value, tuple):
         raise TypeError(
@@ -379,13 +384,17 @@ def _loss_and_weight(spec: Spec, value: Any, batch: PyTree) -> tuple[jax.Array, 
                 "pass loss_reduction='mean' for a mean loss."
             )
         loss, weight = value
+        fix = "(e.g. the number of real tokens, jnp.sum(mask))"
+        if not isinstance(weight, (jax.Array, np.ndarray, np.generic, int, float)):
+            raise TypeError(f"loss_reduction='sum': the weight `loss_fn` returns must be a real scalar {fix}, got "
+                            f"{type(weight).__name__}.")  # fmt: skip
         weight = jnp.asarray(weight)
         if weight.shape != () or not (
             jnp.issubdtype(weight.dtype, jnp.floating) or jnp.issubdtype(weight.dtype, jnp.integer)
         ):
             raise TypeError(
-                f"loss_reduction='sum': the weight `loss_fn` returns must be a real scalar (e.g. the number of "
-                f"real tokens, jnp.sum(mask)), got shape {weight.shape} and dtype {weight.dtype}."
+                f"loss_reduction='sum': the weight `loss_fn` returns must be a real scalar {fix}, got shape "
+                f"{weight.shape} and dtype {weight.dtype}."
             )
     else:
         loss, weight = value, jnp.asarray(leading_size(batch), spec.sums_dtype)

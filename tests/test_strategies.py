@@ -431,6 +431,22 @@ def test_a_loss_sum_and_weight_pair_is_pointed_at_loss_reduction_sum(strategy: s
         update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
 
 
+def test_a_token_weighted_loss_with_aux_but_no_has_aux_names_has_aux(strategy: str) -> None:
+    """``((loss_sum, weight), aux)`` with loss_reduction="sum" and no has_aux: JAX's own error on the aux dict named
+    neither argument (a new user's report); a weight that is no scalar is named too."""
+    pair = lambda w, b: (jnp.sum(b @ w), jnp.asarray(b.shape[0], jnp.float32))  # noqa: E731
+    with_aux = lambda w, b: (pair(w, b), {"n": 1.0})  # noqa: E731
+    update = autoaccum.build_update(
+        with_aux, optax.sgd(0.1), microbatch_size=2, strategy=strategy, loss_reduction="sum"
+    )
+    with pytest.raises(TypeError, match=r"\(\(loss_sum, weight\), aux\).*pass has_aux=True"):
+        update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
+    named = lambda w, b: (jnp.sum(b @ w), {"tokens": 4.0})  # noqa: E731
+    update = autoaccum.build_update(named, optax.sgd(0.1), microbatch_size=2, strategy=strategy, loss_reduction="sum")
+    with pytest.raises(TypeError, match=r"weight `loss_fn` returns must be a real scalar .* got dict"):
+        update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
+
+
 def per_example_aux_loss(w: jax.Array, b: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     pred = b @ w
     return jnp.mean(pred**2), {"logits": pred, "mean_pred": jnp.mean(pred)}
