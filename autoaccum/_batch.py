@@ -12,6 +12,14 @@ import numpy as np
 from autoaccum.strategies import PyTree, leading_size
 
 
+def as_arrays(tree: PyTree) -> PyTree:
+    """``tree`` with each nnx ``Variable`` replaced by its value (``nnx.as_pure``): the arrays a functional step takes,
+    at the paths they have there."""
+    from flax import nnx
+
+    return (getattr(nnx, "as_pure", None) or nnx.pure)(tree)  # (flax < 0.12.7 calls it `pure`)
+
+
 def _mesh_sharding(x: Any) -> jax.sharding.NamedSharding | None:
     sharding = getattr(x, "sharding", None)
     return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None

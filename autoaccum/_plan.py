@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from autoaccum._batch import abstract
+from autoaccum._batch import abstract, as_arrays
 from autoaccum._device import device_kind
 from autoaccum._json import JsonMixin
 from autoaccum._knobs import Knobs, resolve
@@ -25,10 +25,11 @@ from autoaccum.strategies import get as get_strategy
 
 
 def params_signature(params: PyTree) -> dict[str, str]:
-    """``{path: "dtype[shape]"}`` for every leaf of ``params``: what a plan was tuned for."""
+    """``{path: "dtype[shape]"}`` for every leaf of ``params`` (nnx Variables by their values' paths): what a plan
+    was tuned for."""
     return {
         jax.tree_util.keystr(path) or "<root>": f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
-        for path, leaf in jax.tree_util.tree_leaves_with_path(abstract(params, sharded=False))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(abstract(as_arrays(params), sharded=False))
     }
 
 
@@ -171,7 +172,8 @@ class Plan(JsonMixin):
         """Raises ``ValueError`` saying what differs if ``params`` are not the ones this plan was tuned for."""
         if not self.params:
             return
-        difference = describe_difference(self.params, params_signature(params))
+        recorded = {k.removesuffix(".value"): v for k, v in self.params.items()}  # (plans of nnx Variables before)
+        difference = describe_difference(recorded, params_signature(params))
         if difference:
             raise ValueError(f"this plan was tuned for different params: {difference}.")
 

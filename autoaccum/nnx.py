@@ -36,6 +36,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from autoaccum._batch import as_arrays
 from autoaccum._checks import check_loss_fn
 from autoaccum._deprecated import moved_names
 from autoaccum._estimate import estimate as _estimate
@@ -48,8 +49,6 @@ from autoaccum._update import build_update as _build_update
 from autoaccum._value_and_grad import value_and_grad as _value_and_grad
 from autoaccum._workload import Workload
 from autoaccum.strategies import PyTree
-
-_as_pure: Callable[[Any], Any] = getattr(nnx, "as_pure", None) or nnx.pure  # flax < 0.12.7 calls it `pure`
 
 
 def _check(model: Any, optimizer: Any) -> None:
@@ -99,10 +98,10 @@ def functional(loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Op
     graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)  # type: ignore[misc]
     return Functional(
         _pure_loss(loss_fn, graphdef, optimizer.wrt),
-        _as_pure(params),
-        _as_pure(rest),
+        as_arrays(params),
+        as_arrays(rest),
         optimizer.tx,
-        _as_pure(optimizer.opt_state),
+        as_arrays(optimizer.opt_state),
         graphdef,
     )
 
@@ -114,7 +113,7 @@ def _pure_loss(loss_fn: Callable[..., Any], graphdef: Any, wrt: Any) -> Callable
         local = nnx.merge(graphdef, params, state)
         out = loss_fn(local, batch)
         _, _, new_state = nnx.split(local, wrt, ...)  # type: ignore[misc]
-        return out, _as_pure(new_state)
+        return out, as_arrays(new_state)
 
     return pure_loss
 
@@ -265,12 +264,16 @@ class ValueAndGrad:
       loss_fn: ``loss_fn(model, batch)``.
       wrt: the filter of what is differentiated (``nnx.Param`` by default).
       options: the `autoaccum.value_and_grad` arguments (``has_state`` aside).
+      plan: the plan they came from, if any: the model's parameters are checked against it at the first call.
     """
 
-    def __init__(self, loss_fn: Callable[..., Any], wrt: Any, options: dict[str, Any]) -> None:
+    def __init__(
+        self, loss_fn: Callable[..., Any], wrt: Any, options: dict[str, Any], plan: Plan | None = None
+    ) -> None:
         self.loss_fn = loss_fn
         self.wrt = wrt
         self.options = options
+        self.plan = plan
         self._cache: dict[Any, Callable[..., Any]] = {}
 
     def __call__(self, model: nnx.Module, batch: PyTree) -> tuple[Any, PyTree]:
@@ -282,9 +285,11 @@ class ValueAndGrad:
         graphdef, params, rest = nnx.split(model, self.wrt, ...)  # type: ignore[misc]
         key = jax.tree.structure(graphdef)  # as nnx.jit keys its cache (compared with ==)
         if key not in self._cache:
+            if self.plan is not None:
+                self.plan.check_params(params)
             pure = _pure_loss(self.loss_fn, graphdef, self.wrt)
             self._cache[key] = _value_and_grad(pure, has_state=True, **self.options)
-        loss, grads, state = self._cache[key](_as_pure(params), batch, _as_pure(rest))
+        loss, grads, state = self._cache[key](as_arrays(params), batch, as_arrays(rest))
         nnx.update(model, state)
         return loss, jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(grads))
 
@@ -354,7 +359,7 @@ def value_and_grad(
         options = dict(microbatch_size=microbatch_size, has_aux=has_aux, **options)
     check_loss_fn(loss_fn, ("model", "batch"))
     _value_and_grad(lambda p, b, s: (0.0, s), has_state=True, **options)  # bad arguments raise now
-    return ValueAndGrad(loss_fn, wrt, options)
+    return ValueAndGrad(loss_fn, wrt, options, plan)
 
 
 _BESIDE_A_PLAN = ("state_update",)
@@ -404,7 +409,7 @@ def _optimizer_update(
             optimizer = nnx.merge(optimizer_def, optimizer_state)
             wrt = jax.tree.structure(nnx.state(model, optimizer.wrt))  # the gradient as nnx.grad gives it
             optimizer.update(model, jax.tree.unflatten(wrt, jax.tree.leaves(grads)))
-            return _as_pure(nnx.state(model, optimizer.wrt)), nnx.state(optimizer)
+            return as_arrays(nnx.state(model, optimizer.wrt)), nnx.state(optimizer)
 
         _APPLY[key] = jax.jit(apply, donate_argnums=(0, 2) if donate else ())  # the parameters, the optimizer state
     params, rest = split

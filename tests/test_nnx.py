@@ -288,6 +288,25 @@ def test_a_plan_is_checked_against_the_model_and_the_arguments_beside_it() -> No
     assert caught[0].filename == __file__  # (at the caller's line)
 
 
+def test_a_plan_takes_the_params_as_nnx_split_gives_them_and_its_value_and_grad_checks_the_model() -> None:
+    """Plan.build's params as ``nnx.split`` gives them (Variables, whose paths end in ``.value``) are the plan's (they
+    were all "missing"), also against a plan that recorded those paths; `autoaccum.nnx.value_and_grad` with a plan
+    refuses another model as `build_update` does (it ran it silently)."""
+    model, optimizer = make()
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    plan = autoaccum.Plan(effective_batch=10, microbatch_size=5, accumulation_steps=2, strategy="scan",
+                          params=params_signature(nnx.to_pure_dict(params)))  # fmt: skip
+    assert params_signature(params) == plan.params
+    plan.build(lambda p, b: jnp.mean(b @ p["kernel"]), optimizer.tx, params=params)
+    recorded = {k + ".value": v for k, v in plan.params.items()}  # (a plan made from a State before)
+    dataclasses.replace(plan, params=recorded).check_params(nnx.to_pure_dict(params))
+    other = dataclasses.replace(plan, params={"['kernel']": "float32[3, 3]"})
+    grad_fn = autoaccum.nnx.value_and_grad(loss_fn, plan=other)
+    with pytest.raises(ValueError, match=r"this plan was tuned for different params"):
+        grad_fn(model, batches()[0])
+    autoaccum.nnx.value_and_grad(loss_fn, plan=plan)(model, batches()[0])
+
+
 def test_a_plan_built_the_functional_way_points_an_nnx_model_at_the_nnx_door() -> None:
     # Plan.build makes the functional update, which takes (params, opt_state, batch, state); an nnx model and
     # optimizer passed to it are pointed at autoaccum.nnx.build_update(loss_fn, plan=...), not at `state`: at the
