@@ -59,7 +59,10 @@ def raise_unopenable(url: str, *, default: bool = False) -> NoReturn:
     reason = f"{type(e).__name__}: {str(e).splitlines()[0]}"
     if default:
         root, what = cache_folder()
-        raise ValueError(f"{what}={str(root)!r} cannot hold the study database ({reason}); {CACHE_FIX}.") from e
+        fix = CACHE_FIX
+        if "file is not a database" in reason:  # (a file of another kind in its place: nothing to resume)
+            fix = f"move {str(root / 'studies.db')!r} aside (it is not a SQLite database) to start a new one, or {fix}"
+        raise ValueError(f"{what}={str(root)!r} cannot hold the study database ({reason}); {fix}.") from e
     missing = isinstance(e, ImportError)  # the database's driver: name the extra that installs PostgreSQL's
     driver = ' (no driver for it; PostgreSQL: pip install "autoaccum[postgres]")' if missing else ""
     raise ValueError(

@@ -192,6 +192,15 @@ def test_the_printed_snippet_runs_on_an_nnx_workload_and_a_rerun_names_the_flag(
     assert "pass --fresh to start over" in words and "fresh=True" not in words, explain(again)
 
 
+def test_a_study_name_of_another_setup_names_the_fresh_flag(tmp_path: Path) -> None:
+    args = ["tune", LINEAR, "--budget", "1", "--race-rounds", "0", "--study-name", "mine", "--no-isolate",
+            "--storage", f"sqlite:///{tmp_path / 'studies.db'}"]  # fmt: skip
+    assert run(*args, "--microbatch-bound", "4").exit_code == 0
+    other = run(*args, "--microbatch-bound", "2")
+    assert other.exit_code == 2 and "pass --fresh to start it over" in " ".join(other.output.split()), explain(other)
+    assert "fresh=True" not in other.output, explain(other)
+
+
 @pytest.mark.parametrize("option", ["--out", "--plot"])
 def test_an_output_file_that_cannot_be_written_is_refused_before_anything_runs(option: str, tmp_path: Path) -> None:
     path = tmp_path / "missing" / "plan.json"

@@ -41,6 +41,15 @@ def test_an_unusable_cache_folder_names_the_variable_and_the_fix(
     assert default_storage() == f"sqlite:///{tmp_path / 'made' / 'here' / 'studies.db'}"
 
 
+def test_a_cache_folder_whose_database_is_another_file_says_to_move_it_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "studies.db").write_text("not a database")
+    monkeypatch.setenv("AUTOACCUM_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match=r"not a database.*move '.*studies\.db' aside"):
+        open_storage(None)
+
+
 def test_a_cache_folder_is_the_folder_named_whatever_its_characters(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -92,7 +92,7 @@ def open_study(
         raise ValueError(
             f"`study_name`={name!r} holds the trials of another tune (fingerprint {held}, this one's {key}: the loss, "
             "optimizer, shapes, limit, device or search differ); pass fresh=True to start it over, or another "
-            "study_name (by default each fingerprint has its own)."
+            "`study_name` (by default each fingerprint has its own)."
         )
     if held is None:
         study.set_user_attr("fingerprint", key)

@@ -276,7 +276,7 @@ def _report(console: Console, result: Any, out: Path | None, *, isolated: bool, 
             f"the plan's step: measured peak {peak}, limit {limit} (every trial ran in an isolated worker under it)",
             highlight=False,
         )
-    message = result.message.replace("pass fresh=True", "pass --fresh")  # (the flag, here)
+    message = as_flags(result.message)
     console.print(f"{message}; stored in {result.storage}", highlight=False, markup=False)
     units = "" if result.units is None else f" ({result.units:.1f} units of one compile + five steps of the pick)"
     phases = ", ".join(f"{name} {seconds:.1f}" for name, seconds in result.phases.items() if seconds >= 0.05)
