@@ -563,10 +563,42 @@ def error_report(e: BaseException, limit: int = 3000) -> str:
     head = "".join(only.format_exception_only()).strip()
     if users:
         head += "\n" + "".join(traceback.format_list(users[-8:])).rstrip()
+    embedded = _called_back(str(e))
+    if embedded is not None:
+        head = f"{embedded}\n(raised in a callback of the loss: {head.split(TRACEBACK)[0].strip().rstrip(':')})"
     whole = "".join(traceback.format_exception(type(e), e, e.__traceback__)).strip()
     room = max(limit - len(head), 500)
     tail = whole if len(whole) <= room else "..." + whole[-room:]
     return f"{head}{WHOLE}{tail}"
+
+
+TRACEBACK = "Traceback (most recent call last):"
+
+
+def _called_back(message: str) -> str | None:
+    """The exception a host callback raised and its frames in the user's files, from an XLA error whose ``message``
+    holds the callback's traceback as text (None: it holds none).
+
+    Example:
+      >>> print(_called_back("INTERNAL: CpuCallback error: " + TRACEBACK + '\\n  File "/my/loss.py", line 3, in f'
+      ...                    "\\n    return 1 / 0\\nZeroDivisionError: division by zero"))
+      ZeroDivisionError: division by zero
+        File "/my/loss.py", line 3, in f
+          return 1 / 0
+    """
+    if TRACEBACK not in message:
+        return None
+    lines = message.split(TRACEBACK, 1)[1].strip("\n").splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    if not starts:
+        return None
+    frames, last = [], starts[-1] + 1
+    while last < len(lines) and lines[last].startswith("    "):  # (the last frame's source lines)
+        last += 1
+    for i in starts:
+        if _users_file(lines[i].split('"')[1]):
+            frames += [lines[i], *(line for line in lines[i + 1 : i + 3] if line.startswith("    "))]
+    return "\n".join([*lines[last:], *frames]).strip() or None
 
 
 WHOLE = "\nThe whole traceback (autoaccum's and the libraries' frames too):\n"

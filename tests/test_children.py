@@ -92,7 +92,7 @@ def test_a_workload_files_own_functions_reach_the_children(tmp_path: Path, funct
 
 
 FAILING_LOSS_FILE = """\
-import sys
+import jax
 
 import jax.numpy as jnp
 import optax
@@ -120,6 +120,20 @@ def nested():
         return criterion(batch["x"] @ params["w"] + params["b"], batch)
 
     return autoaccum.Workload(inner_loss, *probe_workloads.linear(features=8)[1:], optax.sgd(0.1))
+
+
+def refuse(x):
+    if x.shape[0] > 4:
+        raise ValueError(f"no {x.shape[0]} rows")
+    return x.sum()
+
+
+def in_callback():
+    def callback_loss(params, batch):
+        checked = jax.pure_callback(refuse, jax.ShapeDtypeStruct((), jnp.float32), batch["y"])
+        return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2) + 0.0 * checked
+
+    return autoaccum.Workload(callback_loss, *probe_workloads.linear(features=8)[1:], optax.sgd(0.1))
 """
 
 
@@ -137,6 +151,21 @@ def test_a_loss_raising_in_a_child_is_reported_from_the_users_file_first(tmp_pat
     where = f'File "{path}", line 12, in criterion'
     assert report.startswith("failed: KeyError: 'nope'\n") and where in report, report
     assert report.index(where) < report.index("_worker.py") and "<dynamic-code>" not in report, report
+
+
+def test_an_exception_raised_in_a_callback_of_the_loss_is_reported_as_itself_first(tmp_path: Path) -> None:
+    """A host callback's exception reaches the child as an XLA error whose text holds the callback's traceback: the
+    report leads with that exception and the user's frame in it (it led with XLA's error and autoaccum's frames)."""
+    path = tmp_path / "wl.py"
+    path.write_text(FAILING_LOSS_FILE)
+    result = CliRunner().invoke(
+        main, ["probe", f"{path}:in_callback", "--memory-limit", "64MiB", "--max-microbatch", "8"]
+    )
+    assert result.exit_code == 1, result.output
+    report = result.output[result.output.index("failed: ") :]
+    where = f'File "{path}", line 33, in refuse'
+    assert report.startswith("failed: ValueError: no 8 rows\n") and where in report, report
+    assert report.index(where) < report.index("_worker.py"), report
 
 
 def pids(attempts: Path) -> set[str]:
