@@ -86,7 +86,9 @@ def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outc
     """The outcome of a child that died without answering, from its ``returncode`` (``-N``: signal ``N``) and the end of
     its ``output``: out of memory only after an allocation failure (`says_out_of_memory`) or a ``SIGKILL`` while an
     OOM-kill count rose (``oom_killed``; None: unknown); anything else an error with the output's end."""
-    tail = output.strip()[-1500:]
+    tail = output.strip()
+    if len(tail) > 1500:  # (from the first whole line)
+        tail = "...\n" + tail[-1500:].split("\n", 1)[-1]
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name

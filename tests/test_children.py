@@ -214,6 +214,15 @@ def test_a_child_killed_from_outside_runs_once_more_and_is_never_taken_for_out_o
             assert "again" in (outcome.message or ""), (where, outcome)
 
 
+def test_a_dead_childs_output_is_quoted_from_the_start_of_a_line() -> None:
+    """A long output's end starts at a line (it started mid-word); a short one is quoted whole."""
+    output = "\n".join(f"frame {i}: " + "x" * 50 for i in range(100)) + "\nOut of memory allocating 8 bytes"
+    message = classify_exit(-signal.SIGABRT, output, None).message or ""
+    quoted = message.split("after an allocation failure: ", 1)[1]
+    assert quoted.startswith("...\nframe ") and quoted.endswith("allocating 8 bytes"), quoted[:80]
+    assert classify_exit(3, "short\n", None).message == "the trial's child exited with status 3; its output ends: short"
+
+
 def test_only_the_kernels_oom_killer_counts_as_out_of_memory(tmp_path: Path) -> None:
     """SIGKILL is out of memory only when an OOM-kill count rose while the child ran; unknown, it is an error."""
     assert classify_exit(-signal.SIGKILL, "", True).status == "oom"
