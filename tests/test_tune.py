@@ -1069,3 +1069,18 @@ def test_a_plan_built_with_an_optimizer_whose_state_needs_more_warns(tmp_path: P
     with warnings.catch_warnings():  # a plan that did not record it is not checked
         warnings.simplefilter("error")
         dataclasses.replace(plan, opt_state_bytes=None).build(loss_fn, bigger, params=params)
+
+
+def test_the_result_says_when_the_budget_ran_out_before_the_search_finished() -> None:
+    """A budget that stops the search before it has nothing left to propose is named with what it would time next;
+    a search that finished says nothing of it."""
+    params, batch = linear_problem(batch_size=64)
+    kw: dict[str, Any] = dict(optimizer=optax.sgd(0.1), microbatch_bound=32, storage=":memory:", race_rounds=0)
+
+    def linear_loss(p: Any, b: Any) -> jax.Array:
+        return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+    short = tune(linear_loss, params, batch, budget=2, measure=constant_measure([]), **kw)
+    assert re.search(r"the search stopped before it finished: it would time \d+ x \w+", short.message), short.message
+    whole = tune(linear_loss, params, batch, measure=constant_measure([]), **kw)
+    assert "stopped before" not in whole.message and whole.new_trials > 2, whole.message

@@ -146,15 +146,23 @@ def _result(job: Job, space: Space, study: optuna.Study, runners: list[Runner], 
     )  # fmt: skip
 
 
-def _summary(result: TuneResult, resumed: int, new: int, seconds: float, untimed: list[str]) -> dict[str, Any]:
-    """The result's message (naming the knob settings ``untimed``), and its cost in units: ``seconds`` over one
-    compile plus five steps of the pick (its compile as if JAX's persistent cache had not had it)."""
+def _summary(
+    result: TuneResult, resumed: int, new: int, seconds: float, untimed: list[str], unsearched: list[str]
+) -> dict[str, Any]:
+    """The result's message (naming the knob settings ``untimed`` and the configurations the search would have timed
+    next, ``unsearched``), and its cost in units: ``seconds`` over one compile plus five steps of the pick (its
+    compile as if JAX's persistent cache had not had it)."""
     message = f"new study {result.study_name}: {new} trials"
     if resumed:
         message = f"resumed: {resumed} trials from earlier runs, {new} new (study {result.study_name}; pass fresh=True"
         message += " to start over)"
     if untimed:
         message += f"; knob settings not timed within the budget: {'; '.join(untimed)} (a larger budget times them)"
+    if unsearched:
+        message += (
+            f"; the search stopped before it finished: it would time {', '.join(unsearched[:3])}"
+            f"{' and more' if len(unsearched) > 3 else ''} next (a larger `budget` or `timeout` times them)"
+        )
     number = result.race[0].trial if result.race else result.trials[0].number
     pick = next(r for r in result.trials if r.number == number)
     units = None if pick.unit_seconds is None else seconds / pick.unit_seconds
@@ -289,6 +297,8 @@ def tune(
             trials.record_probe()
         beats = isinstance(opened, optuna.storages.RDBStorage) and opened.get_heartbeat_interval() is not None
         trials.run(timeout, opened if beats else None)  # (without heartbeats, a dead worker's trial is never noticed)
+        unsearched = [f"{c.microbatch_size} x {c.strategy}" + f" ({job.settings[c.setting]})" * (c.setting > 0)
+                      for c in trials.proposed()]  # fmt: skip
         with clock.phase("race"):
             runners = trials.race(race_rounds)
     if setup is None and space.probed is not None:
@@ -298,5 +308,5 @@ def tune(
     timed = {job.config_of(t.params).setting for t in study.get_trials(deepcopy=False) if settled(t)}
     untimed = [str(setting) for i, setting in enumerate(job.settings) if i not in timed]
     seconds = time.perf_counter() - clock.start
-    summary = _summary(result, resumed, len(settled_configs(study)) - resumed, seconds, untimed)
+    summary = _summary(result, resumed, len(settled_configs(study)) - resumed, seconds, untimed, unsearched)
     return dataclasses.replace(result, storage=storage_label, fingerprint=key, phases=dict(clock.seconds), **summary)

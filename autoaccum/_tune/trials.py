@@ -132,16 +132,20 @@ class Trials:
     def trial(self, number: int) -> optuna.trial.FrozenTrial:
         return next(t for t in self.study.get_trials(deepcopy=False) if t.number == number)
 
-    def steer(self) -> None:
-        """Queues what the search proposes next, given the settled trials (not what is queued or settled)."""
+    def proposed(self) -> list[Config]:
+        """What the search proposes to time next, given the settled trials ([]: it has finished, or there is none)."""
         if self.search is None:
-            return
+            return []
         seen = []
         for t in self.study.get_trials(deepcopy=False):  # one pruned above a bound lowered by a failure: failed
             if settled(t) or (t.state == State.PRUNED and "above_bound" in t.user_attrs):
                 value = float(t.value) if t.state == State.COMPLETE else None  # type: ignore[arg-type]
                 seen.append(Trial(self.job.config_of(t.params), value, tuple(t.user_attrs.get("times") or ())))
-        for config in self.search.propose(seen):
+        return self.search.propose(seen)
+
+    def steer(self) -> None:
+        """Queues what the search proposes next (not what is queued or settled)."""
+        for config in self.proposed():
             self.study.enqueue_trial(self.job.params_of(config), skip_if_exists=True)
 
     def objective(self, trial: optuna.Trial) -> float:
