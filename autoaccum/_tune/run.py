@@ -240,7 +240,7 @@ def tune(
         included; set it where a smaller one changes the model, not just the speed (BatchNorm in training mode).
       remat: the remat policies to search (`autoaccum.build_update`'s ``remat``, None: off), the first probed.
       trial_timeout, compile_timeout: seconds a trial's steps, and its compiling (or the worker's start), may take
-        before it is recorded as failed (the worker restarts).
+        before it is recorded as failed (the worker restarts); in the probe, before the tune ends (`ProbeError`).
       isolate: probe and time in a worker process under the memory limit (`autoaccum._worker`); ``False``: in
         this process, with no cap. Default: isolated, except on a TPU (a warning says so).
       race_rounds: timings per finalist of the race before the pick (`autoaccum._tune.race`; 0: no race).
@@ -254,6 +254,8 @@ def tune(
     Raises:
       ValueError, TypeError: bad arguments or an unopenable storage, before any trial runs.
       RuntimeError: nothing fits (the probe found no microbatch) or every trial failed.
+      autoaccum.ProbeError: a probe's trial failed for another reason than memory (a crash, an error, a hang): the
+        step at the probed size does not run, whatever its speed.
     """
     clock = Clock()
     budget = renamed("budget", budget, "n_trials", n_trials, stacklevel=4)
