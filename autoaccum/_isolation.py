@@ -87,8 +87,9 @@ def classify_exit(returncode: int, output: str, oom_killed: bool | None) -> Outc
     its ``output``: out of memory only after an allocation failure (`says_out_of_memory`) or a ``SIGKILL`` while an
     OOM-kill count rose (``oom_killed``; None: unknown); anything else an error with the output's end."""
     tail = output.strip()
-    if len(tail) > 1500:  # (from the first whole line)
-        tail = "...\n" + tail[-1500:].split("\n", 1)[-1]
+    if len(tail) > 1500:  # (from the first whole line, where one starts near the cut)
+        tail, line = tail[-1500:], tail[-1500:].find("\n")
+        tail = "..." + (tail[line:] if 0 <= line < 200 else tail)
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name

@@ -172,8 +172,11 @@ class Plan(JsonMixin):
         """Raises ``ValueError`` saying what differs if ``params`` are not the ones this plan was tuned for."""
         if not self.params:
             return
-        recorded = {k.removesuffix(".value"): v for k, v in self.params.items()}  # (plans of nnx Variables before)
-        difference = describe_difference(recorded, params_signature(params))
+        actual = params_signature(params)
+        difference = describe_difference(self.params, actual)
+        if difference:  # a plan that recorded nnx Variables' paths (".value" last), as plans did before
+            recorded = {k.removesuffix(".value"): v for k, v in self.params.items()}
+            difference = difference if recorded == self.params else describe_difference(recorded, actual)
         if difference:
             raise ValueError(f"this plan was tuned for different params: {difference}.")
 

@@ -585,8 +585,10 @@ def _called_back(message: str) -> str | None:
       ZeroDivisionError: division by zero
         File "/my/loss.py", line 3, in f
           return 1 / 0
+      >>> _called_back("ValueError: my own report: " + TRACEBACK) is None  # (no callback's)
+      True
     """
-    if TRACEBACK not in message:
+    if TRACEBACK not in message or "callback" not in message.split(TRACEBACK, 1)[0].lower():
         return None
     lines = message.split(TRACEBACK, 1)[1].strip("\n").splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith('  File "')]

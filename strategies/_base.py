@@ -385,7 +385,9 @@ def _loss_and_weight(spec: Spec, value: Any, batch: PyTree) -> tuple[jax.Array, 
             )
         loss, weight = value
         fix = "(e.g. the number of real tokens, jnp.sum(mask))"
-        if not isinstance(weight, (jax.Array, np.ndarray, np.generic, int, float)):
+        if not (
+            isinstance(weight, (jax.Array, np.ndarray, np.generic, int, float)) or hasattr(weight, "__jax_array__")
+        ):
             raise TypeError(f"loss_reduction='sum': the weight `loss_fn` returns must be a real scalar {fix}, got "
                             f"{type(weight).__name__}.")  # fmt: skip
         weight = jnp.asarray(weight)

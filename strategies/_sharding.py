@@ -56,15 +56,16 @@ def _vary(tree: PyTree, axes: tuple[str, ...]) -> PyTree:
 
 
 def _own_keys(state: PyTree, axes: tuple[str, ...]) -> PyTree:
-    """Inside ``shard_map``: each typed PRNG key of ``state`` as device ``d`` of the batch's axes draws from it, the key
-    itself on device 0 (the single-device chain) and ``fold_in(key, d)`` on the others, so that no two devices draw
-    the same numbers for their rows."""
+    """Inside ``shard_map``: each typed PRNG key of ``state`` (each key of an array of them) as device ``d`` of the
+    batch's axes draws from it, the key itself on device 0 (the single-device chain) and ``fold_in(key, d)`` on the
+    others, so that no two devices draw the same numbers for their rows."""
     index = jax.lax.axis_index(axes)
 
     def one(x: jax.Array) -> jax.Array:
         if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             return x
-        return jax.lax.cond(index == 0, lambda k: k, lambda k: jax.random.fold_in(k, index), x)
+        fold = jax.vmap(lambda k: jax.random.fold_in(k, index))  # (an array of keys: each one)
+        return jax.lax.cond(index == 0, lambda k: k, lambda k: fold(k.reshape(-1)).reshape(k.shape), x)
 
     return jax.tree.map(one, state)
 

@@ -210,12 +210,16 @@ def test_a_child_killed_from_outside_runs_once_more_and_is_never_taken_for_out_o
 
 
 def test_a_dead_childs_output_is_quoted_from_the_start_of_a_line() -> None:
-    """A long output's end starts at a line (it started mid-word); a short one is quoted whole."""
+    """A long output's end starts at a line where one starts near the cut (it started mid-word), else at the cut (a
+    long last line is kept); a short one is quoted whole."""
     output = "\n".join(f"frame {i}: " + "x" * 50 for i in range(100)) + "\nOut of memory allocating 8 bytes"
     message = classify_exit(-signal.SIGABRT, output, None).message or ""
     quoted = message.split("after an allocation failure: ", 1)[1]
     assert quoted.startswith("...\nframe ") and quoted.endswith("allocating 8 bytes"), quoted[:80]
     assert classify_exit(3, "short\n", None).message == "the trial's child exited with status 3; its output ends: short"
+    one_line = "start\nF Out of memory allocating " + "buffer " * 300 + "\n*** Check failure stack trace: ***"
+    kept = (classify_exit(-signal.SIGABRT, one_line, None).message or "").split("allocation failure: ", 1)[1]
+    assert kept.startswith("...") and "buffer buffer" in kept and kept.endswith("stack trace: ***"), kept[:80]
 
 
 def test_only_the_kernels_oom_killer_counts_as_out_of_memory(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -288,6 +288,10 @@ def test_a_plan_is_checked_against_the_model_and_the_arguments_beside_it() -> No
     assert caught[0].filename == __file__  # (at the caller's line)
 
 
+class Named(NamedTuple):
+    value: jax.Array
+
+
 def test_a_plan_takes_the_params_as_nnx_split_gives_them_and_its_value_and_grad_checks_the_model() -> None:
     """Plan.build's params as ``nnx.split`` gives them (Variables, whose paths end in ``.value``) are the plan's (they
     were all "missing"), also against a plan that recorded those paths; `autoaccum.nnx.value_and_grad` with a plan
@@ -300,6 +304,8 @@ def test_a_plan_takes_the_params_as_nnx_split_gives_them_and_its_value_and_grad_
     plan.build(lambda p, b: jnp.mean(b @ p["kernel"]), optimizer.tx, params=params)
     recorded = {k + ".value": v for k, v in plan.params.items()}  # (a plan made from a State before)
     dataclasses.replace(plan, params=recorded).check_params(nnx.to_pure_dict(params))
+    named = {"a": Named(jnp.ones(3))}  # (a field called value, not nnx's: its paths end in .value too)
+    dataclasses.replace(plan, params=params_signature(named)).check_params(named)
     other = dataclasses.replace(plan, params={"['kernel']": "float32[3, 3]"})
     grad_fn = autoaccum.nnx.value_and_grad(loss_fn, plan=other)
     with pytest.raises(ValueError, match=r"this plan was tuned for different params"):

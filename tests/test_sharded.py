@@ -246,19 +246,20 @@ def test_state_is_threaded_per_device_and_combined_after_the_loop(strategy_name:
     np.testing.assert_allclose(running, np.mean(finals), atol=ATOL)
 
 
+@pytest.mark.parametrize("keys", [0, 2], ids=["a-key", "two-keys"])
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=lambda t: t.name)
 def test_each_device_draws_from_its_own_key_and_the_first_keeps_the_single_device_chain(
-    strategy: str, axis_type: AxisType
+    strategy: str, axis_type: AxisType, keys: int
 ) -> None:
-    """A typed key in the state: device 0 runs the single-device key chain (the key returned is one device's), every
-    other device ``fold_in(key, d)``'s, so no two devices draw the same dropout mask. Reference without the library:
-    the gradient of row j is its mask bit over the batch."""
+    """A typed key in the state (or each key of an array of them): device 0 runs the single-device key chain (the
+    key returned is one device's), every other device ``fold_in(key, d)``'s, so no two devices draw the same dropout
+    mask. Reference without the library: the gradient of row j is its mask bit over the batch."""
     rows, microbatch = 64, 16  # 8 devices: 2 rows each per microbatch, 4 microbatches
 
     def masked(w: Any, batch: Any, state: Any) -> tuple[jax.Array, Any]:
-        key, sub = jax.random.split(state["key"])
+        key, sub = jax.random.split(state["key"] if keys == 0 else state["key"][0])
         keep = jax.random.bernoulli(sub, 0.5, (batch["x"].shape[0],)).astype(jnp.float32)
-        return jnp.mean(keep * (batch["x"] @ w)), {"key": key}
+        return jnp.mean(keep * (batch["x"] @ w)), {"key": key if keys == 0 else state["key"].at[0].set(key)}
 
     def chain(key: jax.Array) -> tuple[np.ndarray, jax.Array]:  # one device's 4 microbatches of 2 rows
         bits = []
@@ -267,19 +268,23 @@ def test_each_device_draws_from_its_own_key_and_the_first_keeps_the_single_devic
             bits.append(np.asarray(jax.random.bernoulli(sub, 0.5, (2,))))
         return np.concatenate(bits), key
 
-    key = jax.random.key(0)
-    want = [chain(key if d == 0 else jax.random.fold_in(key, d)) for d in range(8)]
+    given = jax.random.key(0) if keys == 0 else jax.random.split(jax.random.key(0), keys)
+    first = given if keys == 0 else given[0]
+    want = [chain(first if d == 0 else jax.random.fold_in(first, d)) for d in range(8)]
+    given_data = np.asarray(jax.random.key_data(given)).reshape(-1, 2)  # (before the update donates a copy of it)
     mesh = mesh_of(axis_type)
     update = autoaccum.build_update(
         masked, optax.sgd(1.0), microbatch_size=microbatch, strategy=strategy, has_state=True
     )
     w = place(jnp.zeros(rows), mesh, P())
-    batch, state = place({"x": jnp.eye(rows)}, mesh, P("data")), place({"key": key}, mesh, P())
+    batch, state = place({"x": jnp.eye(rows)}, mesh, P("data")), place({"key": given}, mesh, P())
     got, _, _, state = update(w, update.init(w), batch, state)
     bits = (-np.asarray(got) * rows).round().reshape(8, -1)  # sgd(1): -grad; device d holds rows [8d, 8d + 8)
     np.testing.assert_array_equal(bits, np.stack([b for b, _ in want]))
     assert len({tuple(b) for b in bits}) > 1
-    np.testing.assert_array_equal(jax.random.key_data(state["key"]), jax.random.key_data(want[0][1]))
+    returned = np.asarray(jax.random.key_data(state["key"])).reshape(-1, 2)
+    np.testing.assert_array_equal(returned[0], jax.random.key_data(want[0][1]))
+    np.testing.assert_array_equal(returned[1:], given_data[1:])  # (the other keys as given)
 
 
 @pytest.mark.parametrize("strategy_name", ["scan", "loop"])

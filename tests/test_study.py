@@ -105,7 +105,8 @@ def test_waiting_on_a_dead_workers_trial_prints_no_experimental_warning(tmp_path
 def test_a_killed_runs_trial_on_this_host_is_not_waited_for(tmp_path: Path) -> None:
     """A tune killed (SIGKILL: no Ctrl-C handler runs) mid-trial leaves its trial RUNNING. The next run on the same
     host sees that the trial's process has ended and re-queues the trial at once, long before its heartbeat's grace
-    period (an hour here) would end; it measures the trial itself, first."""
+    period (an hour here) would end; it measures the trial itself, before anything new (here, a grid: first; behind
+    the search, after what the killed run had queued already)."""
     storage = f"sqlite:///{tmp_path / 'studies.db'}"
     victim_log, next_log = tmp_path / "victim.jsonl", tmp_path / "next.jsonl"
     victim = start(storage, victim_log, "--hang", "--heartbeat", "1,3600")

@@ -194,7 +194,8 @@ def _on_mesh(layout: Layout, names: list[str], effective_batch: int, *, explicit
     check_effective_batch(effective_batch, layout)
     off = [n for n in names if not get_strategy(n).supports(layout)]
     if explicit and off:
-        why = " (parameters sharded over it, FSDP: multisteps needs them replicated)" if layout.sharded_params else ""
+        fsdp = layout.sharded_params and "multisteps" in off
+        why = " (parameters sharded over it, FSDP: multisteps needs them replicated)" if fsdp else ""
         running = [n for n in available_strategies() if get_strategy(n).supports(layout)]
         raise ValueError(
             f"`strategies` {off} do not run with these inputs on a mesh{why}; leave them out, e.g. "

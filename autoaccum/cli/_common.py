@@ -112,13 +112,13 @@ def check_loss_traces(w: Workload, target: str) -> None:
 
 def as_flags(message: str, command: click.Command | None = None) -> str:
     """``message`` (the library's, naming its arguments in backticks) with each argument that ``command`` (default:
-    the command running now, if any) has as an option named by its flag, and ``name=True`` by its switch.
+    the command running now, if any) has as an option named by its flag, and ``pass name=True`` by its switch.
 
     Example:
       >>> command = click.Command("tune", params=[click.Option(["--min-microbatch"], type=int),
       ...                                         click.Option(["--fresh"], is_flag=True)])
-      >>> as_flags("`min_microbatch`=600 is above `effective_batch`; pass fresh=True", command)
-      '`--min-microbatch`=600 is above `effective_batch`; pass --fresh'
+      >>> as_flags("`min_microbatch`=600 is above `effective_batch`; pass fresh=True, not f(fresh=True)", command)
+      '`--min-microbatch`=600 is above `effective_batch`; pass --fresh, not f(fresh=True)'
     """
     if command is None:
         ctx = click.get_current_context(silent=True)
@@ -127,5 +127,7 @@ def as_flags(message: str, command: click.Command | None = None) -> str:
         command = ctx.command
     flags = {p.name: p.opts[0] for p in command.params if isinstance(p, click.Option) and p.opts[0].startswith("--")}
     switches = {p.name: p.opts[0] for p in command.params if isinstance(p, click.Option) and p.is_flag}
-    message = re.sub(r"\b(\w+)=True\b", lambda m: switches.get(m.group(1), m.group(0)), message)
+    message = re.sub(
+        r"\bpass (\w+)=True\b", lambda m: f"pass {switches.get(m.group(1), m.group(1) + '=True')}", message
+    )
     return re.sub(r"`(\w+)`", lambda m: f"`{flags.get(m.group(1), m.group(1))}`", message)
