@@ -18,7 +18,8 @@ H100 80GB SXM reports 81,559 MiB of 81,920 MiB).
 Figures. ``memory_bytes`` is the datasheet's capacity read in GiB (HBM and GDDR parts are binary-sized);
 ``bf16_flops`` is the peak *dense* bfloat16 tensor-core rate with float32 accumulation (datasheets print
 the rate "with sparsity", twice the dense one; the dense one is used here), ``fp32_flops`` the peak
-non-tensor float32 rate, ``bandwidth`` the peak memory bandwidth in bytes/s. Every entry cites its source.
+non-tensor float32 rate, ``tf32_flops`` the dense TF32 tensor rate (Ampere and later: what JAX's default precision
+runs float32 matmuls at), ``bandwidth`` the peak memory bandwidth in bytes/s. Every entry cites its source.
 
 Example:
   >>> from autoaccum._catalog import lookup
@@ -100,6 +101,8 @@ class Accelerator:
       aliases: other names it is known by (matched after normalising case and punctuation).
       interconnect: the device-to-device bandwidth, bytes/s, both directions together as datasheets print it
         (NVLink, TPU ICI; PCIe for cards without NVLink); gradients are reduced over it on several devices.
+      tf32_flops: peak dense TF32 tensor FLOP/s (Ampere and later; None before): JAX's default precision runs
+        float32 matmuls on a GPU in TF32 where the card has it.
     """
 
     name: str
@@ -111,6 +114,7 @@ class Accelerator:
     source: str
     aliases: tuple[str, ...] = ()
     interconnect: float | None = None
+    tf32_flops: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("memory_bytes", "bf16_flops", "bandwidth"):
@@ -134,10 +138,16 @@ class Accelerator:
         return usable_bytes(self.memory_bytes, self.platform.default_mem_fraction, mem_fraction, safety_margin)
 
     def peak_flops(self, dtype_name: str) -> float:
-        """Peak FLOP/s for arithmetic in ``dtype_name``: the bf16 rate for 16-bit floats, else the fp32 rate."""
+        """Peak FLOP/s for arithmetic in ``dtype_name`` at JAX's default precision: the bf16 rate for 16-bit floats;
+        for float32 the TF32 rate where the card has one, else the fp32 rate (a TPU's: the bf16 rate).
+
+        Example:
+          >>> lookup("A100").peak_flops("float32") / 1e12, lookup("T4").peak_flops("float32") / 1e12
+          (156.0, 8.1)
+        """
         if dtype_name in ("bfloat16", "float16") or self.fp32_flops is None:
             return self.bf16_flops
-        return self.fp32_flops
+        return self.fp32_flops if self.tf32_flops is None else self.tf32_flops
 
 
 def check_fraction(value: float, name: str, *, lo_open: bool = False) -> float:
@@ -179,6 +189,7 @@ ACCELERATORS: tuple[Accelerator, ...] = (
         "l4-gpu-datasheet",
         ("l4-24gb",),
         interconnect=64 * GIGA,  # PCIe Gen4 x16: 64 GB/s (L4 datasheet)
+        tf32_flops=60 * TERA,  # TF32 120 TFLOPS "with sparsity" -> 60 dense (L4 datasheet)
     ),
     # NVIDIA A10 Tensor Core GPU datasheet: 24 GB GDDR6, 600 GB/s, 31.2 TFLOPS FP32,
     # BF16 125 | 250 TFLOPS (dense | sparse).
@@ -188,6 +199,7 @@ ACCELERATORS: tuple[Accelerator, ...] = (
         "Data-Center/a10/pdf/a10-datasheet.pdf",
         ("a10-24gb", "a10g"),
         interconnect=64 * GIGA,  # PCIe Gen4: 64 GB/s (A10 datasheet)
+        tf32_flops=62.5 * TERA,  # TF32 62.5 | 125 TFLOPS (dense | sparse) (A10 datasheet)
     ),
     # NVIDIA Ada GPU Architecture whitepaper v2.1, Appendix A, GeForce RTX 4090: 24 GB GDDR6X,
     # 1008 GB/s, 82.6 TFLOPS FP32, 165.2 TFLOPS BF16 tensor with FP32 accumulate (330.4 with sparsity).
@@ -197,6 +209,7 @@ ACCELERATORS: tuple[Accelerator, ...] = (
         "Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf",
         ("4090", "geforce-rtx-4090"),
         interconnect=64 * GIGA,  # no NVLink; PCIe 4.0 x16: 64 GB/s both directions (PCI-SIG PCIe 4.0)
+        tf32_flops=82.6 * TERA,  # TF32 tensor 82.6 TFLOPS (165.2 with sparsity) (Ada whitepaper, Appendix A)
     ),
     # NVIDIA A100 datasheet: 40 GB HBM2 at 1,555 GB/s; 80 GB HBM2e at 2,039 GB/s (SXM; PCIe 1,935 GB/s);
     # 19.5 TFLOPS FP32; BF16 312 | 624 TFLOPS (dense | sparse).
@@ -204,11 +217,13 @@ ACCELERATORS: tuple[Accelerator, ...] = (
         "A100-40GB", Platform.GPU, 40 * GiB, 312 * TERA, 19.5 * TERA, 1555 * GIGA, _NVIDIA_A100,
         ("a100", "a100-sxm4-40gb", "a100-pcie-40gb"),
         interconnect=600 * GIGA,  # NVLink: 600 GB/s (A100 datasheet, SXM)
+        tf32_flops=156 * TERA,  # TF32 156 | 312 TFLOPS (dense | sparse) (A100 datasheet)
     ),
     Accelerator(
         "A100-80GB", Platform.GPU, 80 * GiB, 312 * TERA, 19.5 * TERA, 2039 * GIGA, _NVIDIA_A100,
         ("a100-sxm4-80gb",),
         interconnect=600 * GIGA,  # NVLink: 600 GB/s (A100 datasheet, SXM)
+        tf32_flops=156 * TERA,
     ),
     # NVIDIA H100 datasheet, H100 SXM: 80 GB HBM3, 3.35 TB/s, 67 TFLOPS FP32,
     # BF16 1,979 TFLOPS "with sparsity" -> 989.5 dense. H100 PCIe: 80 GB, 2 TB/s, 51 TFLOPS FP32, 1,513 -> 756.5.
@@ -216,11 +231,13 @@ ACCELERATORS: tuple[Accelerator, ...] = (
         "H100-80GB", Platform.GPU, 80 * GiB, 989.5 * TERA, 67 * TERA, 3350 * GIGA, _NVIDIA_H100,
         ("h100", "h100-sxm", "h100-sxm5-80gb", "h100-80gb-hbm3"),
         interconnect=900 * GIGA,  # NVLink: 900 GB/s (H100 datasheet, SXM)
+        tf32_flops=494.7 * TERA,  # TF32 989 TFLOPS "with sparsity" -> 494.7 dense (H100 datasheet, SXM)
     ),
     Accelerator(
         "H100-PCIe", Platform.GPU, 80 * GiB, 756.5 * TERA, 51 * TERA, 2000 * GIGA, _NVIDIA_H100,
         ("h100-pcie-80gb",),
         interconnect=600 * GIGA,  # NVLink bridge: 600 GB/s (H100 datasheet, PCIe)
+        tf32_flops=378 * TERA,  # TF32 756 TFLOPS "with sparsity" -> 378 dense (H100 datasheet, PCIe)
     ),
     # NVIDIA H200 Tensor Core GPU product page / datasheet, H200 SXM: 141 GB HBM3e, 4.8 TB/s,
     # 67 TFLOPS FP32, BF16 1,979 TFLOPS "with sparsity" -> 989.5 dense.
@@ -229,6 +246,7 @@ ACCELERATORS: tuple[Accelerator, ...] = (
         "NVIDIA H200 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/h200/",
         ("h200-141gb", "h200-sxm"),
         interconnect=900 * GIGA,  # NVLink: 900 GB/s (H200 datasheet, SXM)
+        tf32_flops=494.7 * TERA,  # TF32 989 TFLOPS "with sparsity" -> 494.7 dense (H200 datasheet)
     ),
     # Google Cloud TPU documentation, "TPU v4": per chip 275 TFLOPS bf16, 32 GiB HBM2 at 1,200 GB/s.
     Accelerator(

@@ -20,6 +20,7 @@ def test_every_entry_has_sane_figures_and_cites_its_source(accelerator: catalog.
     assert 8 * GiB <= a.memory_bytes <= 192 * GiB
     assert 10e12 <= a.bf16_flops <= 2e15 and 100e9 <= a.bandwidth <= 10e12
     assert a.fp32_flops is None or 1e12 <= a.fp32_flops <= a.bf16_flops
+    assert a.tf32_flops is None or (a.fp32_flops is not None and a.fp32_flops <= a.tf32_flops <= a.bf16_flops)
     assert "https://" in a.source, a.source
     assert lookup(a.name) is a and all(lookup(alias) is a for alias in a.aliases)
 
@@ -48,7 +49,9 @@ def test_usable_memory_takes_the_reservation_and_the_margin_off() -> None:
 
 def test_peak_flops_follow_the_dtype() -> None:
     a100 = lookup("A100-40GB")
-    assert a100.peak_flops("bfloat16") == 312e12 and a100.peak_flops("float32") == 19.5e12
+    # float32 at JAX's default precision: TF32 where the card has it (Ampere and later), else the fp32 rate
+    assert a100.peak_flops("bfloat16") == 312e12 and a100.peak_flops("float32") == 156e12
+    assert lookup("T4").peak_flops("float32") == 8.1e12  # (Turing: no TF32)
     assert lookup("TPU-v5e").peak_flops("float32") == lookup("TPU-v5e").bf16_flops  # none published for fp32
 
 
