@@ -418,6 +418,7 @@ def _print_catalog(as_json: bool) -> None:
                 "memory_limit_bytes": a.memory_limit_bytes(),
                 "bf16_flops": a.bf16_flops,
                 "fp32_flops": a.fp32_flops,
+                "tf32_flops": a.tf32_flops,
                 "bandwidth": a.bandwidth,
                 "aliases": list(a.aliases),
                 "source": a.source,
@@ -426,7 +427,8 @@ def _print_catalog(as_json: bool) -> None:
         ]
         click.echo(json.dumps(rows, indent=2))
         return
-    headers = ("name", "memory", "memory limit (default)", "bf16 TFLOP/s", "fp32 TFLOP/s", "bandwidth", "aliases")
+    headers = ("name", "memory", "memory limit (default)", "bf16 TFLOP/s", "fp32 TFLOP/s", "tf32 TFLOP/s", "bandwidth",
+               "aliases")  # fmt: skip
     columns = [(header, "left" if header in ("name", "aliases") else "right") for header in headers]
     cells = [
         (
@@ -435,6 +437,7 @@ def _print_catalog(as_json: bool) -> None:
             format_bytes(a.memory_limit_bytes()),
             f"{a.bf16_flops / 1e12:,.1f}",
             "-" if a.fp32_flops is None else f"{a.fp32_flops / 1e12:,.1f}",
+            "-" if a.tf32_flops is None else f"{a.tf32_flops / 1e12:,.1f}",
             f"{a.bandwidth / 1e9:,.0f} GB/s",
             ", ".join(a.aliases),
         )
