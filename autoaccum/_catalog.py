@@ -316,6 +316,19 @@ def suggest(name: str) -> str | None:
     return _BY_KEY[matches[0]].name if matches else None
 
 
+def entry_for(kind: str) -> str | None:
+    """The catalog's name for a device as JAX or NVML names it (``"NVIDIA H100 80GB HBM3"`` -> ``"H100-80GB"``: its
+    name or an alias, the vendor's name aside), None where it is not catalogued (no guess: "cpu" is no TPU).
+
+    Example:
+      >>> entry_for("NVIDIA H100 80GB HBM3"), entry_for("NVIDIA L4"), entry_for("AMD EPYC 7B13 (2 cores)")
+      ('H100-80GB', 'L4', None)
+    """
+    bare = re.sub(r"^(nvidia|google)\s+", "", kind.strip(), flags=re.IGNORECASE)  # (the vendor's name first)
+    found = _BY_KEY.get(_key(kind)) or _BY_KEY.get(_key(bare))
+    return None if found is None else found.name
+
+
 def lookup(name: str) -> Accelerator:
     """The accelerator called ``name`` (its canonical name or an alias; case and punctuation are ignored).
 

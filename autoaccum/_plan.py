@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from autoaccum._batch import abstract, as_arrays
+from autoaccum._catalog import entry_for
 from autoaccum._device import device_kind
 from autoaccum._json import JsonMixin
 from autoaccum._knobs import Knobs, resolve
@@ -163,7 +164,10 @@ class Plan(JsonMixin):
         path = Path(path)
         if not path.is_file():
             what = "is a folder, not a file" if path.is_dir() else "does not exist"
-            raise FileNotFoundError(f"plan file {str(path)!r} {what}; create one with `autoaccum tune --out`.")
+            raise FileNotFoundError(
+                f"plan file {str(path)!r} {what}; create one with `autoaccum tune --out` (or, for a card you do not "
+                "have, `autoaccum plan --out`)."
+            )
         return cls.from_json(
             path.read_text(), source=f"plan file {str(path)!r} (re-create it with `autoaccum tune --out`)"
         )
@@ -203,13 +207,23 @@ class Plan(JsonMixin):
           4
 
         Warns:
-          UserWarning: the plan was measured on another device or jax version than this process runs (its
-            microbatch may not fit, or not be the fastest, here: tune again).
+          UserWarning: the plan was measured on another device or jax version than this process runs, or predicted
+            for a catalogued card this process does not run on (its microbatch may not fit, or not be the fastest,
+            here: tune again).
         """
         here = {"device": device_kind(), "jax": jax.__version__}
         if self.device == jax.devices()[0].platform == "cpu":  # (a plan saved before the CPU's model was recorded)
             here["device"] = "cpu"
         there = {"device": self.device, "jax": self.versions.get("jax", here["jax"])}
+        target = entry_for(self.device) if self.source == "predicted" else None  # (a catalogued card's name)
+        if target is not None and target != entry_for(here["device"]):
+            warnings.warn(
+                f"this plan was predicted for {self.device} from XLA's compiler (nothing ran), and this process runs "
+                f"{here['device']}: its microbatch may not fit here; tune here (autoaccum.tune, or `autoaccum tune "
+                "--out`).",
+                UserWarning,
+                stacklevel=3,
+            )
         if self.source == "measured" and self.device and there != here:
             warnings.warn(
                 f"this plan was measured on {there['device']} with jax {there['jax']}, and this process runs "

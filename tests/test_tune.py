@@ -25,6 +25,7 @@ from seams import tune
 import autoaccum
 import autoaccum._device
 from autoaccum import Plan, Update, workloads
+from autoaccum._catalog import entry_for
 from autoaccum._device import device_kind
 from autoaccum._tune.race import quartiles, race
 from autoaccum._tune.space import microbatch_candidates, variants
@@ -339,8 +340,9 @@ def test_a_loss_that_needs_several_examples_is_tuned_above_min_microbatch() -> N
 
 
 def test_a_plan_measured_elsewhere_warns_when_built_here(linear: autoaccum.Workload) -> None:
-    """A plan measured on another device or jax version builds, with a warning saying so and what to do; one
-    measured here, and a predicted one (its device a planned target), build without one."""
+    """A plan measured on another device or jax version builds, with a warning saying so and what to do, and one
+    predicted for a catalogued card this process does not run on; one measured here, and a predicted one for a target
+    not in the catalog (a memory limit on this platform), build without one."""
     foreign = Plan(10, 4, 3, "scan", device="NVIDIA H100 80GB HBM3", versions={"jax": "0.4.1"})
     with pytest.warns(UserWarning, match=r"measured on NVIDIA H100 80GB HBM3 with jax 0\.4\.1, and this process runs "
                       rf"{re.escape(device_kind())} with jax {jax.__version__}.*tune again"):  # fmt: skip
@@ -352,7 +354,12 @@ def test_a_plan_measured_elsewhere_warns_when_built_here(linear: autoaccum.Workl
         here.build(linear.loss_fn, optax.sgd(0.1))
         if jax.default_backend() == "cpu":
             older.build(linear.loss_fn, optax.sgd(0.1))
-        dataclasses.replace(foreign, source="predicted").build(linear.loss_fn, optax.sgd(0.1))
+        dataclasses.replace(foreign, source="predicted", device="24.00 GiB").build(linear.loss_fn, optax.sgd(0.1))
+    predicted = dataclasses.replace(foreign, source="predicted", device="H100-80GB")
+    if entry_for(device_kind()) != "H100-80GB":
+        with pytest.warns(UserWarning, match=r"predicted for H100-80GB from XLA's compiler \(nothing ran\), and this "
+                          rf"process runs {re.escape(device_kind())}.*tune here"):  # fmt: skip
+            predicted.build(linear.loss_fn, optax.sgd(0.1))
 
 
 @pytest.mark.parametrize(
