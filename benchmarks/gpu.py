@@ -70,7 +70,7 @@ import optax
 
 import autoaccum
 from autoaccum import workloads
-from autoaccum._catalog import UnknownAcceleratorError, lookup, suggest
+from autoaccum._catalog import entry_for, lookup, suggest
 from autoaccum._gpu_compile import compiler_status
 from autoaccum._probe import TrialRunner, prepare
 from autoaccum._tune.space import microbatch_candidates, program_key, variants
@@ -266,12 +266,9 @@ def _git_commit() -> str | None:
 
 
 def catalog_entry(name: str) -> str | None:
-    """The catalogue's name for a device (``"NVIDIA H100 80GB HBM3"`` -> ``"H100-80GB"``), None if none."""
-    try:
-        return lookup(name).name
-    except UnknownAcceleratorError:
-        close = suggest(name)
-        return None if close is None else lookup(close).name
+    """The catalogue's name for a device (``"NVIDIA H100 80GB HBM3"`` -> ``"H100-80GB"``), else the closest, None if
+    none is close."""
+    return entry_for(name) or suggest(name)
 
 
 def _sibling(name: str) -> ModuleType:
