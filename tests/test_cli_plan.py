@@ -106,6 +106,8 @@ def test_nothing_fits_is_that_targets_answer_and_exits_0() -> None:
     result = run(WORKLOAD, "--memory-limit", "1MiB")  # the only target: still an answer
     check(result, 0)
     assert "nothing fits" in result.output
+    words = " ".join(result.output.split())  # (no card among the targets: no card's notes)
+    assert "nothing was run" in words and "MEM_FRACTION" not in words and "sm_XY" not in words, words
 
 
 def test_exits_1_only_when_no_target_could_be_planned(monkeypatch: pytest.MonkeyPatch) -> None:

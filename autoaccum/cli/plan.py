@@ -20,13 +20,18 @@ from autoaccum.cli._common import (
 )
 from autoaccum.cli._console import fit_table, make_console
 
-NOTE = (
-    "Predicted from XLA's compile-only analysis ({compilers}; nothing was run). Usable memory = the card's "
-    "memory x mem-fraction ({fraction}) - a {margin:.0%} safety margin: JAX preallocates 75% of a GPU; set "
-    "XLA_PYTHON_CLIENT_MEM_FRACTION=.9 (and pass --mem-fraction .9) or XLA_PYTHON_CLIENT_PREALLOCATE=false to "
-    "use more. Step time is a roofline ESTIMATE (XLA's FLOPs and bytes accessed against the datasheet peaks), "
-    "a lower bound rather than a measurement."
+NOTE = "Predicted from XLA's compile-only analysis ({compilers}; nothing was run)."
+GPU_MEMORY_NOTE = (
+    " Usable memory = the card's memory x mem-fraction ({fraction}) - a {margin:.0%} safety margin: JAX "
+    "preallocates 75% of a GPU; set XLA_PYTHON_CLIENT_MEM_FRACTION=.9 (and pass --mem-fraction .9) or "
+    "XLA_PYTHON_CLIENT_PREALLOCATE=false to use more."
 )
+STEP_NOTE = (
+    " Step time is a roofline ESTIMATE (XLA's FLOPs and bytes accessed against the datasheet peaks), a lower bound "
+    "rather than a measurement."
+)
+"""What the footer adds where a GPU, or any catalogued accelerator, is among the targets (a memory limit has no
+card, and no step time)."""
 DEMO_GPUS = ("H100", "L4")
 """The cards ``--demo`` plans for without ``--gpu``: the large and the small end of the catalogue. Each card is
 six compilations of GPT-2 small by XLA's GPU compiler; add others with ``--gpu`` (e.g. ``--gpu A100-40GB``)."""
@@ -345,8 +350,14 @@ def _report(console: Any, plans: list[Any], results: list[Any], targets: list[An
     _print_table(console, plans, targets, total)
     fraction = "default" if mem_fraction is None else f"{mem_fraction:g}"
     compilers = ", ".join(dict.fromkeys(p.compiler for p in plans if p is not None))
-    console.print(NOTE.format(compilers=compilers, fraction=fraction, margin=safety_margin), highlight=False)
-    console.print(GPU_NOTE, highlight=False)
+    from autoaccum._catalog import Platform, lookup
+
+    cards = [lookup(t.accelerator) for t in targets if t.accelerator is not None]
+    gpus = any(c.platform is Platform.GPU for c in cards) or any(t.description is not None for t in targets)
+    note = NOTE + (GPU_MEMORY_NOTE if gpus else "") + (STEP_NOTE if cards else "")
+    console.print(note.format(compilers=compilers, fraction=fraction, margin=safety_margin), highlight=False)
+    if "XLA:GPU" in compilers or "(proxy)" in compilers:
+        console.print(GPU_NOTE, highlight=False)
     for r, t in zip(results, targets, strict=True):
         if isinstance(r, Exception):
             console.print(f"[red]{t.name}: not planned[/], XLA could not compile the step: {r}", highlight=False)
