@@ -24,6 +24,7 @@ import pickle
 import resource
 import select
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -536,12 +537,25 @@ def measured(
         return Outcome("oom", message=f"{first} (under the cap; the same step runs without it)")
 
 
+_INTERRUPTED: list[int] = []
+"""The SIGINTs this child received (`serve` counts them): a KeyboardInterrupt without one is the user's code's."""
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    _INTERRUPTED.append(signum)
+    raise KeyboardInterrupt
+
+
 def guarded(run: Callable[[], Outcome]) -> Outcome:
     """``run()`` in a child process: an allocation failure (`is_oom`) is the ``"oom"`` outcome, any other exception
-    an ``"error"`` outcome with its traceback."""
+    (a KeyboardInterrupt that no SIGINT raised too) an ``"error"`` outcome with its traceback."""
     try:
         return unless_oom(run)
     except Exception as e:
+        return Outcome("error", message=error_report(e))
+    except KeyboardInterrupt as e:
+        if _INTERRUPTED:
+            raise
         return Outcome("error", message=error_report(e))
 
 
@@ -1066,6 +1080,7 @@ def over_limit(outcome: Outcome, limit: int) -> Outcome:
 def serve(payload_path: str, answers_fd: int, limit: int) -> None:
     """The worker's loop (in the child): one `Request` per line of stdin, its `Outcome` on ``answers_fd``."""
     use_compilation_cache()
+    signal.signal(signal.SIGINT, _interrupted)
     (job, settings, expected), platform = load_payload(payload_path)
     device = jax.devices()[0]
     warm_up(device)

@@ -55,6 +55,13 @@ def chatty_loss(params: Any, batch: Any) -> jax.Array:
     return linear_loss(params, batch)
 
 
+def interrupting_loss(params: Any, batch: Any) -> jax.Array:
+    """In a worker: raises KeyboardInterrupt itself when traced for microbatch 2 (no signal was sent)."""
+    if batch["x"].shape[0] == 2 and str(os.getpid()) != os.environ.get("TROUBLE_PARENT"):
+        raise KeyboardInterrupt("the loss's own")
+    return linear_loss(params, batch)
+
+
 def problem(features: int = 256, rows: int = 4) -> tuple[Any, Any]:
     params = {"w": jnp.zeros((features, 8))}
     batch = {"x": jnp.ones((rows, features)), "y": jnp.ones((rows, 8))}
@@ -92,6 +99,20 @@ def test_a_crash_is_judged_by_what_the_worker_wrote_since_its_request(monkeypatc
         assert w.time(Request({"strategy": "scan"}, 2, 2)).status == "fits"
         crash = w.time(Request({"strategy": "scan"}, 4, 4))
     assert crash.status == "error" and "SIGABRT" in (crash.message or ""), crash
+
+
+def test_a_keyboard_interrupt_the_loss_raises_is_its_error_not_a_kill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt raised by the user's code (no SIGINT reached the worker) is reported as the trial's error,
+    once; it read as a kill from outside ("run once more, it was killed again")."""
+    monkeypatch.setenv("TROUBLE_PARENT", str(os.getpid()))
+    params, batch = problem(rows=8)
+    setup = prepare(interrupting_loss, params, batch, optimizer=optax.sgd(0.1), memory_limit="128MiB")
+    with Worker(setup.job, setup.device, setup.memory_limit_bytes, compile_timeout=120, step_timeout=60) as w:
+        interrupted = w.time(Request({"strategy": "scan"}, 2, 2))
+        assert w.time(Request({"strategy": "scan"}, 4, 4)).status == "fits"
+    assert interrupted.status == "error", interrupted
+    assert (interrupted.message or "").startswith("KeyboardInterrupt: the loss's own"), interrupted.message
+    assert "killed" not in (interrupted.message or ""), interrupted.message
 
 
 def test_a_step_over_the_limit_stops_after_its_first_call() -> None:
