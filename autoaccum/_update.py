@@ -7,6 +7,7 @@ state)``; from a data loader: ``update.stream(params, opt_state, microbatches[, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -358,9 +359,15 @@ def spelled_out(build: Mapping[str, Any]) -> dict[str, Any]:
       >>> spelled_out({"strategy": "scan"}) == spelled_out({"strategy": "scan", "unroll": 1, "remat": None})
       True
     """
-    keywords = inspect.signature(build_update).parameters.values()
-    defaults = {p.name: p.default for p in keywords if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
+    defaults = _build_defaults()
     name = build.get("strategy", defaults["strategy"])
     strategy = Auto if name == Auto.name else get_strategy(name)
     full = {**defaults, **{k: v[0] for k, v in strategy.options.items()}, **build}
     return {**full, "accumulator_dtype": jnp.dtype(full["accumulator_dtype"]).name}
+
+
+@functools.cache
+def _build_defaults() -> dict[str, Any]:
+    """`build_update`'s keyword arguments with their defaults (read once: `spelled_out` runs for every request)."""
+    keywords = inspect.signature(build_update).parameters.values()
+    return {p.name: p.default for p in keywords if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}

@@ -551,10 +551,8 @@ def guarded(run: Callable[[], Outcome]) -> Outcome:
     (a KeyboardInterrupt that no SIGINT raised too) an ``"error"`` outcome with its traceback."""
     try:
         return unless_oom(run)
-    except Exception as e:
-        return Outcome("error", message=error_report(e))
-    except KeyboardInterrupt as e:
-        if _INTERRUPTED:
+    except (Exception, KeyboardInterrupt) as e:
+        if isinstance(e, KeyboardInterrupt) and _INTERRUPTED:
             raise
         return Outcome("error", message=error_report(e))
 
