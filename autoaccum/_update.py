@@ -216,7 +216,8 @@ def build_update(
         ``has_aux``, ``has_state`` and ``loss_reduction``. ``batch`` is any pytree whose leaves share a leading
         example axis. Every leaf of ``params`` must be floating (counters and keys belong in ``state``).
       optimizer: an ``optax.GradientTransformation``.
-      microbatch_size: examples per microbatch (a positive int).
+      microbatch_size: examples per microbatch (a positive int); the last one may be smaller, and a batch of at
+        most this many examples runs as one microbatch (the plain full-batch step).
       strategy: how to accumulate, one of ``autoaccum.strategies.available()``, or ``"auto"``: ``"scan"`` (the
         whole update in one program), except on XLA:CPU for a ``loss_fn`` with a convolution, ``"loop"``
         (XLA:CPU runs convolutions inside a loop body about 10x slower; see `autoaccum.strategies.Auto`).

@@ -19,7 +19,8 @@ What accumulation cannot make equal to one full-batch step: BatchNorm in trainin
 microbatch by that microbatch's statistics, so the gradient differs from the full batch's, more as the
 microbatch shrinks (keep it above a floor: ``autoaccum.tune(..., min_microbatch=...)``). The running
 statistics take one EMA step per microbatch, ``k`` per update; ``build_update(..., state_update="once")``
-moves them once per update, by the mean of the microbatches' statistics, as one full-batch step would.
+moves them once per update, by the mean of the microbatches' statistics: the running mean as one full-batch step
+would move it, the running variance not quite (it leaves out how the microbatches' means differ).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def init_state(variables: Mapping[str, Any], rng: jax.Array, mutable: Sequence[s
     and ``rng`` usable.
 
     Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from autoaccum.linen import init_state
       >>> init_state({"params": {}, "batch_stats": {"mean": jnp.zeros(2)}}, jax.random.key(0))["batch_stats"]
       {'mean': Array([0., 0.], dtype=float32)}
     """
@@ -82,7 +85,8 @@ def make_loss_fn(
         microbatch, so each microbatch of each step draws its own randomness.
 
     Example:
-      >>> import flax.linen as nn, jax.numpy as jnp, optax, autoaccum
+      >>> import flax.linen as nn, jax, jax.numpy as jnp, optax, autoaccum
+      >>> from autoaccum.linen import init_state, make_loss_fn
       >>> model = nn.Dense(1)
       >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
       >>> fn = make_loss_fn(model, lambda apply, b: jnp.mean(apply(b)), mutable=(), rng_streams=())

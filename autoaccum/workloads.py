@@ -247,10 +247,10 @@ def _lm_loss(graphdef: Any, rest: Any, block_remat: str | None = None) -> Callab
 DEMO = {"cpu": (128, 32, "32MiB"), "gpu": (1024, 64, "512MiB")}
 """The demo's effective batch, sequence length and memory limit per platform. On the CPU a batch of 128
 sequences of 32 tokens needs about 100 MiB in one step (XLA's estimate), so under 32 MiB the step must
-accumulate: about 27 examples fit at once, and about 67 with each block rematerialised (the ``block_remat``
-knob, `BLOCK_REMAT`): fewer accumulation steps for a recomputed forward pass, the trade the tuner times. A GPU
-needs room of its own inside the limit (cuBLAS workspaces, the compiler's autotuning: on an H100 nothing fits
-under 64 MiB), so there the demo is 1024 sequences of 64 tokens under 512 MiB."""
+accumulate: 32 examples fit at once (probed), and 57-60 with each block rematerialised (estimated; the
+``block_remat`` knob, `BLOCK_REMAT`): fewer accumulation steps for a recomputed forward pass, the trade the tuner
+times. A GPU needs room of its own inside the limit (cuBLAS workspaces, the compiler's autotuning: on an H100
+nothing fits under 64 MiB), so there the demo is 1024 sequences of 64 tokens under 512 MiB."""
 
 
 def demo() -> Workload:

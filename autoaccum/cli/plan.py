@@ -125,7 +125,8 @@ def plan(
     WORKLOAD is path/to/file.py:function or package.module:function returning an autoaccum.Workload; --demo plans a
     model people size (GPT-2 small at sequence 1024, built from shapes only, on H100 and L4 unless --gpu names
     cards; --large adds a ~1B transformer). Targets are catalogued accelerators (--gpu) and bare memory limits
-    (--memory-limit); with neither, this machine's default device. With the gpu-plan extra (pip install
+    (--memory-limit); with neither, the workload's own memory_limit where it sets one, else this machine's
+    default device. With the gpu-plan extra (pip install
     "autoaccum[gpu-plan]", jax-cuda12-plugin at jax's version) each catalogued GPU is compiled for by XLA's GPU
     compiler itself, without a GPU; otherwise the CPU compiler's figures stand in (labelled "XLA:CPU (proxy)"). The
     targets are compiled for at once, a line for each compilation.

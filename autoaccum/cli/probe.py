@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 @click.option(
     "--memory-limit",
     help="Memory a trial may use, e.g. 1.5GiB or 800MB; one above the device's memory is lowered to it, with a "
-    "warning [default: XLA's allocator limit on a GPU, 50% of available RAM on the CPU].",
+    "warning [default: the workload's own memory_limit where it sets one (--demo: 32MiB on the CPU, 512MiB on a "
+    "GPU), else XLA's allocator limit on a GPU, 50% of available RAM on the CPU].",
 )
 @click.option(
     "--microbatch-cap", type=int, default=16384, show_default=True,

@@ -64,7 +64,8 @@ step = autoaccum.nnx.build_update({loss}, plan=plan)
 @click.option(
     "--memory-limit",
     help="Memory a step may use, e.g. 1.5GiB or 800MB; one above the device's memory is lowered to it, with a "
-    "warning [default: the device's].",
+    "warning [default: the workload's own memory_limit where it sets one (--demo: 32MiB on the CPU, 512MiB on a "
+    "GPU), else the device's].",
 )
 @click.option(
     "--budget",
@@ -77,7 +78,8 @@ step = autoaccum.nnx.build_update({loss}, plan=plan)
 @click.option(
     "--storage",
     help="Optuna storage: an RDB URL, or :memory: [default: the SQLite file studies.db in $AUTOACCUM_CACHE, else "
-    "in ~/.cache/autoaccum; a folder that cannot be made or written is an error, exit 2].",
+    "in $XDG_CACHE_HOME/autoaccum, else in ~/.cache/autoaccum; a folder that cannot be made or written is an error, "
+    "exit 2].",
 )
 @click.option(
     "--study-name", help="Optuna study name [default: a fingerprint of the update program, so re-runs resume]."
