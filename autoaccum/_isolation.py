@@ -11,6 +11,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import enum
 import functools
 import importlib.abc
 import importlib.machinery
@@ -197,13 +198,47 @@ def payload(job: Any, platform: str, functions: Sequence[Any] = ()) -> bytes:
         if isinstance(n, str) and n in sys.modules and n != "__main__" and n not in files
         and not _findable(n.partition(".")[0])
     ]  # fmt: skip
-    return pickle.dumps(([p for p in sys.path if p], platform, _dumps(job, by_value), files))
+    return pickle.dumps(([p for p in sys.path if p], platform, _dumps(job, by_value), files, jax_settings()))
+
+
+_CHILDS_OWN_SETTINGS = ("compilation_cache", "persistent_cache", "platform", "num_cpu_devices", "visible_devices")
+"""JAX settings a child does not take from its parent: its compilation cache (`autoaccum._worker`) and its
+devices (`child_env`)."""
+
+
+def jax_settings() -> dict[str, Any]:
+    """This process's JAX settings (``jax.config``, contexts such as ``jax.default_matmul_precision`` included) that
+    a child takes (`apply_jax_settings`): what a script sets at run time changes what the loss lowers to."""
+    import jax
+
+    return {
+        name: value for name, value in jax.config.values.items()
+        if isinstance(value, (bool, int, float, str, enum.Enum, type(None)))
+        and not any(own in name for own in _CHILDS_OWN_SETTINGS)
+    }  # fmt: skip
+
+
+def apply_jax_settings(settings: Mapping[str, Any]) -> list[str]:
+    """Sets this process's JAX settings to ``settings`` (`jax_settings` of the parent) where they differ; returns
+    the names of those that could not be set."""
+    import jax
+
+    failed = []
+    for name, value in settings.items():
+        if name in jax.config.values and jax.config.values[name] != value:
+            try:
+                jax.config.update(name, value)
+            except Exception:  # (one that cannot change once a backend has started)
+                failed.append(name)
+    return failed
 
 
 def load_payload(payload_path: str) -> tuple[Any, str]:
-    """The job and platform a parent pickled (`payload`), its ``sys.path`` restored and its file modules found."""
+    """The job and platform a parent pickled (`payload`), its ``sys.path`` restored, its file modules found and
+    its JAX settings taken (`apply_jax_settings`), before the job is unpickled."""
     with open(payload_path, "rb") as f:
-        sys_path, platform, body, files = pickle.load(f)
+        sys_path, platform, body, files, settings = pickle.load(f)
+    apply_jax_settings(settings)
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     sys.meta_path.append(_FileModules(files))
     import cloudpickle

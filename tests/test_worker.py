@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -466,3 +467,27 @@ def test_a_worker_refuses_a_loss_that_differs_from_the_callers(tmp_path: Any, mo
     monkeypatch.setattr(module, "SCALE", 3.0)
     with pytest.raises(autoaccum.ProbeError, match="the loss the worker loaded is not the one this process runs"):
         autoaccum.probe(module.loss_fn, params, batch, **kw)
+
+
+@pytest.mark.parametrize("how", ["config", "context"])
+def test_the_worker_runs_the_loss_under_the_callers_jax_settings(how: str) -> None:
+    """A JAX setting the caller made at run time (``jax.config.update``, or a context such as
+    ``jax.default_matmul_precision``) changes what the loss lowers to: the worker takes it, and runs the caller's
+    program (it refused every request: a new user's tune under ``"highest"`` precision)."""
+    params, batch = jnp.ones((4, 4)), {"x": jnp.ones((16, 4))}
+
+    def loss_fn(w: Any, b: Any) -> jax.Array:
+        return jnp.mean((b["x"] @ w) ** 2)
+
+    kw = dict(optimizer=optax.sgd(0.1), memory_limit="64MiB", sizes=[8])
+    before = jax.config.values["jax_default_matmul_precision"]
+    if how == "config":
+        jax.config.update("jax_default_matmul_precision", "highest")
+        settings: Any = contextlib.nullcontext()
+    else:
+        settings = jax.default_matmul_precision("highest")
+    try:
+        with settings:
+            assert autoaccum.probe(loss_fn, params, batch, **kw).max_microbatch == 8
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
