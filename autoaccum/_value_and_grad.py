@@ -75,7 +75,8 @@ def value_and_grad(
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (the mean over the batch's examples), or as ``has_aux``,
         ``has_state`` and ``loss_reduction`` say.
-      microbatch_size: examples per microbatch (a positive int).
+      microbatch_size: examples per microbatch (a positive int); the last one may be smaller, and a batch of at
+        most this many examples runs as one microbatch (the plain full-batch step).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; a leaf whose leading size follows the batch's (found by
         tracing ``loss_fn`` abstractly at two sizes) is per-example, on one device.
       has_state: whether ``loss_fn(params, batch, state)`` returns ``(loss, state)``.
@@ -220,14 +221,24 @@ def _example_rows(
         micro = jax.tree.map(lambda x: _abstract(x, n), batch)
         return jax.eval_shape(f, jax.tree.map(_abstract, params), micro, jax.tree.map(_abstract, state))
 
-    one, treedef = jax.tree.flatten(aux(size))
+    one, treedef = jax.tree.flatten_with_path(aux(size))
     two = jax.tree.leaves(aux(2 * size))
     if len(one) != len(two):
         return None
-    mask = tuple(a.ndim >= 1 and a.shape[0] == size and b.shape[0] == 2 * size for a, b in zip(one, two, strict=True))
+    pairs = [(path, a, b) for (path, a), b in zip(one, two, strict=True)]
+    mask = tuple(a.ndim >= 1 and a.shape[0] == size and b.shape == (2 * size, *a.shape[1:]) for _, a, b in pairs)
+    for (path, a, b), rows in zip(pairs, mask, strict=True):
+        if a.shape != b.shape and not rows:
+            raise ValueError(
+                f"`loss_fn`'s aux leaf {jax.tree_util.keystr(path) or '<root>'} changes shape with the number of "
+                f"examples ({a.shape} for {size} examples, {b.shape} for {2 * size}) but not as rows along its "
+                "leading axis: value_and_grad returns an aux leaf either averaged over the microbatches (its shape "
+                "fixed) or as the whole batch's rows (the examples first); move the example axis first (e.g. "
+                "jnp.moveaxis(x, 1, 0)) or reduce it in loss_fn."
+            )
     if not any(mask):
         return None
-    rows = tuple((tuple(a.shape[1:]), a.dtype) for a, r in zip(one, mask, strict=True) if r)
+    rows = tuple((tuple(a.shape[1:]), a.dtype) for (_, a), r in zip(one, mask, strict=True) if r)
     return _Rows(mask, treedef, rows)
 
 

@@ -417,15 +417,15 @@ def _check_aux(spec: Spec, aux: PyTree, params: PyTree, batch: PyTree, state: Py
     """Refuses an aux leaf with the microbatch's example axis (per-example logits, say).
 
     Aux is averaged over the microbatches, weighted like the loss, so every microbatch's aux must have the same
-    shapes. A leaf whose leading size equals the microbatch's examples is traced again (abstractly) at twice as
-    many examples: if its leading size follows, it is per-example and refused; if not (a per-class vector that
-    happens to be as long), it is kept.
+    shapes. A leaf with an axis whose size is a multiple of the microbatch's examples is traced again (abstractly)
+    at twice as many examples: if its shape follows, it is refused; if not (a per-class vector that happens to be
+    as long), it is kept.
     """
     n = leading_size(batch)
     suspects = [
         (path, leaf)
         for path, leaf in jax.tree_util.tree_leaves_with_path(aux)
-        if np.ndim(leaf) >= 1 and np.shape(leaf)[0] == n
+        if any(d >= n and d % n == 0 for d in np.shape(leaf))
     ]
     if not suspects:
         return
@@ -442,13 +442,14 @@ def _check_aux(spec: Spec, aux: PyTree, params: PyTree, batch: PyTree, state: Py
         aux_only, jax.tree.map(abstract, params), jax.tree.map(lambda x: abstract(x, 2 * n), batch),
         jax.tree.map(abstract, state),
     )  # fmt: skip
-    sizes = {path: np.shape(leaf)[:1] for path, leaf in jax.tree_util.tree_leaves_with_path(doubled)}
+    shapes = {path: np.shape(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(doubled)}
     for path, leaf in suspects:
-        if sizes.get(path) == (2 * n,):
+        if shapes.get(path, np.shape(leaf)) != np.shape(leaf):
             name = jax.tree_util.keystr(path) or "<root>"
             raise ValueError(
-                f"`loss_fn`'s aux leaf {name} has the microbatch's example axis (shape {np.shape(leaf)} for {n} "
-                "examples): aux is averaged over the microbatches, weighted like the loss, so each leaf must keep "
+                f"`loss_fn`'s aux leaf {name} changes shape with the number of examples (shape {np.shape(leaf)} for "
+                f"{n} examples, {shapes[path]} for {2 * n}): aux is averaged over the microbatches, weighted like the "
+                "loss, so each leaf must keep "
                 "its shape whatever the number of examples (a scalar metric, a per-class count). Reduce it over "
                 "the examples in loss_fn (e.g. jnp.mean(correct)), compute per-example outputs such as logits in a "
                 "forward pass of their own, or accumulate inside a step of your own with autoaccum.value_and_grad, "

@@ -447,19 +447,28 @@ def test_a_token_weighted_loss_with_aux_but_no_has_aux_names_has_aux(strategy: s
         update(jnp.ones(3), update.init(jnp.ones(3)), jnp.ones((4, 3)))
 
 
-def per_example_aux_loss(w: jax.Array, b: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    pred = b @ w
-    return jnp.mean(pred**2), {"logits": pred, "mean_pred": jnp.mean(pred)}
+PER_EXAMPLE = {  # an aux leaf whose shape follows the examples, and its shape at 4 examples
+    "rows": (lambda pred: pred, r"\(4,\)"),
+    "stacked": (lambda pred: jnp.stack([pred, 2 * pred]), r"\(2, 4\)"),  # the examples second
+    "flattened": (lambda pred: jnp.concatenate([pred, pred]), r"\(8,\)"),
+}
 
 
+@pytest.mark.parametrize("leaf", list(PER_EXAMPLE))
 @pytest.mark.parametrize("batch_size", [8, 10], ids=["even", "uneven"])
-def test_a_per_example_aux_leaf_is_refused_before_compiling(strategy: str, batch_size: int) -> None:
+def test_a_per_example_aux_leaf_is_refused_before_compiling(strategy: str, batch_size: int, leaf: str) -> None:
     # Averaged silently on an even split, a broadcasting error on an uneven one: refused, naming the leaf.
+    make, shape = PER_EXAMPLE[leaf]
+
+    def per_example_aux_loss(w: jax.Array, b: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        pred = b @ w
+        return jnp.mean(pred**2), {"logits": make(pred), "mean_pred": jnp.mean(pred)}
+
     update = autoaccum.build_update(
         per_example_aux_loss, optax.sgd(0.1), microbatch_size=4, strategy=strategy, has_aux=True
     )
     batch = jnp.ones((batch_size, 3))
-    refused = r"aux leaf \['logits'\] has the microbatch's example axis \(shape \(4,\) for 4 examples\)"
+    refused = rf"aux leaf \['logits'\] changes shape with the number of examples \(shape {shape} for 4 examples"
     params = jnp.ones(3)
     opt_state = update.init(params)  # (outside the count: the optimizer's init compiles on a process's first call)
     with count_backend_compiles() as compiles, pytest.raises(ValueError, match=refused) as caught:

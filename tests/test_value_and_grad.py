@@ -101,6 +101,29 @@ def test_per_example_aux_is_the_whole_batch_rows(batch_size: int, microbatch_siz
     assert_close(got, jax.value_and_grad(loss_with_logits, has_aux=True)(params, batch))
 
 
+@pytest.mark.parametrize(
+    ("make", "shapes"),
+    [(lambda p: jnp.stack([p, 2 * p]), r"\(2, 4\) for 4 examples, \(2, 8\) for 8"),
+     (lambda p: jnp.concatenate([p, p]), r"\(8,\) for 4 examples, \(16,\) for 8")],
+    ids=["examples-second", "flattened"],
+)  # fmt: skip
+def test_an_aux_leaf_following_the_examples_but_not_as_rows_is_refused(make: Any, shapes: str) -> None:
+    """Such a leaf was averaged over equal microbatches (shape (2, 5) for 10 examples, no error: a new user's
+    report) and failed to broadcast over uneven ones: refused, naming it, at every split."""
+    params, batch = mlp(10)
+
+    def loss_fn(p: Any, b: Any) -> Any:
+        loss, aux = loss_with_logits(p, b)
+        return loss, {**aux, "odd": make(aux["prediction"])}
+
+    for microbatch_size in (4, 5):
+        grad_fn = autoaccum.value_and_grad(loss_fn, microbatch_size=microbatch_size, has_aux=True)
+        with pytest.raises(ValueError, match=r"aux leaf \['odd'\] changes shape with the number of examples"):
+            jax.jit(grad_fn)(params, batch)
+    with pytest.raises(ValueError, match=shapes):
+        autoaccum.value_and_grad(loss_fn, microbatch_size=4, has_aux=True)(params, batch)
+
+
 def test_per_example_aux_is_refused_on_a_mesh() -> None:
     params, batch = mlp(16)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
@@ -278,6 +301,8 @@ def test_bad_input_is_refused_before_compiling() -> None:
             autoaccum.value_and_grad(loss_fn, microbatch_size=4)(params, batch, {})
         with pytest.raises(TypeError, match=r"`loss_fn` must take 3 arguments, loss_fn\(params, batch, state\)"):
             autoaccum.value_and_grad(loss_fn, microbatch_size=4, has_state=True)  # (its own TypeError at the call)
+        with pytest.raises(TypeError, match=r"must take 2 arguments.*\(w, b, s\).*, pass has_state=True"):
+            autoaccum.value_and_grad(lambda w, b, s: (loss_fn(w, b), s), microbatch_size=4)(params, batch)
         for bad in (-1, 2.5, "2"):  # lax.scan's own errors at the call named none of autoaccum's arguments
             with pytest.raises(ValueError, match=rf"`unroll` must be an int >= 1 .* got unroll={bad!r}"):
                 autoaccum.value_and_grad(loss_fn, microbatch_size=4, unroll=bad)  # type: ignore[arg-type]
@@ -468,6 +493,30 @@ def test_nnx_in_the_users_step_with_optimizer_and_metrics() -> None:
     assert len(traces) == 1 and int(optimizer.step[...]) == 2
     assert_close(nnx.state(model), nnx.state(reference))
     np.testing.assert_allclose(metrics.compute()["loss"], np.mean(want_losses), atol=ATOL)
+
+
+def test_a_plan_tuned_without_aux_serves_a_loss_returning_metrics() -> None:
+    """``has_aux`` describes the loss passed, not a tuned choice: a plan tuned on a plain loss gives the transform
+    of a step's loss returning metrics (refused before, with advice that could not be taken: a new user's case)."""
+    params, batch = mlp(10)
+    plan = autoaccum.Plan(effective_batch=10, microbatch_size=4, accumulation_steps=3, strategy="scan")
+    want = jax.value_and_grad(loss_with_aux, has_aux=True)(params, batch)
+    assert_close(jax.jit(plan.value_and_grad(loss_with_aux, has_aux=True))(params, batch), want)
+    aux_plan = dataclasses.replace(plan, has_aux=True)
+    assert_close(jax.jit(aux_plan.value_and_grad(loss_with_aux))(params, batch), want)
+    assert_close(plan.value_and_grad(loss_fn)(params, batch), jax.value_and_grad(loss_fn)(params, batch))
+
+    model, nnx_batch = net_and_batch(dropout=0.0)
+    reference = nnx.clone(model)
+
+    def with_metric(m: Net, b: Any) -> tuple[jax.Array, jax.Array]:
+        return nnx_loss(m, b), jnp.mean(b["y"])
+
+    (loss, metric), grads = autoaccum.nnx.value_and_grad(with_metric, plan=plan, has_aux=True)(model, nnx_batch)
+    want_loss, want_grads = nnx_microbatch_loop(reference, nnx_batch, 4)
+    np.testing.assert_allclose(loss, want_loss, atol=ATOL)
+    assert_close(grads, want_grads)
+    np.testing.assert_allclose(metric, jnp.mean(nnx_batch["y"]), atol=ATOL)
 
 
 def test_nnx_plan_gives_the_transform() -> None:
