@@ -45,13 +45,35 @@ def check_loss_fn(loss_fn: Any, takes: Sequence[str] = (), name: str = "loss_fn"
     try:
         signature.bind(*takes)
     except TypeError as e:
-        nnx = " (an nnx model's loss_fn(model, batch) goes to autoaccum.nnx.build_update(loss_fn, plan=...) or its"
-        nnx += " other functions)" if takes[0] == "params" else ""
-        nnx = nnx if name == "loss_fn" else ""
         raise TypeError(
             f"`{name}` must take {len(takes)} arguments, {name}({', '.join(takes)}), but its signature is "
-            f"{signature} ({e}){nnx}."
+            f"{signature} ({e}){_fix_for(signature, takes) if name == 'loss_fn' else ''}."
         ) from None
+
+
+def _fix_for(signature: inspect.Signature, takes: Sequence[str]) -> str:
+    """What a loss of ``signature`` that does not take ``takes`` wants instead: ``has_state`` set the other way,
+    or autoaccum's nnx functions."""
+    if takes[0] != "params":
+        return ""
+    if len(takes) == 2 and _binds(signature, 3):
+        return (" (for loss_fn(params, batch, state) -> (loss, new_state), pass has_state=True; to tune or probe, "
+                "state=the initial state)")  # fmt: skip
+    no_state = "for loss_fn(params, batch), pass has_state=False (to tune or probe, no state); " * (
+        len(takes) == 3 and _binds(signature, 2)
+    )
+    return (
+        f" ({no_state}an nnx model's loss_fn(model, batch) goes to autoaccum.nnx.build_update(loss_fn, plan=...) or "
+        "its other functions)"
+    )
+
+
+def _binds(signature: inspect.Signature, arity: int) -> bool:
+    try:
+        signature.bind(*range(arity))
+    except TypeError:
+        return False
+    return True
 
 
 def check_optimizer(optimizer: Any, name: str = "optimizer") -> None:

@@ -243,12 +243,14 @@ class Plan(JsonMixin):
         )
 
     def value_and_grad(
-        self, loss_fn: Callable[..., Any] | Knobs, *, params: PyTree | None = None
+        self, loss_fn: Callable[..., Any] | Knobs, *, params: PyTree | None = None, has_aux: bool | None = None
     ) -> Callable[..., Any]:
         """The `autoaccum.value_and_grad` this plan describes, for a training step of your own.
 
-        ``loss_fn`` is as for `build` (``has_state`` is the plan's); ``params``, if given, are checked first. For
-        an nnx model: ``autoaccum.nnx.value_and_grad(loss_fn, plan=plan)``.
+        ``loss_fn`` is as for `build` (``has_state`` is the plan's); ``params``, if given, are checked first;
+        ``has_aux`` says whether ``loss_fn`` returns ``(loss, aux)`` (default: the plan's; it describes the loss
+        you pass, which may return metrics the tuned one did not). For an nnx model:
+        ``autoaccum.nnx.value_and_grad(loss_fn, plan=plan)``.
 
         Raises:
           ValueError: the plan's strategy runs its microbatches from the host (``loop``, ``multisteps``), which
@@ -264,7 +266,9 @@ class Plan(JsonMixin):
         """
         if params is not None:
             self.check_params(params)
-        return value_and_grad(resolve(loss_fn, self.knobs), has_state=self.has_state, **self.value_and_grad_options())
+        options = self.value_and_grad_options()
+        options["has_aux"] = options["has_aux"] if has_aux is None else has_aux
+        return value_and_grad(resolve(loss_fn, self.knobs), has_state=self.has_state, **options)
 
     def value_and_grad_options(self, entry: str = "autoaccum") -> dict[str, Any]:
         """The `autoaccum.value_and_grad` arguments this plan sets, besides the loss and ``has_state``; a refusal's

@@ -82,6 +82,18 @@ class Functional:
     graphdef: Any
 
 
+def _split(model: nnx.Module, wrt: Any, name: str) -> tuple[Any, Any, Any]:
+    """``nnx.split(model, wrt, ...)``; a ValueError naming ``wrt`` (``name``) where it selects no variable."""
+    graphdef, params, rest = nnx.split(model, wrt, ...)  # type: ignore[misc]
+    if not jax.tree.leaves(params):
+        kinds = sorted({type(v).__name__ for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)})
+        raise ValueError(
+            f"{name}={wrt!r} selects no variable of the model, which holds {', '.join(kinds) or 'none'}: nothing to "
+            "differentiate; pass a filter of its parameters, e.g. nnx.Param."
+        )
+    return graphdef, params, rest
+
+
 def functional(loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Optimizer) -> Functional:
     """The pure view of ``loss_fn(model, batch)`` over ``model`` and ``optimizer`` (nothing is changed).
 
@@ -95,7 +107,7 @@ def functional(loss_fn: Callable[..., Any], model: nnx.Module, optimizer: nnx.Op
     """
     check_loss_fn(loss_fn)
     _check(model, optimizer)
-    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)  # type: ignore[misc]
+    graphdef, params, rest = _split(model, optimizer.wrt, "the optimizer's `wrt`")
     return Functional(
         _pure_loss(loss_fn, graphdef, optimizer.wrt),
         as_arrays(params),
@@ -282,7 +294,7 @@ class ValueAndGrad:
         microbatches run, in order."""
         if not isinstance(model, nnx.Module):
             raise TypeError(f"`model` must be an nnx.Module, got {type(model).__name__}: {model!r}.")
-        graphdef, params, rest = nnx.split(model, self.wrt, ...)  # type: ignore[misc]
+        graphdef, params, rest = _split(model, self.wrt, "`wrt`")
         key = jax.tree.structure(graphdef)  # as nnx.jit keys its cache (compared with ==)
         if key not in self._cache:
             if self.plan is not None:
@@ -298,7 +310,7 @@ def value_and_grad(
     loss_fn: Callable[..., Any] | Knobs,
     *,
     microbatch_size: int | None = None,
-    has_aux: bool = False,
+    has_aux: bool | None = None,
     wrt: Any = nnx.Param,
     plan: Plan | None = None,
     **options: Any,
@@ -315,10 +327,11 @@ def value_and_grad(
       loss_fn: ``loss_fn(model, batch) -> loss`` (``(loss, aux)`` with ``has_aux``); with a ``plan`` tuned with
         knobs of the loss's own, the `autoaccum.Knobs` it was tuned with.
       microbatch_size: examples per microbatch (a positive int), unless a ``plan`` gives it.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; default: the ``plan``'s, else False (it describes the
+        loss you pass, so it may differ from the tuned loss's: a step of your own returning metrics).
       wrt: the ``nnx`` filter of what is differentiated.
-      plan: a tuned `autoaccum.Plan` in place of ``microbatch_size``, ``has_aux`` and ``options`` (its strategy
-        must run inside a jit: ``scan``).
+      plan: a tuned `autoaccum.Plan` in place of ``microbatch_size`` and ``options`` (its strategy must run inside
+        a jit: ``scan``).
       **options: `autoaccum.value_and_grad`'s ``loss_reduction``, ``accumulator_dtype``, ``remat``, ``unroll``.
 
     Raises:
@@ -343,7 +356,7 @@ def value_and_grad(
     if plan is not None:
         if not isinstance(plan, Plan):
             raise TypeError(f"`plan` must be an autoaccum.Plan (e.g. Plan.load(path)), got {type(plan).__name__}.")
-        given = dict(microbatch_size=microbatch_size, has_aux=has_aux, **options)
+        given = dict(microbatch_size=microbatch_size, **options)
         clashing = sorted(n for n, v in given.items() if not (n in _DEFAULTS and v == _DEFAULTS[n]))
         if clashing:
             raise ValueError(
@@ -351,12 +364,13 @@ def value_and_grad(
                 "not both."
             )
         loss_fn, options = resolve(loss_fn, plan.knobs), plan.value_and_grad_options("autoaccum.nnx")
+        options["has_aux"] = options["has_aux"] if has_aux is None else has_aux
     elif isinstance(loss_fn, Knobs):
         raise TypeError("`loss_fn` is an autoaccum.Knobs: pass the plan tuned with it (plan=...).")
     elif microbatch_size is None:
         raise TypeError("`microbatch_size` is required: pass microbatch_size=..., or a tuned plan, plan=...")
     else:
-        options = dict(microbatch_size=microbatch_size, has_aux=has_aux, **options)
+        options = dict(microbatch_size=microbatch_size, has_aux=bool(has_aux), **options)
     check_loss_fn(loss_fn, ("model", "batch"))
     _value_and_grad(lambda p, b, s: (0.0, s), has_state=True, **options)  # bad arguments raise now
     return ValueAndGrad(loss_fn, wrt, options, plan)

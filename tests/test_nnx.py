@@ -321,6 +321,8 @@ def test_a_plan_built_the_functional_way_points_an_nnx_model_at_the_nnx_door() -
     plan = autoaccum.Plan(effective_batch=10, microbatch_size=3, accumulation_steps=4, strategy="scan", has_state=True)
     with pytest.raises(TypeError, match=r"must take 3 arguments.*autoaccum\.nnx\.build_update\(loss_fn, plan="):
         plan.build(loss_fn, optimizer.tx)
+    with pytest.raises(TypeError, match=r"loss_fn\(model, batch\), but its signature is \(model\) \(.*\)\.$"):
+        autoaccum.nnx.value_and_grad(lambda model: 0.0, microbatch_size=4)  # (its sentence ended mid-way)
     with pytest.raises(TypeError, match=r"is an nnx\.Net.*autoaccum\.nnx\.build_update\(loss_fn, plan="):
         plan.build(lambda p, b, s: (loss_fn(p, b), s), optimizer.tx)(model, optimizer, batches()[0])
 
@@ -421,3 +423,13 @@ def test_an_optimizer_of_another_model_is_refused_before_anything_is_donated() -
     np.testing.assert_array_equal(model.layers[0].kernel[...], first)  # (frozen)
     step(model, nnx.Optimizer(model, tx, wrt=nnx.Param), jnp.ones((8, 3)))
     assert not np.allclose(model.layers[0].kernel[...], first)
+
+
+def test_a_wrt_that_selects_nothing_is_named() -> None:
+    """It was told that `params` had no arrays and was pointed at `update.init` (a new user's report)."""
+    model, optimizer = make()
+    with pytest.raises(ValueError, match=r"`wrt`=.*Cache.* selects no variable of the model, which holds .*Param"):
+        autoaccum.nnx.value_and_grad(loss_fn, microbatch_size=4, wrt=nnx.Cache)(model, batches()[0])
+    empty = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Cache)
+    with pytest.raises(ValueError, match=r"the optimizer's `wrt`=.*Cache.* selects no variable"):
+        autoaccum.nnx.build_update(loss_fn, microbatch_size=4)(model, empty, batches()[0])
