@@ -122,8 +122,9 @@ class Update:
         with ``loss_reduction="mean"`` microbatch ``i`` of ``n_i`` examples weighs ``n_i / N`` (``N`` all the
         examples seen), with ``"sum"`` the gradient is that of the summed ``loss_sum`` over the summed weights.
         The sums are accumulated unnormalised and divided once at the end. One program is compiled per distinct
-        microbatch size, plus one that makes the zero sums (on one device) and one for the optimizer step.
-        ``microbatch_size`` plays no part here.
+        microbatch size, plus one that makes the zero sums (on one device, per distinct size of the first
+        microbatch) and one for the optimizer step. ``microbatch_size`` plays no part here. The inputs are donated
+        once the update is made: a stream that fails (a loader that raises, a malformed microbatch) leaves them.
 
         Args:
           params: the parameters (donated with ``donate=True``).

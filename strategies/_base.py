@@ -588,13 +588,14 @@ class OutDtypes(NamedTuple):
         return Accum((), loss, jax.tree.unflatten(treedef, aux), weight)
 
 
-def output_dtypes(spec: Spec, params: PyTree, batch: PyTree, state: PyTree = ()) -> OutDtypes:
-    """The dtypes of ``loss_fn``'s loss and aux on one microbatch of ``batch``.
+def output_dtypes(spec: Spec, params: PyTree, batch: PyTree, state: PyTree = (), rows: int | None = None) -> OutDtypes:
+    """The dtypes of ``loss_fn``'s loss and aux on one microbatch of ``batch`` (``rows`` examples; default: as many
+    as ``spec.microbatch_size`` where the batch has them).
 
     Traces ``loss_fn`` abstractly (``jax.eval_shape``); runs nothing.
     """
     microbatch = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((min(spec.microbatch_size, x.shape[0]), *x.shape[1:]), x.dtype), batch
+        lambda x: jax.ShapeDtypeStruct((rows or min(spec.microbatch_size, x.shape[0]), *x.shape[1:]), x.dtype), batch
     )
     params, state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)), (params, state))
     loss, out = jax.eval_shape(checked_loss(spec), params, microbatch, state)

@@ -142,16 +142,7 @@ class Strategy(abc.ABC):
         try:
             return self._call(params, opt_state, batch, state)
         except (ValueError, RuntimeError) as e:
-            if "deleted or donated" not in str(e) and "has been deleted" not in str(e):
-                raise
-            for name, tree in (("params", params), ("opt_state", opt_state), ("state", state)):
-                for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-                    if isinstance(leaf, jax.Array) and leaf.is_deleted():
-                        raise ValueError(
-                            f"`{name}` leaf {jax.tree_util.keystr(path) or '<root>'} was donated to an earlier call "
-                            "(the update donates params, opt_state and state by default): pass what that call "
-                            "returned, or build with donate=False to keep the inputs."
-                        ) from e
+            _name_donated(e, params=params, opt_state=opt_state, state=state)
             raise
 
     def _call(
@@ -222,8 +213,12 @@ class Strategy(abc.ABC):
         weight and runs the optimizer. The sums start from zeros (one small program), so the first microbatch's call
         compiles the program the others run.
 
+        The inputs are donated as `__call__` donates them, once the update is made: a stream that fails (a loader
+        that raises, a malformed microbatch) leaves them as they were.
+
         Raises:
-          ValueError: ``microbatches`` is empty, or one of them is malformed (named by its index).
+          ValueError: ``microbatches`` is empty, or one of them is malformed (named by its index), or an input was
+            donated to an earlier call (named by leaf).
           TypeError: ``microbatches`` is one batch, or the first stream's ``opt_state`` does not fit the optimizer
             (`check_optimizer_step`).
         """
@@ -232,6 +227,22 @@ class Strategy(abc.ABC):
                 f"`microbatches` must be an iterable of batches, got one {type(microbatches).__name__} (a batch?); "
                 "pass [batch, ...] or a generator of them."
             )
+        if self.spec.donate:
+            check_distinct(params=params, state=state, opt_state=opt_state)
+        try:
+            out = self._stream(params, opt_state, microbatches, _copies(state) if self.spec.donate else state)
+        except (ValueError, RuntimeError) as e:
+            _name_donated(e, params=params, opt_state=opt_state, state=state)
+            raise
+        if self.spec.donate:  # (the stream's programs took copies: a failure above left these)
+            for leaf in jax.tree.leaves(state):
+                if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                    leaf.delete()
+        return out
+
+    def _stream(
+        self, params: PyTree, opt_state: PyTree, microbatches: Iterable[PyTree], state: PyTree
+    ) -> tuple[PyTree, PyTree, Any, PyTree]:
         if not self._streamed:  # (once per strategy: tracing the optimizer every update would cost each update)
             check_optimizer_step(self.spec.optimizer, params, opt_state)
             self._streamed = True
@@ -253,8 +264,9 @@ class Strategy(abc.ABC):
                     f"microbatch {i} of `microbatches` is a {structure}, unlike microbatch 0's "
                     f"{first}; give every microbatch the same structure (the same keys)."
                 )
-            if dtypes is None:
-                dtypes = self.out_dtypes(params, microbatch, state)
+            if dtypes is None:  # (traced at the microbatch's own size: `microbatch_size` plays no part here)
+                key = ("stream", signature(params, microbatch, state))
+                dtypes = self.out_dtypes(params, microbatch, state, key=key, rows=leading_size(microbatch))
                 layout = self.layout(params, microbatch, state)
                 if layout is None:  # the first call compiles the same program as the others
                     acc = self.zeros(params, microbatch, state, leading_size(microbatch))
@@ -318,14 +330,16 @@ class Strategy(abc.ABC):
     def donate_argnums(self, *argnums: int) -> tuple[int, ...]:
         return argnums if self.spec.donate else ()
 
-    def out_dtypes(self, params: PyTree, batch: PyTree, state: PyTree = (), *, key: Any = None) -> OutDtypes:
-        """`output_dtypes`, remembered per argument `signature` (``key``, if known) so a host loop traces
-        ``loss_fn`` once (the last `MAX_SIGNATURES` signatures, as `checked`)."""
+    def out_dtypes(
+        self, params: PyTree, batch: PyTree, state: PyTree = (), *, key: Any = None, rows: int | None = None
+    ) -> OutDtypes:
+        """`output_dtypes` (at ``rows`` examples), remembered per argument `signature` (``key``, if known) so a host
+        loop traces ``loss_fn`` once (the last `MAX_SIGNATURES` signatures, as `checked`)."""
         key = signature(params, batch, state) if key is None else key
         if key not in self._dtypes:
             if len(self._dtypes) >= MAX_SIGNATURES:
                 self._dtypes.clear()
-            self._dtypes[key] = output_dtypes(self.spec, params, batch, state)
+            self._dtypes[key] = output_dtypes(self.spec, params, batch, state, rows=rows)
         return self._dtypes[key]
 
     def microbatches(self, batch: PyTree) -> list[tuple[int, int]]:
@@ -333,6 +347,26 @@ class Strategy(abc.ABC):
         m = self.spec.microbatch_size
         full, rest = split(leading_size(batch), m)
         return [(i * m, m) for i in range(full)] + ([(full * m, rest)] if rest else [])
+
+
+def _copies(tree: PyTree) -> PyTree:
+    """``tree`` with each array copied (where it lives): what a call may donate and the caller keeps."""
+    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+
+
+def _name_donated(error: Exception, **trees: PyTree) -> None:
+    """Raises a ValueError naming the leaf of ``trees`` that an earlier call donated, where ``error`` is XLA's
+    "deleted or donated" (else returns: the caller re-raises ``error``)."""
+    if "deleted or donated" not in str(error) and "has been deleted" not in str(error):
+        return
+    for name, tree in trees.items():
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise ValueError(
+                    f"`{name}` leaf {jax.tree_util.keystr(path) or '<root>'} was donated to an earlier call (the "
+                    "update donates params, opt_state and state by default): pass what that call returned, or build "
+                    "with donate=False to keep the inputs."
+                ) from error
 
 
 def microbatch_shapes(batch: PyTree, size: int) -> tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]:

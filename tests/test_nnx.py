@@ -427,9 +427,28 @@ def test_an_optimizer_of_another_model_is_refused_before_anything_is_donated() -
 
 def test_a_wrt_that_selects_nothing_is_named() -> None:
     """It was told that `params` had no arrays and was pointed at `update.init` (a new user's report)."""
-    model, optimizer = make()
+    model, _ = make()
     with pytest.raises(ValueError, match=r"`wrt`=.*Cache.* selects no variable of the model, which holds .*Param"):
         autoaccum.nnx.value_and_grad(loss_fn, microbatch_size=4, wrt=nnx.Cache)(model, batches()[0])
     empty = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Cache)
     with pytest.raises(ValueError, match=r"the optimizer's `wrt`=.*Cache.* selects no variable"):
         autoaccum.nnx.build_update(loss_fn, microbatch_size=4)(model, empty, batches()[0])
+
+
+def test_a_failed_stream_leaves_the_model_usable() -> None:
+    """A loader that raised mid-stream left the model's BatchNorm statistics deleted: the model could not run
+    again (a new user's report)."""
+    model, optimizer = make()
+    step = autoaccum.nnx.build_update(loss_fn, microbatch_size=4)
+
+    def loader_that_fails() -> Any:
+        yield batches()[0]
+        raise RuntimeError("the loader died")
+
+    with pytest.raises(RuntimeError, match="the loader died"):
+        step.stream(model, optimizer, loader_that_fails())
+    model(batches()[0]["x"])
+    before = np.array(model.hidden.kernel[...])
+    step.stream(model, optimizer, batches())
+    assert int(optimizer.step[...]) == 1
+    assert not np.allclose(model.hidden.kernel[...], before)

@@ -677,3 +677,61 @@ def test_stream_names_a_microbatch_unlike_the_first(strategy: str) -> None:
                                     strategy=strategy)  # fmt: skip
     with pytest.raises(ValueError, match=r"microbatch 1 of `microbatches` is a .*unlike microbatch 0's"):
         update.stream(w, update.init(w), [{"x": jnp.ones((2, 2))}, {"z": jnp.ones((2, 2))}])
+
+
+@pytest.mark.parametrize("state_update", ["per_microbatch", "once"])
+def test_a_failed_stream_leaves_every_input_and_a_finished_one_donates_them(strategy: str, state_update: str) -> None:
+    """A loader that raises, a malformed or an empty stream left the caller's state deleted (the first microbatch's
+    program had taken it): nothing changed, yet it could not go on (a new user's report). A stream that finishes
+    donates the inputs as a call does; a reused or shared input is named as a call names it."""
+
+    def loss_fn(p: jax.Array, b: Any, s: Any) -> tuple[jax.Array, Any]:
+        return jnp.mean((b @ p) ** 2), {"seen": s["seen"] + b.shape[0], "mean": s["mean"] * 0.9 + jnp.mean(b)}
+
+    update = autoaccum.build_update(loss_fn, optax.sgd(0.1), microbatch_size=2, strategy=strategy, has_state=True,
+                                    state_update=state_update)  # fmt: skip
+
+    def inputs() -> tuple[Any, Any, Any]:
+        w = jnp.ones(3)
+        return w, update.init(w), {"seen": jnp.zeros((), jnp.int32), "mean": jnp.zeros(())}
+
+    def loader_that_fails() -> Any:
+        yield jnp.ones((2, 3))
+        yield jnp.ones((2, 3))
+        raise RuntimeError("the loader died")
+
+    for stream, error in [
+        (loader_that_fails(), RuntimeError),
+        ([jnp.ones((2, 3)), jnp.ones((2, 4))], TypeError),  # (the loss's own error: a product of other shapes)
+        ([], ValueError),
+    ]:
+        w, opt_state, state = inputs()
+        with pytest.raises(error):
+            update.stream(w, opt_state, stream, state)
+        assert not any(x.is_deleted() for x in jax.tree.leaves((w, opt_state, state)))
+        update.stream(w, opt_state, [jnp.ones((2, 3))], state)  # and it goes on with them
+    w, opt_state, state = inputs()
+    update.stream(w, opt_state, [jnp.ones((2, 3)), jnp.ones((1, 3))], state)
+    assert all(x.is_deleted() for x in jax.tree.leaves((w, opt_state, state)))
+    with pytest.raises(ValueError, match=r"`params` leaf <root> was donated to an earlier call .*donate=False"):
+        update.stream(w, opt_state, [jnp.ones((2, 3))], state)  # (XLA's "Buffer has been deleted or donated")
+    w, opt_state, state = inputs()
+    with pytest.raises(ValueError, match=r"`state` leaf \['mean'\] is the same array as `params` leaf"):
+        update.stream(w, opt_state, [jnp.ones((2, 3))], {"seen": state["seen"], "mean": w})
+
+
+def test_stream_traces_the_loss_at_the_microbatches_own_size(strategy: str) -> None:
+    """`microbatch_size` plays no part in a stream: a loss that takes examples in pairs streams microbatches of 4
+    and 2 with microbatch_size=3 (it was traced at 3 rows first, and failed)."""
+
+    def pairs(p: jax.Array, b: jax.Array) -> jax.Array:
+        x = b.reshape(-1, 2, 3) @ p
+        return jnp.mean((x[:, 0] - x[:, 1]) ** 2)
+
+    w = jnp.arange(3.0)
+    batch = jnp.arange(18.0).reshape(6, 3) % 5
+    update = autoaccum.build_update(pairs, optax.sgd(0.1), microbatch_size=3, strategy=strategy, donate=False)
+    got = update.stream(w, update.init(w), [batch[:4], batch[4:]])
+    want_loss, grads = jax.value_and_grad(pairs)(w, batch)
+    np.testing.assert_allclose(got[2], want_loss, atol=1e-5)
+    np.testing.assert_allclose(got[0], w - 0.1 * grads, atol=1e-5)
