@@ -148,14 +148,22 @@ class ProbeResult(JsonMixin):
         """The largest microbatch predicted to fit for another setting of the probed step (``other``'s estimate),
         without probing it: the `calibrated` answer within the limit (accumulating ``effective_batch`` examples where
         the probe did and ``other`` can tell), at `BOUND_MARGIN` of itself below the cap, as a multiple of
-        ``granularity``."""
+        ``granularity``; at least the probed answer where ``other`` predicts no more bytes there than the probed
+        step's estimate (the two estimates' errors alike: a lighter setting fits where the probed one did)."""
         g = self.granularity
         top = min(self.microbatch_cap, other.microbatch_cap)
         batch = self.effective_batch if other.accumulation_bytes is not None else None  # (else one microbatch's)
         answer = min(self.calibrated(other).largest_microbatch(self.memory_limit_bytes, batch), top)
         if answer < top:
-            answer = math.floor(answer * BOUND_MARGIN)
+            answer = max(math.floor(answer * BOUND_MARGIN), min(answer, self._no_heavier_up_to(other, batch)))
         return answer // g * g
+
+    def _no_heavier_up_to(self, other: Estimate, batch: int | None) -> int:
+        """The probed answer where ``other`` predicts no more bytes there than the probed step's estimate, else 0."""
+        m, mine = self.max_microbatch, self.estimate
+        if m == 0 or mine is None or (batch is not None and mine.accumulation_bytes is None):
+            return 0
+        return m if other.bytes_at(m, batch) <= mine.bytes_at(m, batch) else 0
 
     def calibrated(self, other: Estimate) -> Estimate:
         """``other`` (an estimate of the probed step or of another setting of it) calibrated by the largest fitting

@@ -58,15 +58,20 @@ def simulated_probe(fixed: int, per_example: int, missed: int, limit: int) -> Pr
 
 def reference_bound(fixed: int, per_example: int, missed: int, limit: int) -> int:
     """By hand: the largest size whose estimate plus what the probe saw it miss is within the limit; the cap where
-    every size is, else that size at the first trial's margin; 0 where none is."""
+    every size is, else that size at the first trial's margin, but at least the probed boundary where the setting
+    needs no more bytes there than the probed one; 0 where none is."""
     fits = [m for m in range(1, CAP + 1) if fixed + per_example * m + missed <= limit]
     if not fits:
         return 0
-    return CAP if max(fits) == CAP else math.floor(max(fits) * BOUND_MARGIN)
+    if max(fits) == CAP:
+        return CAP
+    probed = max(m for m in range(1, CAP + 1) if PROBED[0] + PROBED[1] * m + missed <= limit)
+    lighter = fixed + per_example * probed <= PROBED[0] + PROBED[1] * probed
+    return max(math.floor(max(fits) * BOUND_MARGIN), min(max(fits), probed) if lighter else 0)
 
 
 PROBED = (10 * MiB, 8 * 1024)  # the default setting: fixed bytes, bytes per example
-OTHERS = {"remat": (10 * MiB, 3 * 1024), "wider": (13 * MiB, 16 * 1024)}
+OTHERS = {"remat": (10 * MiB, 3 * 1024), "wider": (13 * MiB, 16 * 1024), "alike": PROBED}
 
 
 @pytest.mark.parametrize("missed", [-4 * MiB, 0, MiB], ids=["estimate-over", "exact", "estimate-under"])
