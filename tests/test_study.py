@@ -102,18 +102,20 @@ def test_waiting_on_a_dead_workers_trial_prints_no_experimental_warning(tmp_path
 
 
 @pytest.mark.slow
-def test_a_killed_runs_trial_on_this_host_is_not_waited_for(tmp_path: Path) -> None:
+@pytest.mark.parametrize("heartbeat", ["1,3600", "none"])
+def test_a_killed_runs_trial_on_this_host_is_not_waited_for(tmp_path: Path, heartbeat: str) -> None:
     """A tune killed (SIGKILL: no Ctrl-C handler runs) mid-trial leaves its trial RUNNING. The next run on the same
     host sees that the trial's process has ended and re-queues the trial at once, long before its heartbeat's grace
-    period (an hour here) would end; it measures the trial itself, before anything new (here, a grid: first; behind
-    the search, after what the killed run had queued already)."""
+    period (an hour here) would end, or where the storage keeps no heartbeats (the trial stayed RUNNING for ever,
+    its configuration never measured: a reviewer's report); it measures the trial itself, before anything new (here,
+    a grid: first; behind the search, after what the killed run had queued already)."""
     storage = f"sqlite:///{tmp_path / 'studies.db'}"
     victim_log, next_log = tmp_path / "victim.jsonl", tmp_path / "next.jsonl"
-    victim = start(storage, victim_log, "--hang", "--heartbeat", "1,3600")
+    victim = start(storage, victim_log, "--hang", "--heartbeat", heartbeat)
     wait_until(victim_log.exists, victim)
     victim.kill()
     victim.communicate(timeout=30)
-    rerun = start(storage, next_log, "--heartbeat", "1,3600")
+    rerun = start(storage, next_log, "--heartbeat", heartbeat)
     try:
         out, err = rerun.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -123,6 +125,27 @@ def test_a_killed_runs_trial_on_this_host_is_not_waited_for(tmp_path: Path) -> N
     (hung,) = lines(victim_log)
     assert lines(next_log)[:1] == [hung], "the killed run's trial was not measured again first"
     assert json.loads(out.strip().splitlines()[-1])["new_trials"] >= GRID - 1
+
+
+def test_a_retried_copy_of_a_killed_trial_is_not_failed_for_its_inherited_claim(tmp_path: Path) -> None:
+    """Optuna's retry of a dead worker's trial copies its user attributes, the claim of the dead process among
+    them: until the worker that took the copy claims it, another worker failed it again as the dead process's, and
+    the worker measuring it then crashed ("Cannot tell a FAIL trial"; a reviewer's report). A claim names its
+    trial's number: an inherited one is not the copy's."""
+    from autoaccum._tune.study import MEASURES, fail_stale_trials, owner
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host, boot, _ = owner().split(" ", 2)
+    dead = f"{host} {boot} {done.stdout.strip()}"  # a process of this host that has ended
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'studies.db'}")
+    study = optuna.create_study(storage=storage)
+    killed, copy = study.ask(), study.ask()
+    killed.set_user_attr(MEASURES, [dead, killed.number])
+    copy.set_user_attr(MEASURES, [dead, killed.number])  # inherited, not yet claimed by its new worker
+    fail_stale_trials(study, storage)
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states[killed.number] == optuna.trial.TrialState.FAIL
+    assert states[copy.number] == optuna.trial.TrialState.RUNNING
 
 
 def test_a_study_name_given_again_for_another_setup_is_refused(tmp_path: Path) -> None:
@@ -187,6 +210,20 @@ def test_the_fingerprint_sees_the_optimizers_hyperparameters_and_the_memory_limi
     b = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1, momentum=0.9), **kw).fingerprint
     c = tune(loss_fn, params, batch, optimizer=optax.sgd(0.1), memory_limit="1GiB", **kw).fingerprint
     assert len({a, b, c}) == 3
+
+
+def test_a_study_timed_in_this_process_is_not_resumed_by_an_isolated_tune(tmp_path: Path) -> None:
+    """Trials timed here (``isolate=False``) ran under no cap: an isolated tune of the same setup, where a step over
+    the limit fails, starts its own study (it resumed the other's: a reviewer's report)."""
+    import autoaccum
+    from autoaccum import workloads
+
+    w = workloads.linear(batch_size=8, features=4)
+    kw: dict[str, Any] = dict(optimizer=w.optimizer, microbatch_bound=4, strategies=["scan"], budget=1, race_rounds=0,
+                              memory_limit="64MiB", storage=f"sqlite:///{tmp_path / 'studies.db'}")  # fmt: skip
+    here = autoaccum.tune(w.loss_fn, w.params, w.batch, isolate=False, **kw)
+    isolated = autoaccum.tune(w.loss_fn, w.params, w.batch, **kw)
+    assert here.fingerprint != isolated.fingerprint and isolated.resumed_trials == 0
 
 
 # Library hygiene: no Optuna trial lines in the user's log (nor a failed trial's traceback: the tuner reports

@@ -223,6 +223,40 @@ def test_interrupted_tune_resumes_without_rerunning(linear: autoaccum.Workload, 
     assert again.plan == result.plan
 
 
+def test_a_configuration_whose_trials_died_unsettled_is_measured_when_proposed(
+    linear: autoaccum.Workload, tmp_path: Path
+) -> None:
+    """A trial interrupted is queued again at once (for a worker sharing the study, or the next run); one whose
+    trials all died unsettled (killed twice: the heartbeat's retry spent) is queued again when the search proposes
+    it. Optuna's ``skip_if_exists`` matched the dead trials, and every later run stopped at once, saying the search
+    "would time" it next (a reviewer's report)."""
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    kw: dict[str, Any] = dict(optimizer=linear.optimizer, microbatch_bound=4, storage=storage, study_name="s",
+                              race_rounds=0)  # fmt: skip
+    first: list[Any] = []
+
+    def interrupting(update: Update, params: Any, batch: Any) -> Timing:
+        first.append((update.microbatch_size, update.strategy, tuple(sorted(update.options.items()))))
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tune(linear.loss_fn, linear.params, linear.batch, measure=interrupting, **kw)
+    study = optuna.load_study(study_name="s", storage=storage)
+    (interrupted,) = study.get_trials(states=(optuna.trial.TrialState.FAIL,))
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert interrupted.params in [t.system_attrs["fixed_params"] for t in waiting]  # queued again at the interrupt
+    for _ in waiting:  # every queued trial dies too, unsettled: none is left queued
+        trial = study.ask()
+        for name, distribution in interrupted.distributions.items():
+            trial.suggest_categorical(name, distribution.choices)  # type: ignore[attr-defined]
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    second: list[Any] = []
+    result = tune(linear.loss_fn, linear.params, linear.batch, measure=fake_measure(second), **kw)
+    assert second[:1] == first and "stopped before it finished" not in result.message
+    assert any(r.state == "COMPLETE" and r.microbatch_size == interrupted.params["microbatch_size"]
+               and r.strategy == first[0][1] for r in result.trials)  # fmt: skip
+
+
 def test_effective_batch_larger_than_the_example_batch(linear: autoaccum.Workload) -> None:
     sizes: list[int] = []
 
@@ -608,6 +642,29 @@ def test_an_accumulating_step_out_of_memory_lowers_its_strategys_bound_and_tries
     failed = [r for r in result.trials if r.state == "FAIL"]
     assert {16, 32} <= {r.microbatch_size for r in failed}
     assert all(r.reason and r.reason.startswith("out of memory") for r in failed)
+
+
+def test_re_running_a_finished_grid_times_nothing_where_out_of_memory_left_points_untimed(tmp_path: Path) -> None:
+    """The whole grid, where scan runs out of memory from 4 up: its heavier variants at 4 are never timed, and the
+    grid counts them decided. Re-running compiled one again (a configuration the first run had pruned: the grid
+    was never settled) and said "1 new" (a reviewer's report)."""
+    w = workloads.linear(batch_size=8, features=4)
+    calls: list[tuple[int, str]] = []
+
+    def measure(update: Update, params: Any, batch: Any) -> Timing:
+        calls.append((update.microbatch_size, update.strategy))
+        if update.strategy == "scan" and update.microbatch_size >= 4:
+            raise TrialFailed(f"out of memory: RESOURCE_EXHAUSTED (fake) at microbatch {update.microbatch_size}")
+        steps = update.accumulation_steps(8)
+        return Timing(seconds_per_step=0.01 * steps + 0.001 * update.microbatch_size, compile_seconds=0.1, steps=5)
+
+    kw = dict(optimizer=w.optimizer, microbatch_bound=4, strategies=["scan", "loop"], race_rounds=0, budget=12,
+              storage=f"sqlite:///{tmp_path / 'studies.db'}", measure=measure)  # fmt: skip
+    first = tune(w.loss_fn, w.params, w.batch, **kw)
+    assert calls and (4, "scan") in calls and len(calls) < 12  # the heavier unrolls at 4: never compiled
+    calls.clear()
+    again = tune(w.loss_fn, w.params, w.batch, **kw)
+    assert calls == [] and again.new_trials == 0 and again.plan == first.plan
 
 
 def test_a_variant_that_needs_more_memory_is_not_compiled_where_a_lighter_one_ran_out() -> None:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optuna
 from seams import tune
 
 from autoaccum import Update
@@ -33,7 +34,9 @@ def main() -> None:
     parser.add_argument("--study-name", default="shared", help="'' for the default: named after the fingerprint")
     parser.add_argument("--strategies", default=None, help="comma-separated; default all")
     parser.add_argument("--salt", type=int, default=0, help="scales the loss by 1 + salt/1e6: another fingerprint")
-    parser.add_argument("--heartbeat", default=None, help="INTERVAL,GRACE seconds (default: the library's)")
+    parser.add_argument(
+        "--heartbeat", default=None, help="INTERVAL,GRACE seconds (default: the library's); none: without"
+    )
     parser.add_argument("--seconds", type=float, default=0.4, help="how long a measurement takes")
     parser.add_argument("--meet", type=Path, default=None, help="a folder where the first measurement waits ...")
     parser.add_argument("--workers", type=int, default=2, help="... until this many workers are in theirs")
@@ -69,7 +72,9 @@ def main() -> None:
         return Timing(seconds_per_step=0.01 * steps + 0.001 * update.microbatch_size, compile_seconds=0.1, steps=5)
 
     storage: Any = args.storage
-    if args.heartbeat:
+    if args.heartbeat == "none":
+        storage = optuna.storages.RDBStorage(args.storage)
+    elif args.heartbeat:
         interval, grace = (int(s) for s in args.heartbeat.split(","))
         storage = open_storage(args.storage, heartbeat_interval=interval, grace_period=grace)[0]
     result = tune(

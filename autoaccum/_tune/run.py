@@ -62,10 +62,12 @@ def _callbacks(on_trial: Any) -> tuple[Callable[[TrialRecord, int, int], None], 
     return tuple(on_trial)
 
 
-def _fingerprint(job: Job, limit: int | None, bound: int | None, timeouts: tuple[float | None, ...]) -> str:
+def _fingerprint(
+    job: Job, limit: int | None, bound: int | None, timeouts: tuple[float | None, ...], isolated: bool
+) -> str:
     """A hash of what determines a tune's answer: the lowered full-batch update (the loss's body, the optimizer,
     shapes, dtypes) and every other knob setting's lowered loss, the search's inputs, the time limits, the limit,
-    the device and the versions; nothing measured."""
+    whether trials run ``isolated`` under it, the device and the versions; nothing measured."""
     programs = job.programs(job.update(Config(job.effective_batch, job.names[0])))
     texts = [p.lowered.as_text() for p in programs]
     losses = {id(loss): loss for loss in map(job.loss_for, job.settings)}  # (settings may share a loss)
@@ -86,7 +88,7 @@ def _fingerprint(job: Job, limit: int | None, bound: int | None, timeouts: tuple
     return fingerprint(
         "\n".join(texts),
         {
-            "effective_batch": job.effective_batch, "search": searched, "memory_limit": limit,
+            "effective_batch": job.effective_batch, "search": searched, "memory_limit": limit, "isolated": isolated,
             "device": device_kind(), "platform": jax.default_backend(), "versions": versions(),
         },
     )  # fmt: skip
@@ -284,7 +286,7 @@ def tune(
     opened, storage_label = open_storage(storage)
     limit = None if memory_limit is None else parse_bytes(memory_limit, "memory_limit")
     limit = limit if setup is None else setup.memory_limit_bytes
-    key = _fingerprint(job, limit, bound, (trial_timeout, compile_timeout))
+    key = _fingerprint(job, limit, bound, (trial_timeout, compile_timeout), isolated=setup is not None)
     with contextlib.ExitStack() as stack:
         worker = None if setup is None else stack.enter_context(_worker(job, setup, compile_timeout, trial_timeout))
         if worker is not None:
@@ -298,7 +300,7 @@ def tune(
         if probed_here and worker is not None:  # its runs were the tuner's, in this worker
             trials.record_probe()
         beats = isinstance(opened, optuna.storages.RDBStorage) and opened.get_heartbeat_interval() is not None
-        trials.run(timeout, opened if beats else None)  # (without heartbeats, a dead worker's trial is never noticed)
+        trials.run(timeout, opened, beats)  # (without heartbeats, another host's dead worker is never noticed)
         unsearched = [f"{c.microbatch_size} x {c.strategy}" + f" ({job.settings[c.setting]})" * (c.setting > 0)
                       for c in trials.proposed()]  # fmt: skip
         with clock.phase("race"):
@@ -310,5 +312,5 @@ def tune(
     timed = {job.config_of(t.params).setting for t in study.get_trials(deepcopy=False) if settled(t)}
     untimed = [str(setting) for i, setting in enumerate(job.settings) if i not in timed]
     seconds = time.perf_counter() - clock.start
-    summary = _summary(result, resumed, len(settled_configs(study)) - resumed, seconds, untimed, unsearched)
+    summary = _summary(result, resumed, trials.settled_here(), seconds, untimed, unsearched)
     return dataclasses.replace(result, storage=storage_label, fingerprint=key, phases=dict(clock.seconds), **summary)

@@ -21,8 +21,8 @@ from autoaccum._tune.job import Space
 State = optuna.trial.TrialState
 
 MEASURES = "measures"
-"""The user attribute a trial sets before it looks for another that measures its configuration: its owner
-(`owner`)."""
+"""The user attribute a trial sets before it looks for another that measures its configuration: ``[its owner
+(`owner`), its number]`` (a retried copy of a killed trial inherits the attribute; its number tells it apart)."""
 
 
 def fingerprint(program_text: str, context: dict[str, Any]) -> str:
@@ -77,8 +77,7 @@ def open_study(
 ) -> tuple[optuna.Study, Space, bool]:
     """The study ``name`` of the tune of fingerprint ``key`` (created, or resumed), the sizes each setting may time,
     and whether this worker bounded them: stored with the study by the worker that bounded them first (the probe
-    runs once per study), else ``bound()`` now. Trials interrupted by Ctrl-C are queued again (a killed worker's
-    are, once their heartbeat goes stale, by Optuna's ``RetryHeartbeatStaleTrialCallback``).
+    runs once per study), else ``bound()`` now.
 
     Raises:
       ValueError: the study holds the trials of another fingerprint (a ``study_name`` given twice).
@@ -108,13 +107,6 @@ def open_study(
     mine = stored is None
     if stored is not None:
         space = Space.from_dict(stored)
-    trials = study.get_trials(deepcopy=False)
-    queued = {config_key(t.system_attrs.get("fixed_params", {})) for t in trials if t.state == State.WAITING}
-    done = settled_configs(study).keys() | queued
-    for t in trials:
-        if t.user_attrs.get("interrupted") and config_key(t.params) not in done:
-            study.enqueue_trial(t.params)
-            done.add(config_key(t.params))
     return study, space, mine
 
 
@@ -127,6 +119,12 @@ def owner() -> str:
     return f"{socket.gethostname()} {boot} {_process_tag(os.getpid())}"
 
 
+def on_this_host(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether ``trial`` was claimed (`MEASURES`) by a process of this host and boot."""
+    claim = trial.user_attrs.get(MEASURES)
+    return isinstance(claim, list) and str(claim[0]).split(" ", 2)[:2] == owner().split(" ", 2)[:2]
+
+
 def _ended(tag: Any) -> bool:
     """Whether owner ``tag`` (`owner`) is a process of this host and boot that has ended."""
     theirs, here = str(tag).split(" ", 2), owner().split(" ", 2)
@@ -136,15 +134,20 @@ def _ended(tag: Any) -> bool:
 def fail_stale_trials(study: optuna.Study, storage: optuna.storages.BaseStorage) -> None:
     """Optuna's ``fail_stale_trials`` (a dead worker's running trial failed, and queued again by the storage's
     ``RetryHeartbeatStaleTrialCallback``), without its ``ExperimentalWarning``: the tuner relies on it knowingly.
-    A running trial whose owner on this host has ended (killed) is failed and queued at once, not after the grace."""
+    A running trial whose owner on this host has ended (killed) is failed and queued at once, not after the grace
+    (queued by hand where the storage keeps no heartbeats)."""
     retry = getattr(storage, "get_heartbeat_stale_trial_callback", lambda: None)()
     study_id = storage.get_study_id_from_name(study.study_name)
     for t in study.get_trials(deepcopy=False, states=(State.RUNNING,)):
-        if _ended(t.user_attrs.get(MEASURES)):
+        claim = t.user_attrs.get(MEASURES)
+        if isinstance(claim, list) and claim[1:] == [t.number] and _ended(claim[0]):
             trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
             with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):  # another worker failed it
-                if storage.set_trial_state_values(trial_id, State.FAIL) and retry is not None:
-                    retry(study, storage.get_trial(trial_id))
+                if storage.set_trial_state_values(trial_id, State.FAIL):
+                    if retry is None:
+                        study.enqueue_trial(t.params)
+                    else:
+                        retry(study, storage.get_trial(trial_id))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)

@@ -25,6 +25,7 @@ from autoaccum._tune.study import (
     config_key,
     fail_stale_trials,
     measuring,
+    on_this_host,
     owner,
     settled,
     settled_configs,
@@ -80,6 +81,8 @@ class Trials:
     clock: Clock
     ceilings: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
     refused: dict[tuple[int, str], tuple[int, int]] = dataclasses.field(default_factory=dict)
+    mine: set[int] = dataclasses.field(default_factory=set)
+    """The numbers of the trials this worker ran (`settled_here`)."""
 
     @classmethod
     def start(
@@ -126,8 +129,29 @@ class Trials:
             self.study.add_trial(optuna.trial.create_trial(params=params, distributions=distributions, value=value,
                                                            user_attrs=attrs))  # fmt: skip
             added = next(t for t in reversed(self.study.get_trials(deepcopy=False)) if t.params == params)
+            self.mine.add(added.number)
             for callback in self.on_trial:
                 callback(record(added, eb, job.labels), len(settled_configs(self.study)), self.budget)
+
+    def decided(self) -> int:
+        """The configurations the study has decided toward its budget: those settled, and on the grid those it
+        holds that are never timed (a lighter variant ran out of memory at a size at or below theirs), so that
+        re-running a finished grid times nothing."""
+        done = settled_configs(self.study).keys()
+        if self.search is not None:
+            return len(done)
+        fitting = self.space.fitting
+        below = {
+            config_key(t.params) for t in self.study.get_trials(deepcopy=False, states=(State.PRUNED,))
+            if "above_bound" in t.user_attrs
+            and (c := self.job.config_of(t.params)).microbatch_size in fitting[c.setting]
+        }  # fmt: skip
+        return len(done | below)
+
+    def settled_here(self) -> int:
+        """The configurations this worker settled (another worker's, sharing the study, are theirs)."""
+        trials = self.study.get_trials(deepcopy=False)
+        return len({config_key(t.params) for t in trials if settled(t) and t.number in self.mine})
 
     def trial(self, number: int) -> optuna.trial.FrozenTrial:
         return next(t for t in self.study.get_trials(deepcopy=False) if t.number == number)
@@ -144,13 +168,21 @@ class Trials:
         return self.search.propose(seen)
 
     def steer(self) -> None:
-        """Queues what the search proposes next (not what is queued or settled)."""
+        """Queues what the search proposes next, but what is queued, being measured or settled (a configuration
+        whose trial was killed, interrupted or over the budget is queued again)."""
+        trials = self.study.get_trials(deepcopy=False)
+        taken = {config_key(t.params) for t in trials if measuring(t)}
+        taken |= {config_key(t.system_attrs.get("fixed_params", {})) for t in trials if t.state == State.WAITING}
         for config in self.proposed():
-            self.study.enqueue_trial(self.job.params_of(config), skip_if_exists=True)
+            params = self.job.params_of(config)
+            if config_key(params) not in taken:
+                self.study.enqueue_trial(params)
+                taken.add(config_key(params))
 
     def objective(self, trial: optuna.Trial) -> float:
         """One configuration's throughput: timed, or reused from the trial that times it or its program."""
         job, space = self.job, self.space
+        self.mine.add(trial.number)
         params = {k: trial.suggest_categorical(k, v) for k, v in choices(job, space).items()}
         config = job.config_of(params)
         m, label, setting = config.microbatch_size, config.strategy, job.settings[config.setting]
@@ -178,6 +210,7 @@ class Trials:
             raise
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
+            self.study.enqueue_trial(trial.params)  # for another worker sharing the study, or a re-run
             raise
         self.clock.spend("steps", began, starts, timing.compile_seconds)
         for name, value in timing_attrs(timing).items():
@@ -218,7 +251,7 @@ class Trials:
         any worker), or None where the study's budget of configurations is taken. Of trials that claim at once, the
         one of the lowest number holds a configuration, and the budget's slots go by number too; two that read
         before either wrote may both measure (a budget overshot by at most the workers but one)."""
-        trial.set_user_attr(MEASURES, owner())
+        trial.set_user_attr(MEASURES, [owner(), trial.number])  # (a retried copy of a trial inherits its claim)
         holders: dict[str, int] = {}
         for t in sorted(self.study.get_trials(deepcopy=False), key=lambda t: t.number):
             if t.number == trial.number or measuring(t):
@@ -233,33 +266,33 @@ class Trials:
         self.steer()
         if self.searched_only and not any(t.state == State.WAITING for t in study.get_trials(deepcopy=False)):
             study.stop()
-        count = len(settled_configs(study))
+        count = self.decided()
         if trial.state != State.PRUNED and "duplicate_of" not in trial.user_attrs:
             for callback in self.on_trial:
                 callback(record(trial, self.job.effective_batch, self.job.labels), count, self.budget)
         if count >= self.budget:
             study.stop()
 
-    def run(self, timeout: float | None, heartbeats: optuna.storages.BaseStorage | None) -> None:
+    def run(self, timeout: float | None, storage: optuna.storages.BaseStorage, beats: bool) -> None:
         """Runs trials until the study has settled its budget (or ``timeout`` seconds pass). With nothing left to
-        claim while other workers still run trials, waits for them: a trial whose worker died goes stale (in
-        ``heartbeats``, the study's storage where it has them) and is queued again, for this worker to run."""
+        claim while other workers still run trials, waits for those it can watch: all where the study's ``storage``
+        ``beats`` (keeps heartbeats: a dead worker's trial goes stale), else this host's (a dead process is seen);
+        a trial whose worker died is queued again, for this worker to run."""
         deadline = None if timeout is None else time.monotonic() + timeout
         after_round = -1
-        if heartbeats:  # a killed run's trial, queued again before anything else
-            fail_stale_trials(self.study, heartbeats)
+        fail_stale_trials(self.study, storage)  # a killed run's trial, queued again before anything else
         self.steer()
         labels, fitting = len(self.job.labels), self.space.fitting
         above = (len(self.space.sizes) * len(fitting) - sum(len(f) for f in fitting)) * labels  # pruned
         while True:
-            count = len(settled_configs(self.study))
+            count = self.decided()
             left = None if deadline is None else deadline - time.monotonic()
             if count >= self.budget or (left is not None and left <= 0):
                 return
             trials = self.study.get_trials(deepcopy=False)
             if not any(t.state == State.WAITING for t in trials) and (after_round >= 0 or self.searched_only):
-                if heartbeats and any(t.state == State.RUNNING and measuring(t) for t in trials):
-                    fail_stale_trials(self.study, heartbeats)
+                if any(t.state == State.RUNNING and measuring(t) and (beats or on_this_host(t)) for t in trials):
+                    fail_stale_trials(self.study, storage)
                     if not any(t.state == State.WAITING for t in self.study.get_trials(deepcopy=False)):
                         time.sleep(POLL_SECONDS if left is None else min(POLL_SECONDS, left))
                     continue
@@ -270,7 +303,7 @@ class Trials:
                 self.objective, n_trials=4 * (self.budget - count) + 16 + above, timeout=left,
                 catch=(TrialFailed,), callbacks=[self.report],
             )  # fmt: skip
-            after_round = len(settled_configs(self.study))
+            after_round = self.decided()
 
     def race(self, rounds: int) -> list[Runner]:
         """The finalists re-timed side by side (`autoaccum._tune.race`), the winner first: of the fastest entrants,
