@@ -185,12 +185,16 @@ def child_env(
 
 
 def payload(job: Any, platform: str, functions: Sequence[Any] = ()) -> bytes:
-    """``job`` pickled for a child: ``(sys.path, platform, cloudpickle bytes, file modules)``.
+    """``job`` pickled for a child, with the strategies registered here beyond autoaccum's own: ``(sys.path,
+    platform, cloudpickle bytes, file modules, JAX settings)``.
 
     A module loaded from a file under a name a fresh interpreter cannot import (a workload file) travels as its path
     (`load_payload` loads it under the same name); ``functions`` (the user's loss) from other such modules are pickled
     by value, keeping their file's name (`_dumps`).
     """
+    from autoaccum import strategies
+
+    own = [cls for cls in map(strategies.get, strategies.available()) if not cls.__module__.startswith("autoaccum.")]
     files = _file_modules()
     names = [getattr(fn, "__module__", None) for fn in functions]
     by_value = [
@@ -198,7 +202,8 @@ def payload(job: Any, platform: str, functions: Sequence[Any] = ()) -> bytes:
         if isinstance(n, str) and n in sys.modules and n != "__main__" and n not in files
         and not _findable(n.partition(".")[0])
     ]  # fmt: skip
-    return pickle.dumps(([p for p in sys.path if p], platform, _dumps(job, by_value), files, jax_settings()))
+    body = _dumps((job, own), by_value)
+    return pickle.dumps(([p for p in sys.path if p], platform, body, files, jax_settings()))
 
 
 _CHILDS_OWN_SETTINGS = ("compilation_cache", "persistent_cache", "platform", "num_cpu_devices", "visible_devices")
@@ -234,8 +239,8 @@ def apply_jax_settings(settings: Mapping[str, Any]) -> list[str]:
 
 
 def load_payload(payload_path: str) -> tuple[Any, str]:
-    """The job and platform a parent pickled (`payload`), its ``sys.path`` restored, its file modules found and
-    its JAX settings taken (`apply_jax_settings`), before the job is unpickled."""
+    """The job and platform a parent pickled (`payload`), its ``sys.path`` restored, its file modules found, its
+    JAX settings taken (`apply_jax_settings`) before the job is unpickled, and its strategies registered."""
     with open(payload_path, "rb") as f:
         sys_path, platform, body, files, settings = pickle.load(f)
     apply_jax_settings(settings)
@@ -243,7 +248,13 @@ def load_payload(payload_path: str) -> tuple[Any, str]:
     sys.meta_path.append(_FileModules(files))
     import cloudpickle
 
-    return cloudpickle.loads(body), platform
+    from autoaccum import strategies
+
+    job, own = cloudpickle.loads(body)
+    for cls in own:
+        if cls.name not in strategies.available():  # (its module, imported to unpickle it, may have registered it)
+            strategies.register(cls)
+    return job, platform
 
 
 class _FileModules(importlib.abc.MetaPathFinder):

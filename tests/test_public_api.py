@@ -280,6 +280,33 @@ def test_a_strategy_the_workload_file_registers_can_be_named(tmp_path: Any) -> N
     assert bad.exit_code == 2 and "'from_nowhere' is not a registered strategy" in bad.output, bad.output
 
 
+def test_a_strategy_registered_here_reaches_the_worker_whatever_module_the_loss_is_from(tmp_path: Any) -> None:
+    """The worker imports the loss's module, not the workload file: a strategy that file registered was unknown
+    there ("unknown `strategy` 'from_file'" for every trial; a new user's report). Registered strategies travel
+    with the job."""
+    import json
+
+    from click.testing import CliRunner
+
+    from autoaccum.cli import main
+
+    (tmp_path / "losses.py").write_text("import jax.numpy as jnp\n\ndef loss_fn(w, b):\n"
+                                        "    return jnp.mean((b['x'] @ w - b['y']) ** 2)\n")  # fmt: skip
+    path = tmp_path / "mine.py"
+    own_loss = 'lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)'
+    workload = WORKLOAD_WITH_A_STRATEGY.replace(own_loss, "losses.loss_fn")
+    path.write_text(workload.replace("import optax", "import losses\nimport optax"))
+    assert "losses.loss_fn" in path.read_text()
+    args = ["probe", f"{path}:make", "--memory-limit", "256MiB", "--microbatch-cap", "8", "--json"]
+    try:
+        result = CliRunner().invoke(main, [*args, "--strategy", "from_file"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["strategy"] == "from_file" and json.loads(result.stdout)["isolate"]
+    finally:
+        if "from_file" in strategies.available():
+            strategies.unregister("from_file")
+
+
 # The layout: an installed autoaccum creates no top-level `strategies` module.
 def test_no_top_level_strategies_module() -> None:
     code = "import importlib.util, autoaccum.strategies; print(importlib.util.find_spec('strategies'))"
