@@ -114,12 +114,24 @@ class Knobs:
         """
         if set(values) != set(self.choices):
             missing, unknown = sorted(set(self.choices) - set(values)), sorted(set(values) - set(self.choices))
+            why = [f"the Knobs lacks {unknown}"] * bool(unknown) + [f"no value is given for {missing}"] * bool(missing)
             raise ValueError(
-                f"the knob values {sorted(values)} do not match this Knobs' knobs {sorted(self.choices)}: the Knobs "
-                f"lacks {unknown}, and no value is given for {missing}; a plan tuned with other knobs needs the Knobs "
-                "it was tuned with."
+                f"the knob values {sorted(values)} do not match this Knobs' knobs {sorted(self.choices)}: "
+                f"{' and '.join(why)}; a plan tuned with other knobs needs the Knobs it was tuned with."
             )
-        loss_fn = self.make_loss(**values)
+        name = getattr(self.make_loss, "__name__", "make_loss")
+        call = f"{name}({', '.join(f'{k}={v!r}' for k, v in values.items())})"
+        try:
+            loss_fn = self.make_loss(**values)
+        except Exception as e:
+            if hasattr(e, "add_note"):
+                e.add_note(f"autoaccum called the Knobs' make_loss as {call}.")
+            raise
+        if not callable(loss_fn):
+            raise TypeError(
+                f"the Knobs' make_loss, called as {call}, returned {type(loss_fn).__name__} {loss_fn!r}, not a loss "
+                "function: make_loss(**values) -> loss_fn."
+            )
         check_loss_fn(loss_fn)
         return loss_fn
 

@@ -209,10 +209,45 @@ def test_knobs_check_their_values() -> None:
     for equal in ((1, 1.0), (0.5, True, 1), (False, 0)):  # equal in Python: Optuna's categorical index conflates them
         with pytest.raises(ValueError, match=r"knob `scale` repeats a value: .* in Python, so one setting"):
             Knobs(scaled_loss, scale=equal)
-    with pytest.raises(ValueError, match=r"the Knobs lacks \['size'\], and no value is given for \['scale'\]"):
+    with pytest.raises(ValueError, match=r"the Knobs lacks \['size'\] and no value is given for \['scale'\]"):
         knobs.loss_fn(size=2)  # (as from a plan tuned with a knob `size`: it said "unknown ['size']")
+    with pytest.raises(
+        ValueError, match=r"do not match this Knobs' knobs \['scale'\]: no value is given for \[.scale.\];"
+    ):
+        knobs.loss_fn()  # (it said the Knobs lacked [])
     with pytest.raises(TypeError, match=r"knobs \['activation'\] are not parameters of make_loss\(scale"):
         Knobs(scaled_loss, activation=("tanh", "relu"))  # (the factory's own TypeError came from the tune)
+
+
+def test_every_knob_settings_loss_is_checked_before_anything_runs() -> None:
+    """What is wrong with one knob setting's loss (its output, the factory raising, returning no function) is said
+    before any trial, naming the setting: it came after the probe, as a failed estimate in the worker, or bare (a
+    new user's report)."""
+
+    def make_loss(scale: float = 1.0, aux: bool = False) -> Any:
+        loss = scaled_loss(scale)
+        return (lambda p, b: (loss(p, b), 0.0)) if aux else loss
+
+    def raising(scale: float = 1.0) -> Any:
+        if scale == 0.5:
+            raise ValueError("scale=0.5 is not supported by this build")
+        return scaled_loss(scale)
+
+    w = workloads.linear(batch_size=8, features=4)
+    calls: list[Any] = []
+    kw: dict[str, Any] = dict(
+        optimizer=w.optimizer, memory_limit="64MiB", storage=":memory:", measure=fake_measure(calls)
+    )
+    with pytest.raises(TypeError, match=r"returned a tuple of 2 but has_aux=False") as caught:
+        tune(Knobs(make_loss, aux=(False, True)), w.params, w.batch, **kw)
+    assert "(the loss of the knob setting remat=None, aux=True)" in caught.value.__notes__
+    with pytest.raises(ValueError, match=r"scale=0\.5 is not supported") as caught:
+        tune(Knobs(raising, scale=(1.0, 0.5)), w.params, w.batch, **kw)
+    assert "autoaccum called the Knobs' make_loss as raising(scale=0.5)." in caught.value.__notes__
+    with pytest.raises(TypeError, match=r"make_loss, called as <lambda>\(scale=0.5\), returned int 42, not a loss"):
+        tune(Knobs(lambda scale=1.0: 42 if scale == 0.5 else scaled_loss(scale), scale=(1.0, 0.5)), w.params,
+             w.batch, **kw)  # fmt: skip
+    assert calls == []
 
 
 def test_tune_searches_a_knob_of_the_loss() -> None:

@@ -139,16 +139,34 @@ class Job:
             kw["memory_limit"], kw["min_microbatch"], loss_kw, kw["children"],
         )  # fmt: skip
         default, loss = job.settings[0], job.loss_for(job.settings[0])
-        check_loss_fn(loss)
         if kw["memory_limit"] is not None:
             parse_bytes(kw["memory_limit"], "memory_limit")
         for name in names:  # bad input (optimizer, loss, options) fails here, not in trial 0
             build_update(loss, optimizer, microbatch_size=1, strategy=name, **default.build, **loss_kw)
         trace_loss(loss, params, batch, state)  # the loss's own error, before any child starts
+        for setting in job.settings:  # every setting's loss made and its output checked, on the batch's shapes
+            _check_output(job, setting)
         if kw["strategies"] is None:  # the default update's strategy ("auto" picks it) first: the probe runs it
             auto = resolve_strategy(loss, optimizer, params, batch, state, **default.build, **loss_kw)
             names.sort(key=lambda name: name != auto["strategy"])
         return job
+
+
+def _check_output(job: Job, setting: Setting) -> None:
+    """Traces ``setting``'s loss on the example batch's shapes with the output checks of an update (a scalar loss,
+    ``(loss, aux)`` with ``has_aux``, ``(loss_sum, weight)`` with ``"sum"``); what is wrong names the setting."""
+    loss = job.loss_for(setting)
+    check_loss_fn(loss)
+    rows = leading_size(job.batch)
+    update = build_update(
+        loss, job.optimizer, microbatch_size=rows, strategy=job.names[0], **setting.build, **job.loss_kw
+    )
+    try:
+        update.accumulation.out_dtypes(job.params, job.batch, () if job.state is None else job.state)
+    except (TypeError, ValueError) as e:
+        if len(job.settings) > 1 and hasattr(e, "add_note"):
+            e.add_note(f"(the loss of the knob setting {setting})")
+        raise
 
 
 def _check_numbers(kw: dict[str, Any], effective_batch: int) -> None:

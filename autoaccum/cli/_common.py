@@ -110,6 +110,13 @@ def check_loss_traces(w: Workload, target: str) -> None:
         ) from e
 
 
+def usage_error(error: Exception) -> click.UsageError:
+    """Bad input the library refused, for the command line (exit 2): its message and the notes autoaccum added
+    (which knob setting, how the loss was called), arguments named by their flags (`as_flags`)."""
+    notes = [n for n in getattr(error, "__notes__", ()) if not n.startswith("-")]  # (not JAX's traceback note)
+    return click.UsageError(as_flags(" ".join([str(error), *notes])))
+
+
 def as_flags(message: str, command: click.Command | None = None) -> str:
     """``message`` (the library's, naming its arguments in backticks) with each argument that ``command`` (default:
     the command running now, if any) has as an option named by its flag, and ``pass name=True`` by its switch.

@@ -16,6 +16,7 @@ from autoaccum.cli._common import (
     check_strategies,
     resolve_workload,
     strategy_help,
+    usage_error,
     workload_arguments,
 )
 from autoaccum.cli._console import fit_table, make_console
@@ -266,7 +267,7 @@ def _estimate_all(console: Any, w: Any, trees: tuple[Any, Any, Any], total: int,
                 on_compile=_progress(console, job.label),
             )
         except (ValueError, TypeError) as e:
-            raise click.UsageError(str(e)) from e
+            raise usage_error(e) from e
         except jax.errors.JaxRuntimeError as e:  # XLA could not compile it: this job's answer, not the others'
             return e
 

@@ -17,6 +17,7 @@ from autoaccum.cli._common import (
     renamed_option,
     resolve_workload,
     strategy_help,
+    usage_error,
     workload_arguments,
 )
 from autoaccum.cli._console import fit_table, make_console, warnings_as_lines
@@ -122,7 +123,7 @@ def probe(
         try:
             prepare(w.loss_fn, w.params, w.batch, **kwargs)  # bad input is exit 2; errors in trials are exit 1
         except (ValueError, TypeError) as e:
-            raise click.UsageError(str(e)) from e
+            raise usage_error(e) from e
         try:
             with _LiveTrials(console, None if no_isolate else trial_timeout) as live:
                 result = run_probe(w.loss_fn, w.params, w.batch, progress=live.finished, **kwargs)

@@ -17,6 +17,7 @@ from autoaccum.cli._common import (
     renamed_option,
     resolve_workload,
     strategy_help,
+    usage_error,
     workload_arguments,
 )
 from autoaccum.cli._console import fit_table, make_console, warnings_as_lines
@@ -219,7 +220,7 @@ def tune(
                     on_trial=[on_trial],
                 )
         except (ValueError, TypeError) as e:
-            raise click.UsageError(str(e)) from e
+            raise usage_error(e) from e
         except RuntimeError as e:
             message = as_flags(str(e))
             console.print(Text.assemble(("error: ", "red"), message))
