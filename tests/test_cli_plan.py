@@ -182,6 +182,33 @@ def test_out_writes_a_predicted_plan_that_builds(tmp_path: Path) -> None:
     assert plan.build(w.loss_fn, w.optimizer, params=w.params).microbatch_size == plan.microbatch_size
 
 
+KNOBS_WORKLOAD = """
+import jax.numpy as jnp, optax, autoaccum
+
+def make_loss(scale=1.0):
+    return lambda w, b: scale * jnp.mean((b["x"] @ w - b["y"]) ** 2)
+
+KNOBS = autoaccum.Knobs(make_loss, scale=(1.0, 0.5))
+
+def make():
+    batch = {"x": jnp.ones((64, 256)), "y": jnp.zeros(64)}
+    return autoaccum.Workload(make_loss(), jnp.zeros(256), batch, optax.adam(0.1), knobs=KNOBS)
+"""
+
+
+def test_a_plan_of_a_workload_with_knobs_records_their_default_and_builds_with_them(tmp_path: Path) -> None:
+    """The plan is of the workload's ``loss_fn``, its knobs' default: it recorded no knobs, and building it with the
+    Knobs was refused (a new user's report)."""
+    (tmp_path / "knobbed.py").write_text(KNOBS_WORKLOAD)
+    path = tmp_path / "plan.json"
+    check(run(f"{tmp_path / 'knobbed.py'}:make", "--effective-batch", "256", "--memory-limit", "64MiB", "--out",
+              str(path)), 0)  # fmt: skip
+    plan = autoaccum.Plan.load(path)
+    assert plan.knobs == {"scale": 1.0}
+    w = autoaccum.load_workload(f"{tmp_path / 'knobbed.py'}:make")
+    assert plan.build(w.knobs, w.optimizer, params=w.params).microbatch_size == plan.microbatch_size
+
+
 def test_out_says_when_the_first_target_has_no_plan_to_save(tmp_path: Path) -> None:
     """Where nothing fits the first target, ``--out`` writes nothing and says so (it said nothing, exit 0)."""
     path = tmp_path / "plan.json"

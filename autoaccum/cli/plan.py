@@ -412,6 +412,7 @@ def _predicted_plan(w: Any, est: Any, capacity: Any) -> Any:
         has_aux=w.has_aux,
         has_state=w.state is not None,
         loss_reduction=w.loss_reduction,
+        knobs={} if w.knobs is None else dict(w.knobs.default),  # (its loss_fn: the knobs' default, planned)
         params=params_signature(w.params),
         versions=versions(),
         opt_state_bytes=opt_state_bytes(w.optimizer, w.params),
