@@ -53,6 +53,7 @@ def test_plot_of_peak_memory_against_throughput(tmp_path: Path) -> None:
         "--memory-limit", "512MiB", "--plot", str(path),
     )  # fmt: skip
     assert result.exit_code == 0, explain(result)
+    assert f"plot saved to {path}" in " ".join(result.stdout.split()), explain(result)  # (as `plan` says)
     height, width, _ = matplotlib.image.imread(path).shape
     assert (width, height) == (750, 450)
 
@@ -190,6 +191,8 @@ def test_the_printed_snippet_runs_on_an_nnx_workload_and_a_rerun_names_the_flag(
     assert again.exit_code == 0 and "resumed" in again.stdout, explain(again)
     words = " ".join(again.stdout.split())
     assert "pass --fresh to start over" in words and "fresh=True" not in words, explain(again)
+    as_json = run(*args, "--json")  # (its message said fresh=True: a new user's report)
+    assert "pass --fresh to start over" in json.loads(as_json.stdout)["message"], explain(as_json)
 
 
 def test_a_study_name_of_another_setup_names_the_fresh_flag(tmp_path: Path) -> None:

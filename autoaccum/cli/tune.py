@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -233,9 +234,11 @@ def tune(
     if plot is not None:
         _plot(result, plot)
     if as_json:
-        click.echo(result.to_json())
+        click.echo(dataclasses.replace(result, message=as_flags(result.message)).to_json())
         return
     _report(console, result, out, isolated=not no_isolate, api=w.api)
+    if plot is not None:
+        console.print(f"plot saved to {plot}")
 
 
 def _report(console: Console, result: Any, out: Path | None, *, isolated: bool, api: str = "pytree") -> None:
@@ -264,9 +267,8 @@ def _report(console: Console, result: Any, out: Path | None, *, isolated: bool, 
         Text.assemble(
             "\n",
             ("best plan", "bold green"),
-            f": microbatch {plan.microbatch_size} x {plan.accumulation_steps} steps = {plan.effective_batch} "
-            f"examples, strategy {plan.strategy}{options}{_knobs_text(plan)}, {plan.throughput:,.1f} examples/s "
-            f"on {plan.device}",
+            f": {_split_text(plan.effective_batch, plan.microbatch_size)}, strategy {plan.strategy}{options}"
+            f"{_knobs_text(plan)}, {plan.throughput:,.1f} examples/s on {plan.device}",
         )
     )
     if result.memory_limit_bytes is not None and isolated:
@@ -396,6 +398,18 @@ def _print_table(console: Console, result: Any) -> None:
     title = "race: the finalists re-timed side by side, interleaved (winner first: lowest relative step time)"
     console.print(fit_table(console, title, columns, rows))
     console.print(RACE_NOTE, highlight=False, markup=False)
+
+
+def _split_text(effective_batch: int, m: int) -> str:
+    """How ``effective_batch`` examples split into microbatches of ``m``, for people.
+
+    Example:
+      >>> _split_text(128, 32), _split_text(100, 64)
+      ('microbatch 32 x 4 steps = 128 examples', 'microbatch 64 x 2 steps (the last 36) = 100 examples')
+    """
+    steps, rest = -(-effective_batch // m), effective_batch % m
+    uneven = f" (the last {rest})" if rest and steps > 1 else ""
+    return f"microbatch {m} x {steps} steps{uneven} = {effective_batch} examples"
 
 
 def _require_matplotlib() -> None:
