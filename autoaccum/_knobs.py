@@ -187,11 +187,14 @@ class Setting:
       remat: `autoaccum.build_update`'s ``remat``.
       accumulator_dtype: `autoaccum.build_update`'s ``accumulator_dtype``, by name (``"float32"``).
       knobs: ``((name, value), ...)`` of the loss's `autoaccum.Knobs`, in their order (``()`` without any).
+      dtype_searched: whether the tune searches accumulator dtypes: the text names this setting's then, float32
+        included (not compared).
     """
 
     remat: str | None = None
     accumulator_dtype: str = "float32"
     knobs: tuple[tuple[str, Any], ...] = ()
+    dtype_searched: bool = dataclasses.field(default=False, compare=False, repr=False)
 
     @property
     def values(self) -> dict[str, Any]:
@@ -204,7 +207,8 @@ class Setting:
         return {"remat": self.remat, "accumulator_dtype": self.accumulator_dtype}
 
     def __str__(self) -> str:
-        dtype = () if self.accumulator_dtype == "float32" else ((ACCUMULATOR_DTYPE, self.accumulator_dtype),)
+        shown = self.dtype_searched or self.accumulator_dtype != "float32"
+        dtype = ((ACCUMULATOR_DTYPE, self.accumulator_dtype),) if shown else ()
         return ", ".join(f"{k}={v!r}" for k, v in ((REMAT, self.remat), *dtype, *self.knobs))
 
 
@@ -216,7 +220,7 @@ class KnobSpace:
     Example:
       >>> space = KnobSpace(remat=(None, "dots_saveable"), accumulator_dtypes=("float32", "bfloat16"))
       >>> [str(s) for s in space.settings()][:2]
-      ['remat=None', "remat=None, accumulator_dtype='bfloat16'"]
+      ["remat=None, accumulator_dtype='float32'", "remat=None, accumulator_dtype='bfloat16'"]
       >>> space.params()
       {'remat': [None, 'dots_saveable'], 'accumulator_dtype': ['float32', 'bfloat16']}
       >>> space.setting_of({"remat": "dots_saveable"})
@@ -232,7 +236,8 @@ class KnobSpace:
     def settings(self) -> list[Setting]:
         """Every setting of the knobs, the default (each knob's first value) first."""
         own = [()] if self.knobs is None else [tuple(values.items()) for values in self.knobs.settings()]
-        return [Setting(*values) for values in itertools.product(self.remat, self.accumulator_dtypes, own)]
+        values = itertools.product(self.remat, self.accumulator_dtypes, own)
+        return [Setting(*v, dtype_searched=len(self.accumulator_dtypes) > 1) for v in values]
 
     def params(self) -> dict[str, list[Any]]:
         """The Optuna parameters of the knobs searched: those with more than one value (the others are fixed)."""
@@ -249,7 +254,8 @@ class KnobSpace:
         """The `Setting` of a trial's Optuna ``params`` (a knob that is not searched has its only value)."""
         choices = {} if self.knobs is None else self.knobs.choices
         own = tuple((k, params.get(KNOB_PREFIX + k, v[0])) for k, v in choices.items())
-        return Setting(params.get(REMAT, self.remat[0]), params.get(ACCUMULATOR_DTYPE, self.accumulator_dtypes[0]), own)
+        dtype = params.get(ACCUMULATOR_DTYPE, self.accumulator_dtypes[0])
+        return Setting(params.get(REMAT, self.remat[0]), dtype, own, dtype_searched=len(self.accumulator_dtypes) > 1)
 
     def params_of(self, setting: Setting) -> dict[str, Any]:
         """The Optuna parameters of ``setting`` among the knobs searched (`params`)."""
