@@ -97,6 +97,16 @@ def test_a_strategy_out_of_memory_at_the_largest_size_goes_on_at_the_next_size_d
                                                             (8, "scan", 1)}  # fmt: skip
 
 
+def test_another_knob_setting_starts_with_the_fastest_variant_that_fit_the_defaults_largest_size() -> None:
+    """unroll=2 runs out of memory at 32 and is the fastest at 16: the other setting, bounded like the probed
+    variant, starts with scan at its largest size, not with unroll=2, which ran out there too (three trials of a
+    new user's twelve)."""
+    search = Search([(4, 8, 16, 32), (4, 8, 16, 32)], ("scan", "scan:unroll=2"), 64)
+    seen = [Trial(Config(32, "scan"), 100.0), Trial(Config(32, "scan:unroll=2"), None),
+            Trial(Config(16, "scan:unroll=2"), 150.0)]  # fmt: skip
+    assert search.propose(seen) == [Config(32, "scan", 1)]
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_a_strategy_out_of_memory_at_the_largest_two_sizes_is_timed_only_where_the_descent_goes(seed: int) -> None:
     """loop's step runs out of memory down to 16 and fits at 8, where scan (faster at every smaller size) is best:

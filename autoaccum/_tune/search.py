@@ -5,7 +5,8 @@
 1. **Breadth.** The whole batch in one step, where it fits, then every strategy variant at the default knob
    setting's largest accumulating microbatch (one that runs out of memory there goes on at the next size down,
    and no further: one that needs much more memory than the others is timed only at the descent's best size).
-2. **Knobs.** Every other setting of the knobs at its own largest size, with the fastest variant so far.
+2. **Knobs.** Every other setting of the knobs at its own largest size, with the fastest variant that ran at the
+   default setting's largest (one that ran out of memory there would at the others' too).
 3. **Descent.** From the fastest of those, halve the microbatch; stop after two halvings in a row not
    `clearly_faster` than the best so far, or at one slower by more than two readings' drift (`DRIFT`).
 4. **Coordinates.** Where the descent went down, the other variants at its best size (but those whose first
@@ -143,7 +144,9 @@ class Search:
         return max(accumulating, key=lambda t: (t.throughput, -t.config.microbatch_size), default=None)
 
     def _knobs(self, seen: Mapping[Config, Trial]) -> list[Config]:
-        best = self._best(seen, [0])
+        top = self._top(0)  # the fastest variant that fit there: the others' bounds are the probed variant's
+        fit = [t for t in seen.values() if t.config.setting == 0 and t.config.microbatch_size == top and t.throughput]
+        best = max(fit, key=lambda t: t.throughput or 0.0, default=None)
         strategy = self.strategies[0] if best is None else best.config.strategy
         starts = [self._start(strategy, s, seen) for s in range(1, len(self.sizes))]
         return self._wanted([c for c in starts if isinstance(c, Config)], seen)
