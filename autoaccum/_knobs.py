@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -79,11 +80,12 @@ class Knobs:
                     f"knob `{name}` must be a non-empty tuple of the values to try, the default first, got "
                     f"{name}={values!r}; e.g. {name}=(None, 'dots_saveable')."
                 )
-            bad = [v for v in values if not isinstance(v, _VALUE_TYPES)]
+            infinite = [v for v in values if isinstance(v, float) and not math.isfinite(v)]  # (nan != nan)
+            bad = [v for v in values if not isinstance(v, _VALUE_TYPES)] + infinite
             if bad:
                 raise TypeError(
                     f"knob `{name}` has values {bad!r} that a plan's JSON cannot record; use None, bools, ints, "
-                    "floats or strings (e.g. a policy's name rather than the policy)."
+                    "finite floats or strings (e.g. a policy's name rather than the policy)."
                 )
             equal = [(a, b) for i, a in enumerate(values) for b in values[i + 1 :] if a == b]
             if equal:

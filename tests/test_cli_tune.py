@@ -61,7 +61,7 @@ def test_plot_of_peak_memory_against_throughput(tmp_path: Path) -> None:
 def test_remat_policies_searched_from_the_command_line() -> None:
     result = run(
         "tune", LINEAR, "--microbatch-bound", "8", "--strategy", "loop", "--remat", "dots_saveable", "--storage",
-        ":memory:", "--race-rounds", "0", "--json",
+        ":memory:", "--race-rounds", "0", "--json", "--remat", "dots_saveable",  # repeated, as --strategy may be
     )  # fmt: skip
     assert result.exit_code == 0, explain(result)
     trials = json.loads(result.stdout)["trials"]

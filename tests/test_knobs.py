@@ -206,6 +206,9 @@ def test_knobs_check_their_values() -> None:
         Knobs(scaled_loss, scale=(None, jax.checkpoint_policies.dots_saveable))
     with pytest.raises(ValueError, match=r"knob `scale` repeats a value"):
         Knobs(scaled_loss, scale=(1.0, 1.0))
+    for odd in (float("nan"), float("inf")):  # (nan != nan: no plan could match it; neither is JSON)
+        with pytest.raises(TypeError, match=r"knob `scale` has values \[(nan|inf)\] .* finite floats"):
+            Knobs(scaled_loss, scale=(1.0, odd))
     for equal in ((1, 1.0), (0.5, True, 1), (False, 0)):  # equal in Python: Optuna's categorical index conflates them
         with pytest.raises(ValueError, match=r"knob `scale` repeats a value: .* in Python, so one setting"):
             Knobs(scaled_loss, scale=equal)

@@ -216,8 +216,8 @@ def tune(
                     compile_timeout=compile_timeout,
                     race_rounds=race_rounds,
                     isolate=not no_isolate,
-                    remat=(None, *remat_policies) if remat_policies else BUILTIN_REMAT,
-                    accumulator_dtype=accumulator_dtypes or "float32",
+                    remat=(None, *dict.fromkeys(remat_policies)) if remat_policies else BUILTIN_REMAT,
+                    accumulator_dtype=tuple(dict.fromkeys(accumulator_dtypes)) or "float32",  # (repeats: once)
                     on_trial=[on_trial],
                 )
         except (ValueError, TypeError) as e:
