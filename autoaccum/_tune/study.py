@@ -76,8 +76,8 @@ def open_study(
     storage: optuna.storages.BaseStorage, name: str, key: str, fresh: bool, bound: Callable[[], Space]
 ) -> tuple[optuna.Study, Space, bool]:
     """The study ``name`` of the tune of fingerprint ``key`` (created, or resumed), the sizes each setting may time,
-    and whether this worker bounded them: stored with the study by the worker that bounded them first (the probe
-    runs once per study), else ``bound()`` now.
+    and whether this worker bounded them: stored with the study by the worker that bounded them first, else
+    ``bound()`` now (workers that start a study at once each probe; the first to store its bounds is every one's).
 
     Raises:
       ValueError: the study holds the trials of another fingerprint (a ``study_name`` given twice).
