@@ -127,6 +127,24 @@ def test_a_killed_runs_trial_on_this_host_is_not_waited_for(tmp_path: Path, hear
     assert json.loads(out.strip().splitlines()[-1])["new_trials"] >= GRID - 1
 
 
+@pytest.mark.slow
+def test_a_worker_with_no_slot_left_waits_without_queueing_again(tmp_path: Path) -> None:
+    """Two workers, a budget of 3: once the fast one finds every slot claimed (the slow one measuring the last), it
+    waits for it. It re-queued its over-budget configuration at once, round after round, writing a trial each
+    time (69 of them in a reviewer's run)."""
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    slow_log, fast_log = tmp_path / "slow.jsonl", tmp_path / "fast.jsonl"
+    slow = start(storage, slow_log, "--n-trials", "3", "--seconds", "4")
+    wait_until(slow_log.exists, slow)
+    fast = start(storage, fast_log, "--n-trials", "3")
+    for worker in (slow, fast):
+        out, err = worker.communicate(timeout=120)
+        assert worker.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    trials = optuna.load_study(study_name="shared", storage=storage).get_trials()
+    over = [t for t in trials if "over_budget" in t.user_attrs]
+    assert len(over) <= 2, [(t.number, t.state.name, t.params) for t in trials]
+
+
 def test_a_retried_copy_of_a_killed_trial_is_not_failed_for_its_inherited_claim(tmp_path: Path) -> None:
     """Optuna's retry of a dead worker's trial copies its user attributes, the claim of the dead process among
     them: until the worker that took the copy claims it, another worker failed it again as the dead process's, and

@@ -88,7 +88,8 @@ def _fingerprint(
     return fingerprint(
         "\n".join(texts),
         {
-            "effective_batch": job.effective_batch, "search": searched, "memory_limit": limit, "isolated": isolated,
+            "effective_batch": job.effective_batch, "search": searched, "memory_limit": limit,
+            **({} if isolated else {"isolated": False}),  # (so an isolated tune's study of an earlier release resumes)
             "device": device_kind(), "platform": jax.default_backend(), "versions": versions(),
         },
     )  # fmt: skip

@@ -169,10 +169,15 @@ class Trials:
 
     def steer(self) -> None:
         """Queues what the search proposes next, but what is queued, being measured or settled (a configuration
-        whose trial was killed, interrupted or over the budget is queued again)."""
+        whose trial was killed, interrupted or over the budget is queued again), while the budget has a slot that
+        no settled or running trial claims."""
         trials = self.study.get_trials(deepcopy=False)
-        taken = {config_key(t.params) for t in trials if measuring(t)}
-        taken |= {config_key(t.system_attrs.get("fixed_params", {})) for t in trials if t.state == State.WAITING}
+        claimed = {config_key(t.params) for t in trials if measuring(t)}
+        if len(claimed) >= self.budget:  # (queued again now, over the budget again: a loop)
+            return
+        taken = claimed | {
+            config_key(t.system_attrs.get("fixed_params", {})) for t in trials if t.state == State.WAITING
+        }
         for config in self.proposed():
             params = self.job.params_of(config)
             if config_key(params) not in taken:
