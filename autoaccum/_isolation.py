@@ -11,7 +11,6 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
-import enum
 import functools
 import importlib.abc
 import importlib.machinery
@@ -185,16 +184,17 @@ def child_env(
 
 
 def payload(job: Any, platform: str, functions: Sequence[Any] = ()) -> bytes:
-    """``job`` pickled for a child, with the strategies registered here beyond autoaccum's own: ``(sys.path,
-    platform, cloudpickle bytes, file modules, JAX settings)``.
+    """``job`` pickled for a child, with the strategies registered here beyond autoaccum's own (each that pickles)
+    and the JAX settings that change lowering: ``(sys.path, platform, job, strategies, file modules, settings)``.
 
     A module loaded from a file under a name a fresh interpreter cannot import (a workload file) travels as its path
     (`load_payload` loads it under the same name); ``functions`` (the user's loss) from other such modules are pickled
     by value, keeping their file's name (`_dumps`).
     """
+    import jax
+
     from autoaccum import strategies
 
-    own = [cls for cls in map(strategies.get, strategies.available()) if not cls.__module__.startswith("autoaccum.")]
     files = _file_modules()
     names = [getattr(fn, "__module__", None) for fn in functions]
     by_value = [
@@ -202,59 +202,49 @@ def payload(job: Any, platform: str, functions: Sequence[Any] = ()) -> bytes:
         if isinstance(n, str) and n in sys.modules and n != "__main__" and n not in files
         and not _findable(n.partition(".")[0])
     ]  # fmt: skip
-    body = _dumps((job, own), by_value)
-    return pickle.dumps(([p for p in sys.path if p], platform, body, files, jax_settings()))
+    own = {}
+    for cls in map(strategies.get, strategies.available()):
+        if not cls.__module__.startswith("autoaccum."):
+            with contextlib.suppress(Exception):  # (one that does not pickle is unknown there: a trial of it says so)
+                own[cls.name] = _dumps(cls, by_value)
+    values = jax.config.values
+    settings = {name: values[name] for name in LOWERING_SETTINGS if name in values}
+    return pickle.dumps(([p for p in sys.path if p], platform, _dumps(job, by_value), own, files, settings))
 
 
-_CHILDS_OWN_SETTINGS = ("compilation_cache", "persistent_cache", "platform", "num_cpu_devices", "visible_devices")
-"""JAX settings a child does not take from its parent: its compilation cache (`autoaccum._worker`) and its
-devices (`child_env`)."""
-
-
-def jax_settings() -> dict[str, Any]:
-    """This process's JAX settings (``jax.config``, contexts such as ``jax.default_matmul_precision`` included) that
-    a child takes (`apply_jax_settings`): what a script sets at run time changes what the loss lowers to."""
-    import jax
-
-    return {
-        name: value for name, value in jax.config.values.items()
-        if isinstance(value, (bool, int, float, str, enum.Enum, type(None)))
-        and not any(own in name for own in _CHILDS_OWN_SETTINGS)
-    }  # fmt: skip
-
-
-def apply_jax_settings(settings: Mapping[str, Any]) -> list[str]:
-    """Sets this process's JAX settings to ``settings`` (`jax_settings` of the parent) where they differ; returns
-    the names of those that could not be set."""
-    import jax
-
-    failed = []
-    for name, value in settings.items():
-        if name in jax.config.values and jax.config.values[name] != value:
-            try:
-                jax.config.update(name, value)
-            except Exception:  # (one that cannot change once a backend has started)
-                failed.append(name)
-    return failed
+LOWERING_SETTINGS = (
+    "jax_enable_x64", "jax_explicit_x64_dtypes", "jax_default_matmul_precision", "jax_default_prng_impl",
+    "jax_enable_custom_prng", "jax_threefry_partitionable", "jax_numpy_dtype_promotion", "jax_numpy_rank_promotion",
+    "jax_softmax_custom_jvp", "jax_use_shardy_partitioner", "jax_compiler_enable_remat_pass",
+    "jax_use_direct_linearize",
+)  # fmt: skip
+"""The JAX settings a child takes from its parent (``jax.config``, contexts such as ``jax.default_matmul_precision``
+included): those that change what the loss lowers to, not those that police the caller's code, log or pick
+devices."""
 
 
 def load_payload(payload_path: str) -> tuple[Any, str]:
-    """The job and platform a parent pickled (`payload`), its ``sys.path`` restored, its file modules found, its
-    JAX settings taken (`apply_jax_settings`) before the job is unpickled, and its strategies registered."""
-    with open(payload_path, "rb") as f:
-        sys_path, platform, body, files, settings = pickle.load(f)
-    apply_jax_settings(settings)
-    sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    sys.meta_path.append(_FileModules(files))
+    """The job and platform a parent pickled (`payload`): its ``sys.path`` restored, its file modules found, its JAX
+    settings taken before anything is unpickled, and its strategies registered (in place of another of the name)."""
     import cloudpickle
+    import jax
 
     from autoaccum import strategies
 
-    job, own = cloudpickle.loads(body)
-    for cls in own:
-        if cls.name not in strategies.available():  # (its module, imported to unpickle it, may have registered it)
-            strategies.register(cls)
-    return job, platform
+    with open(payload_path, "rb") as f:
+        sys_path, platform, body, own, files, settings = pickle.load(f)
+    for name, value in settings.items():
+        if jax.config.values.get(name) != value:
+            with contextlib.suppress(Exception):  # (one that cannot change here: the loss's check says if it matters)
+                jax.config.update(name, value)
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    sys.meta_path.append(_FileModules(files))
+    for name, data in own.items():
+        cls = cloudpickle.loads(data)
+        if name in strategies.available() and strategies.get(name) is not cls:
+            strategies.unregister(name)  # (the child's own class of the name: the parent's is the one registered)
+        strategies.register(cls)
+    return cloudpickle.loads(body), platform
 
 
 class _FileModules(importlib.abc.MetaPathFinder):

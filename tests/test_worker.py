@@ -469,11 +469,12 @@ def test_a_worker_refuses_a_loss_that_differs_from_the_callers(tmp_path: Any, mo
         autoaccum.probe(module.loss_fn, params, batch, **kw)
 
 
-@pytest.mark.parametrize("how", ["config", "context"])
+@pytest.mark.parametrize("how", ["config", "context", "policing"])
 def test_the_worker_runs_the_loss_under_the_callers_jax_settings(how: str) -> None:
     """A JAX setting the caller made at run time (``jax.config.update``, or a context such as
     ``jax.default_matmul_precision``) changes what the loss lowers to: the worker takes it, and runs the caller's
-    program (it refused every request: a new user's tune under ``"highest"`` precision)."""
+    program (it refused every request: a new user's tune under ``"highest"`` precision). One that polices the
+    caller's own code (a transfer guard) is not the worker's: its machinery moves inputs to the device."""
     params, batch = jnp.ones((4, 4)), {"x": jnp.ones((16, 4))}
 
     def loss_fn(w: Any, b: Any) -> jax.Array:
@@ -481,13 +482,55 @@ def test_the_worker_runs_the_loss_under_the_callers_jax_settings(how: str) -> No
 
     kw = dict(optimizer=optax.sgd(0.1), memory_limit="64MiB", sizes=[8])
     before = jax.config.values["jax_default_matmul_precision"]
+    settings: Any = contextlib.nullcontext()
     if how == "config":
         jax.config.update("jax_default_matmul_precision", "highest")
-        settings: Any = contextlib.nullcontext()
-    else:
+    elif how == "context":
         settings = jax.default_matmul_precision("highest")
+    else:
+        settings = jax.transfer_guard_host_to_device("disallow")
     try:
         with settings:
             assert autoaccum.probe(loss_fn, params, batch, **kw).max_microbatch == 8
     finally:
         jax.config.update("jax_default_matmul_precision", before)
+
+
+class Unpicklable(autoaccum.strategies.Scan):
+    name = "unpicklable"
+    lock = __import__("threading").Lock()  # (no pickle of it: the class cannot travel)
+
+
+class Marked(autoaccum.strategies.Loop):
+    name = "loop"  # in place of the built-in: the worker must run this one
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        with open(os.environ["AUTOACCUM_TEST_MARK"], "a") as f:  # (the worker inherits the variable)
+            f.write(f"{os.getpid()}\n")
+        return super().run(*args, **kwargs)
+
+
+def test_registered_strategies_reach_the_worker_as_registered_here(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A strategy registered in place of a built-in one runs in the worker (it ran the built-in one there); one
+    whose class does not pickle keeps no other strategy from the worker (every probe failed: a reviewer's
+    report)."""
+    from autoaccum import strategies
+
+    mark = tmp_path / "ran"
+    monkeypatch.setenv("AUTOACCUM_TEST_MARK", str(mark))
+    params, batch = problem(features=8, rows=16)
+    kw: dict[str, Any] = dict(optimizer=optax.sgd(0.1), memory_limit="64MiB", sizes=[8], effective_batch=16)
+    strategies.register(Unpicklable)
+    loop = strategies.get("loop")
+    strategies.unregister("loop")
+    strategies.register(Marked)
+    try:
+        assert autoaccum.probe(linear_loss, params, batch, strategy="scan", **kw).max_microbatch == 8
+        assert autoaccum.probe(linear_loss, params, batch, strategy="loop", **kw).max_microbatch == 8
+        assert mark.exists() and set(mark.read_text().split()) - {str(os.getpid())}, "the worker ran another loop"
+    finally:
+        strategies.unregister("unpicklable")
+        strategies.unregister("loop")
+        strategies.register(loop)
