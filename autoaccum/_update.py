@@ -124,7 +124,9 @@ class Update:
         The sums are accumulated unnormalised and divided once at the end. One program is compiled per distinct
         microbatch size, plus one that makes the zero sums (on one device, per distinct size of the first
         microbatch) and one for the optimizer step. ``microbatch_size`` plays no part here. The inputs are donated
-        once the update is made: a stream that fails (a loader that raises, a malformed microbatch) leaves them.
+        once the update is made: a stream that fails (a loader that raises, a malformed microbatch) leaves them, as
+        the stream runs on a copy of ``state`` (held beside yours until the end: a state as large as a model, the
+        frozen weights of an nnx model's LoRA, is held twice).
 
         Args:
           params: the parameters (donated with ``donate=True``).

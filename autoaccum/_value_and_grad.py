@@ -78,7 +78,8 @@ def value_and_grad(
       microbatch_size: examples per microbatch (a positive int); the last one may be smaller, and a batch of at
         most this many examples runs as one microbatch (the plain full-batch step).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; a leaf whose leading size follows the batch's (found by
-        tracing ``loss_fn`` abstractly at two sizes) is per-example, on one device.
+        tracing ``loss_fn`` abstractly at two sizes) is per-example, on one device; one whose shape follows it
+        otherwise (the examples second, flattened) is refused, whatever the split.
       has_state: whether ``loss_fn(params, batch, state)`` returns ``(loss, state)``.
       loss_reduction: ``"mean"`` or ``"sum"`` (``loss_fn`` returns ``(loss_sum, weight)``).
       accumulator_dtype: floating dtype of the gradient sums (float32 by default; the loss, aux and weights in at

@@ -417,16 +417,12 @@ def _check_aux(spec: Spec, aux: PyTree, params: PyTree, batch: PyTree, state: Py
     """Refuses an aux leaf with the microbatch's example axis (per-example logits, say).
 
     Aux is averaged over the microbatches, weighted like the loss, so every microbatch's aux must have the same
-    shapes. A leaf with an axis whose size is a multiple of the microbatch's examples is traced again (abstractly)
-    at twice as many examples: if its shape follows, it is refused; if not (a per-class vector that happens to be
-    as long), it is kept.
+    shapes. Where a leaf is not a scalar, the aux is traced again (abstractly) at twice as many examples: a leaf
+    whose shape follows is refused (rows, or one value per pair of examples); one whose shape does not (a per-class
+    vector that happens to be as long) is kept.
     """
     n = leading_size(batch)
-    suspects = [
-        (path, leaf)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(aux)
-        if any(d >= n and d % n == 0 for d in np.shape(leaf))
-    ]
+    suspects = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(aux) if np.ndim(leaf) >= 1]
     if not suspects:
         return
 

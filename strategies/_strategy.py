@@ -214,7 +214,8 @@ class Strategy(abc.ABC):
         compiles the program the others run.
 
         The inputs are donated as `__call__` donates them, once the update is made: a stream that fails (a loader
-        that raises, a malformed microbatch) leaves them as they were.
+        that raises, a malformed microbatch) leaves them as they were. The stream's programs take a copy of
+        ``state`` (with ``donate``), so the state is held twice while it runs.
 
         Raises:
           ValueError: ``microbatches`` is empty, or one of them is malformed (named by its index), or an input was

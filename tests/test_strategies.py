@@ -451,6 +451,7 @@ PER_EXAMPLE = {  # an aux leaf whose shape follows the examples, and its shape a
     "rows": (lambda pred: pred, r"\(4,\)"),
     "stacked": (lambda pred: jnp.stack([pred, 2 * pred]), r"\(2, 4\)"),  # the examples second
     "flattened": (lambda pred: jnp.concatenate([pred, pred]), r"\(8,\)"),
+    "per-pair": (lambda pred: pred[0::2] - pred[1::2], r"\(2,\)"),  # (shorter than the examples: missed)
 }
 
 
