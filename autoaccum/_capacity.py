@@ -72,10 +72,28 @@ class StepCost(JsonMixin):
         moved = 2 * (self.devices - 1) / self.devices * self.reduction_bytes
         return moved / (accelerator.interconnect / 2)
 
+    def work(self, effective_batch: int, microbatch_size: int) -> list[tuple[int, float, float]]:
+        """``(count, flops, bytes accessed)`` of the microbatches' forward and backward passes and of the optimizer
+        step in one update, whatever runs it.
+
+        Example:
+          >>> StepCost(0.0, 1e9, 0.0, 1e6, 5.0, 7.0).work(40, 16)
+          [(2, 16000000000.0, 16000000.0), (1, 8000000000.0, 8000000.0), (1, 5.0, 7.0)]
+        """
+        total = check_positive_int(effective_batch, "effective_batch")
+        m = min(check_positive_int(microbatch_size, "microbatch_size"), total)
+        full, rest = divmod(total, m)
+        passes = [
+            (n, max(self.flops_fixed + self.flops_per_example * size, 0.0),
+             max(self.bytes_accessed_fixed + self.bytes_accessed_per_example * size, 0.0))
+            for n, size in [(full, m)] + ([(1, rest)] if rest else [])
+        ]  # fmt: skip
+        return [*passes, (1, self.optimizer_flops, self.optimizer_bytes_accessed)]
+
     def step_time(
         self, effective_batch: int, microbatch_size: int, accelerator: Accelerator | str
     ) -> tuple[float, Bound, float, float]:
-        """Roofline estimate of one update: ``(seconds, bound, flops, bytes_accessed)``.
+        """Roofline estimate of one update (`work`): ``(seconds, bound, flops, bytes_accessed)``.
 
         Example:
           >>> cost = StepCost(0.0, 1e9, 0.0, 1e6, 0.0, 0.0)
@@ -84,21 +102,14 @@ class StepCost(JsonMixin):
           ('compute', 64000000000.0)
         """
         acc = lookup(accelerator) if isinstance(accelerator, str) else accelerator
-        total = check_positive_int(effective_batch, "effective_batch")
-        m = min(check_positive_int(microbatch_size, "microbatch_size"), total)
-        full, rest = divmod(total, m)
 
         def roofline(flops: float, moved: float) -> float:
             return max(flops / acc.peak_flops(self.compute_dtype), moved / acc.bandwidth)
 
-        seconds = flops = moved = 0.0
-        for n, size in [(full, m)] + ([(1, rest)] if rest else []):  # the microbatches' forward and backward passes
-            f = max(self.flops_fixed + self.flops_per_example * size, 0.0)
-            b = max(self.bytes_accessed_fixed + self.bytes_accessed_per_example * size, 0.0)
-            seconds, flops, moved = seconds + n * roofline(f, b), flops + n * f, moved + n * b
+        work = self.work(effective_batch, microbatch_size)
         reduction = self.reduction_seconds(acc)
-        seconds = seconds + roofline(self.optimizer_flops, self.optimizer_bytes_accessed) + reduction
-        flops, moved = flops + self.optimizer_flops, moved + self.optimizer_bytes_accessed
+        seconds = sum(n * roofline(f, b) for n, f, b in work) + reduction
+        flops, moved = sum(n * f for n, f, _ in work), sum(n * b for n, _, b in work)
         compute, memory = flops / acc.peak_flops(self.compute_dtype), moved / acc.bandwidth
         bound = Bound.MEMORY if memory > compute else Bound.COMPUTE
         return seconds, Bound.INTERCONNECT if reduction > max(compute, memory) else bound, flops, moved
@@ -284,6 +295,9 @@ def capacity(
     seconds: float | None = None
     bound: Bound | None = None
     flops = moved = 0.0
+    if largest >= 1:  # (the work is the same on any target; its time is a catalogued accelerator's)
+        work = cost.work(total, microbatch)
+        flops, moved = sum(n * f for n, f, _ in work), sum(n * b for n, _, b in work)
     if resolved.accelerator is not None and largest >= 1:
         seconds, bound, flops, moved = cost.step_time(total, microbatch, resolved.accelerator)
     compiler = _compiler(model, resolved)

@@ -59,7 +59,7 @@ def _fix_for(signature: inspect.Signature, takes: Sequence[str]) -> str:
     if len(takes) == 2 and _binds(signature, 3):
         return (" (for loss_fn(params, batch, state) -> (loss, new_state), pass has_state=True; to tune or probe, "
                 "state=the initial state)")  # fmt: skip
-    no_state = "for loss_fn(params, batch), pass has_state=False (to tune or probe, no state); " * (
+    no_state = "for loss_fn(params, batch), has_state=False (to tune or probe: no `state`); " * (
         len(takes) == 3 and _binds(signature, 2)
     )
     return (

@@ -261,3 +261,14 @@ def test_private_jax_apis_refuse_an_untested_jax_naming_the_tested_ones(monkeypa
         _jax_private.check_version.cache_clear()
     monkeypatch.undo()
     assert "cpu" in _jax_private.xla_bridge().backends()
+
+
+def test_a_capacity_on_this_machines_limit_reports_the_updates_work() -> None:
+    """FLOPs and bytes moved are the update's, whatever the target: on the estimate's own limit they read 0 (a new
+    user's report), where a catalogued card's read the cost analysis's."""
+    w = workloads.mlp()
+    est = autoaccum.estimate(w.loss_fn, w.params, w.batch, optimizer=w.optimizer, memory_limit="64MiB")
+    here = est.capacity(1024)
+    assert here.flops > 0 and here.bytes_accessed > 0
+    _, _, flops, moved = est.cost.step_time(1024, here.microbatch_size, "A100-40GB")
+    assert (here.flops, here.bytes_accessed) == (flops, moved)

@@ -63,7 +63,11 @@ if TYPE_CHECKING:
     help="Run trials in this process (faster; a crashing trial kills it, and memory can carry over; no "
     "--trial-timeout; on the CPU no cap: a size fits when XLA's buffers fit the limit and the step runs).",
 )  # fmt: skip
-@click.option("--json", "as_json", is_flag=True, help="Print only JSON (the ProbeResult).")
+@click.option(
+    "--json", "as_json", is_flag=True,
+    help='Print only JSON: the ProbeResult, or {"error": ..., "trials": [...]} where a trial failed for another '
+    "reason than memory (exit 1).",
+)  # fmt: skip
 def probe(
     workload: str | None,
     demo: bool,
