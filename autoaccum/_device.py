@@ -252,20 +252,53 @@ def host_memory() -> tuple[int | None, int | None, str]:
     return total, available, source
 
 
-def cgroup_limit(root: Path = Path("/sys/fs/cgroup")) -> tuple[int, int] | None:
-    """``(limit, usage)`` of this process's cgroup (v2 ``memory.max``/``memory.current``, or v1), if limited."""
-    for limit_name, usage_name in (
-        ("memory.max", "memory.current"),
-        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+def cgroup_limit(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc")) -> tuple[int, int] | None:
+    """``(limit, used)`` of the tightest memory limit on this process: its own cgroup's or an ancestor's (v2
+    ``memory.max``, v1 ``memory.limit_in_bytes``), None where none is set. ``used`` leaves out the page cache the
+    kernel can drop (``inactive_file``): the working set, as container runtimes count it."""
+    own = _own_cgroups(proc)
+    found: list[tuple[int, int]] = []
+    for base, key, limit_name, usage_name, cache in (
+        (root, "", "memory.max", "memory.current", "inactive_file"),
+        (root / "memory", "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
     ):
-        try:
-            limit_text = (root / limit_name).read_text().strip()
-            usage_text = (root / usage_name).read_text().strip()
-        except OSError:
-            continue
-        if limit_text.isdigit() and usage_text.isdigit() and int(limit_text) < 1 << 60:
-            return int(limit_text), int(usage_text)
-    return None
+        folder = base / own.get(key, "")
+        for place in [folder, *folder.parents]:
+            try:
+                limit_text = (place / limit_name).read_text().strip()
+                usage_text = (place / usage_name).read_text().strip()
+            except OSError:
+                limit_text = usage_text = ""
+            if limit_text.isdigit() and usage_text.isdigit() and int(limit_text) < 1 << 60:
+                found.append((int(limit_text), max(0, int(usage_text) - _stat(place / "memory.stat", cache))))
+            if place == base:
+                break
+    return min(found, default=None)
+
+
+def _stat(path: Path, key: str) -> int:
+    """``key``'s value in a cgroup's ``memory.stat`` (0 where it cannot be read)."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def _own_cgroups(proc: Path = Path("/proc")) -> dict[str, str]:
+    """This process's cgroup by controller (``""`` for cgroup v2), from ``/proc/self/cgroup``."""
+    own: dict[str, str] = {}
+    try:
+        for line in (proc / "self" / "cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for controller in controllers.split(","):
+                own[controller] = path.strip("/")
+    except (OSError, ValueError):  # no cgroups here, or a line of another form
+        pass
+    return own
 
 
 def oom_kills(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc")) -> int | None:
@@ -276,14 +309,7 @@ def oom_kills(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc")) -
     A count that rose while a child ran says the OOM killer killed it (with the kernel's count: it, or another
     process at the same time).
     """
-    own: dict[str, str] = {}  # controller ("" for cgroup v2) -> this process's cgroup
-    try:
-        for line in (proc / "self" / "cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            for controller in controllers.split(","):
-                own[controller] = path.strip("/")
-    except (OSError, ValueError):  # no cgroups here, or a line of another form
-        pass
+    own = _own_cgroups(proc)
     places = [root / own.get("", "") / "memory.events", root / "memory.events"]
     places += [root / "memory" / own.get("memory", "") / "memory.oom_control", root / "memory" / "memory.oom_control"]
     for place in [*places, proc / "vmstat"]:

@@ -435,9 +435,10 @@ def proc_status(field: str) -> int | None:
 
 @contextmanager
 def address_space_cap(limit: int, *, resident: bool = False) -> Iterator[Callable[[], int | None]]:
-    """Caps this process's address space (soft ``RLIMIT_AS``, restored on exit) at its size now plus ``limit``; yields a
-    function giving the bytes used above that size at the peak (None while the peak is the one from before). With
-    ``resident`` (a reused worker): the resident peak (``VmHWM``, reset here) above the resident size now."""
+    """Caps this process's address space (soft ``RLIMIT_AS``, restored on exit) at its size now plus ``limit``, never
+    above a limit it already has (a user's ``ulimit -v``, which it was raised to); yields a function giving the bytes
+    used above that size at the peak (None while the peak is the one from before). With ``resident`` (a reused
+    worker): the resident peak (``VmHWM``, reset here) above the resident size now."""
     baseline = proc_status("VmSize")
     before_peak = proc_status("VmPeak")
     if resident:
@@ -445,9 +446,7 @@ def address_space_cap(limit: int, *, resident: bool = False) -> Iterator[Callabl
     if baseline is None:
         raise OSError(errno.ENOSYS, "the CPU memory cap needs /proc/self/status (Linux)")
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = baseline + limit
-    if hard != resource.RLIM_INFINITY:
-        cap = min(cap, hard)
+    cap = min([baseline + limit] + [lim for lim in (soft, hard) if lim != resource.RLIM_INFINITY])
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
 
     def used() -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -216,3 +217,30 @@ def test_the_library_probe_gets_the_policy_too() -> None:
         )  # fmt: skip
     assert result.memory_limit_bytes == autoaccum.detect_device().total_bytes
     assert "10.00 TiB" not in result.message
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_memory_limit_of_this_process_is_its_own_cgroups_or_an_ancestors(tmp_path: Path, version: int) -> None:
+    """A container's, a Slurm job's or a systemd scope's limit sits on this process's own cgroup, below the mount's
+    root: only the root was read (no limit found; a reviewer's report). The tightest limit on the way up counts, and
+    its usage leaves out the page cache the kernel can drop (the working set: it halved the default limit)."""
+    from autoaccum._device import cgroup_limit
+
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    base = root if version == 2 else root / "memory"
+    names = ("memory.max", "memory.current", "inactive_file")
+    if version == 1:
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    (proc / "self" / "cgroup").write_text("0::/jobs/job7/step\n" if version == 2 else "9:memory:/jobs/job7/step\n")
+    unlimited = "max" if version == 2 else str(2**63 - 4096)
+    for folder, limit, usage, cache in [(base, unlimited, 9, 0), (base / "jobs", unlimited, 9, 0),
+                                        (base / "jobs/job7", str(4 << 30), 3 << 30, 1 << 30),
+                                        (base / "jobs/job7/step", str(6 << 30), 3 << 30, 1 << 30)]:  # fmt: skip
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / names[0]).write_text(limit + "\n")
+        (folder / names[1]).write_text(f"{usage}\n")
+        (folder / "memory.stat").write_text(f"anon 5\n{names[2]} {cache}\n")
+    assert cgroup_limit(root, proc) == (4 << 30, 2 << 30)  # the job's 4 GiB, tighter than its step's 6
+    (proc / "self" / "cgroup").write_text("0::/\n" if version == 2 else "9:memory:/\n")  # the root: no limit
+    assert cgroup_limit(root, proc) is None

@@ -520,17 +520,31 @@ def test_registered_strategies_reach_the_worker_as_registered_here(
 
     mark = tmp_path / "ran"
     monkeypatch.setenv("AUTOACCUM_TEST_MARK", str(mark))
+    monkeypatch.setattr(strategies, "_REGISTRY", dict(strategies._REGISTRY))  # (restored as it was, in its order)
     params, batch = problem(features=8, rows=16)
     kw: dict[str, Any] = dict(optimizer=optax.sgd(0.1), memory_limit="64MiB", sizes=[8], effective_batch=16)
     strategies.register(Unpicklable)
-    loop = strategies.get("loop")
     strategies.unregister("loop")
     strategies.register(Marked)
-    try:
-        assert autoaccum.probe(linear_loss, params, batch, strategy="scan", **kw).max_microbatch == 8
-        assert autoaccum.probe(linear_loss, params, batch, strategy="loop", **kw).max_microbatch == 8
-        assert mark.exists() and set(mark.read_text().split()) - {str(os.getpid())}, "the worker ran another loop"
-    finally:
-        strategies.unregister("unpicklable")
-        strategies.unregister("loop")
-        strategies.register(loop)
+    assert autoaccum.probe(linear_loss, params, batch, strategy="scan", **kw).max_microbatch == 8
+    assert autoaccum.probe(linear_loss, params, batch, strategy="loop", **kw).max_microbatch == 8
+    assert mark.exists() and set(mark.read_text().split()) - {str(os.getpid())}, "the worker ran another loop"
+
+
+def test_the_cap_never_raises_an_address_space_limit_the_process_already_has() -> None:
+    """A user's ``ulimit -v`` (a soft RLIMIT_AS) below the cap was raised to it for the trial (a reviewer's
+    report): the trial may use no more than the user allowed, and the limit is restored after."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource\n"
+        "from autoaccum._worker import address_space_cap, proc_status\n"
+        "soft = proc_status('VmSize') + (512 << 20)\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (soft, resource.RLIM_INFINITY))\n"
+        "with address_space_cap(8 << 30):\n"
+        "    inside = resource.getrlimit(resource.RLIMIT_AS)[0]\n"
+        "print(inside <= soft, resource.getrlimit(resource.RLIMIT_AS)[0] == soft)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
