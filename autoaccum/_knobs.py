@@ -238,8 +238,9 @@ class KnobSpace:
     def settings(self) -> list[Setting]:
         """Every setting of the knobs, the default (each knob's first value) first."""
         own = [()] if self.knobs is None else [tuple(values.items()) for values in self.knobs.settings()]
+        searched = len(self.accumulator_dtypes) > 1
         values = itertools.product(self.remat, self.accumulator_dtypes, own)
-        return [Setting(*v, dtype_searched=len(self.accumulator_dtypes) > 1) for v in values]
+        return [Setting(remat, dtype, knobs, dtype_searched=searched) for remat, dtype, knobs in values]
 
     def params(self) -> dict[str, list[Any]]:
         """The Optuna parameters of the knobs searched: those with more than one value (the others are fixed)."""
