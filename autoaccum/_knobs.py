@@ -235,12 +235,16 @@ class KnobSpace:
     accumulator_dtypes: tuple[str, ...] = ("float32",)
     knobs: Knobs | None = None
 
+    @property
+    def dtype_searched(self) -> bool:
+        """Whether more than one accumulator dtype is searched (`Setting.dtype_searched`)."""
+        return len(self.accumulator_dtypes) > 1
+
     def settings(self) -> list[Setting]:
         """Every setting of the knobs, the default (each knob's first value) first."""
         own = [()] if self.knobs is None else [tuple(values.items()) for values in self.knobs.settings()]
-        searched = len(self.accumulator_dtypes) > 1
         values = itertools.product(self.remat, self.accumulator_dtypes, own)
-        return [Setting(remat, dtype, knobs, dtype_searched=searched) for remat, dtype, knobs in values]
+        return [Setting(remat, dtype, knobs, dtype_searched=self.dtype_searched) for remat, dtype, knobs in values]
 
     def params(self) -> dict[str, list[Any]]:
         """The Optuna parameters of the knobs searched: those with more than one value (the others are fixed)."""
@@ -258,7 +262,7 @@ class KnobSpace:
         choices = {} if self.knobs is None else self.knobs.choices
         own = tuple((k, params.get(KNOB_PREFIX + k, v[0])) for k, v in choices.items())
         dtype = params.get(ACCUMULATOR_DTYPE, self.accumulator_dtypes[0])
-        return Setting(params.get(REMAT, self.remat[0]), dtype, own, dtype_searched=len(self.accumulator_dtypes) > 1)
+        return Setting(params.get(REMAT, self.remat[0]), dtype, own, dtype_searched=self.dtype_searched)
 
     def params_of(self, setting: Setting) -> dict[str, Any]:
         """The Optuna parameters of ``setting`` among the knobs searched (`params`)."""

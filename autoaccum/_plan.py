@@ -266,13 +266,13 @@ class Plan(JsonMixin):
         """
         if params is not None:
             self.check_params(params)
-        options = self.value_and_grad_options()
-        options["has_aux"] = options["has_aux"] if has_aux is None else has_aux
+        options = self.value_and_grad_options(has_aux=has_aux)
         return value_and_grad(resolve(loss_fn, self.knobs), has_state=self.has_state, **options)
 
-    def value_and_grad_options(self, entry: str = "autoaccum") -> dict[str, Any]:
-        """The `autoaccum.value_and_grad` arguments this plan sets, besides the loss and ``has_state``; a refusal's
-        fixes name ``entry``'s functions (``"autoaccum.nnx"`` for an nnx model).
+    def value_and_grad_options(self, entry: str = "autoaccum", has_aux: bool | None = None) -> dict[str, Any]:
+        """The `autoaccum.value_and_grad` arguments this plan sets, besides the loss and ``has_state`` (``has_aux``
+        the plan's unless given: it describes the loss passed); a refusal's fixes name ``entry``'s functions
+        (``"autoaccum.nnx"`` for an nnx model).
 
         Raises:
           ValueError: the plan's strategy runs on the host and cannot live inside a jit.
@@ -292,7 +292,7 @@ class Plan(JsonMixin):
             )
         options = self.update_options()
         del options["strategy"]
-        return options
+        return options if has_aux is None else {**options, "has_aux": has_aux}
 
     def build(
         self,

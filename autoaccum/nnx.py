@@ -363,8 +363,7 @@ def value_and_grad(
                 f"`plan` sets {', '.join(f'`{n}`' for n in clashing)}; pass either the plan or these arguments, "
                 "not both."
             )
-        loss_fn, options = resolve(loss_fn, plan.knobs), plan.value_and_grad_options("autoaccum.nnx")
-        options["has_aux"] = options["has_aux"] if has_aux is None else has_aux
+        loss_fn, options = resolve(loss_fn, plan.knobs), plan.value_and_grad_options("autoaccum.nnx", has_aux)
     elif isinstance(loss_fn, Knobs):
         raise TypeError("`loss_fn` is an autoaccum.Knobs: pass the plan tuned with it (plan=...).")
     elif microbatch_size is None:

@@ -119,16 +119,22 @@ def owner() -> str:
     return f"{socket.gethostname()} {boot} {_process_tag(os.getpid())}"
 
 
+def _process_here(tag: Any) -> str | None:
+    """The process of owner ``tag`` (`owner`) where it is of this host and boot (its `_process_tag`), else None."""
+    theirs, here = str(tag).split(" ", 2), owner().split(" ", 2)
+    return theirs[2] if len(theirs) == 3 and theirs[:2] == here[:2] else None
+
+
 def on_this_host(trial: optuna.trial.FrozenTrial) -> bool:
     """Whether ``trial`` was claimed (`MEASURES`) by a process of this host and boot."""
     claim = trial.user_attrs.get(MEASURES)
-    return isinstance(claim, list) and str(claim[0]).split(" ", 2)[:2] == owner().split(" ", 2)[:2]
+    return isinstance(claim, list) and _process_here(claim[0]) is not None
 
 
 def _ended(tag: Any) -> bool:
     """Whether owner ``tag`` (`owner`) is a process of this host and boot that has ended."""
-    theirs, here = str(tag).split(" ", 2), owner().split(" ", 2)
-    return len(theirs) == 3 and theirs[:2] == here[:2] and not _owner_alive(theirs[2])
+    process = _process_here(tag)
+    return process is not None and not _owner_alive(process)
 
 
 def fail_stale_trials(study: optuna.Study, storage: optuna.storages.BaseStorage) -> None:
